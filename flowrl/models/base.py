@@ -1,0 +1,160 @@
+"""The model-adapter interface shared by the engine and the trainer.
+
+An adapter wraps the diffusers modules of one model family (transformer, VAE, text encoders,
+scheduler config) and exposes exactly what rollout and training need, in float32 at its
+boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
+
+- `encode_prompts(prompts)` -> one `PromptEncoding` per prompt (unpadded, mask all True for
+  families with variable-length text; SD3's fixed-length encoding keeps its full length).
+- `sigmas(num_steps, height, width)` -> (T + 1,) float32 decreasing schedule ending at 0.
+- `initial_noise(height, width, generator)` -> latent-shaped float32 noise.
+- `velocity(latents, sigmas, cond, uncond, guidance_scale, height, width)` -> guided velocity for
+  a batch of rows that may sit at different sigmas and use different prompts; CFG rows (cond and
+  uncond) run in the same transformer forward.
+- `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
+
+The adapter knows nothing about requests, scheduling or rewards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class PromptEncoding:
+    """Text conditioning of one prompt: embeds (L, D) in the model dtype, mask (L,) bool,
+    pooled (P,) or None."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    pooled: torch.Tensor | None = None
+
+    def to(self, device) -> "PromptEncoding":
+        pooled = None if self.pooled is None else self.pooled.to(device)
+        return PromptEncoding(self.embeds.to(device), self.mask.to(device), pooled)
+
+
+def pad_encodings(encodings: list[PromptEncoding]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stack encodings of different lengths: right-pad embeds with zeros and masks with False.
+
+    Right padding is exact for both families: text positions start at 0 for every row, and padded
+    positions are masked out of attention (Qwen-Image) or absent (SD3 has one fixed length).
+    """
+    max_len = max(e.embeds.shape[0] for e in encodings)
+    dim = encodings[0].embeds.shape[1]
+    ref = encodings[0].embeds
+    embeds = ref.new_zeros((len(encodings), max_len, dim))
+    mask = torch.zeros((len(encodings), max_len), dtype=torch.bool, device=ref.device)
+    for row, enc in enumerate(encodings):
+        length = enc.embeds.shape[0]
+        embeds[row, :length] = enc.embeds
+        mask[row, :length] = enc.mask
+    pooled = None
+    if encodings[0].pooled is not None:
+        pooled = torch.stack([e.pooled for e in encodings])
+    return embeds, mask, pooled
+
+
+def combine_cfg(out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_scale: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """Guided velocity from a forward whose first num_cond rows are cond and whose remaining rows
+    are the uncond rows of `cfg_rows`: v = v_u + g (v_c - v_u). With renormalize (Qwen-Image true
+    CFG), rescale each token's guided vector to the norm of its cond vector."""
+    cond_v = out[:num_cond]
+    if not cfg_rows:
+        return cond_v
+    index = torch.tensor(cfg_rows, device=out.device)
+    c = cond_v.index_select(0, index)
+    u = out[num_cond:]
+    g = guidance_scale.to(out.device, torch.float32).index_select(0, index)
+    g = g.reshape(-1, *([1] * (c.dim() - 1)))
+    guided = u + g * (c - u)
+    if renormalize:
+        guided = guided * (c.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+    return cond_v.index_copy(0, index, guided)
+
+
+def to_uint8(image: torch.Tensor) -> torch.Tensor:
+    """VAE output in [-1, 1] -> uint8 (B, 3, H, W), rounding clamp(x/2 + 0.5, 0, 1) * 255.
+    Non-finite pixels are an error (a NaN would otherwise become a silent 0)."""
+    image = image.float()
+    if not bool(torch.isfinite(image).all()):
+        raise FloatingPointError("VAE decode produced non-finite pixels; check the latents and dtype")
+    return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+class FlowModelAdapter:
+    """Base class; see the module docstring for the contract. Subclasses set the attributes."""
+
+    family: str = "base"
+    size_multiple: int = 16  # height and width must be multiples of this
+    transformer: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    # LoRA target modules that cover both text and image streams of the family's attention.
+    default_lora_targets: tuple[str, ...] = ()
+
+    def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
+        raise NotImplementedError
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def initial_noise(self, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        shape = self.latent_shape(height, width)
+        return torch.randn(shape, generator=generator, dtype=torch.float32, device=generator.device)
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        cond: list[PromptEncoding],
+        uncond: list[PromptEncoding | None],
+        guidance_scale: torch.Tensor,
+        height: int,
+        width: int,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def read_model_family(path: str | Path) -> str:
+    """Return "sd3" or "qwen_image" from a local diffusers folder's model_index.json."""
+    path = Path(path)
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ValueError(
+            f"model.path={str(path)!r} is not a diffusers checkpoint folder (no model_index.json); "
+            "pass the folder written by `save_pretrained`, or build a tiny one with "
+            "`flowrl make-tiny --kind sd3 OUT`"
+        )
+    class_name = json.loads(index.read_text())["_class_name"]
+    families = {"StableDiffusion3Pipeline": "sd3", "QwenImagePipeline": "qwen_image"}
+    if class_name not in families:
+        raise ValueError(
+            f"model.path={str(path)!r} holds a {class_name}, which flowrl does not support; "
+            f"supported pipelines: {', '.join(families)}"
+        )
+    return families[class_name]
+
+
+def load_adapter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> FlowModelAdapter:
+    """Load the adapter of the family stored at `path` (a local diffusers folder)."""
+    family = read_model_family(path)
+    if family == "sd3":
+        from flowrl.models.sd3 import SD3Adapter
+
+        return SD3Adapter.from_pretrained(path, device=device, dtype=dtype)
+    from flowrl.models.qwen_image import QwenImageAdapter
+
+    return QwenImageAdapter.from_pretrained(path, device=device, dtype=dtype)

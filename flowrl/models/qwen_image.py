@@ -1,0 +1,135 @@
+"""Qwen-Image adapter over the diffusers QwenImagePipeline components.
+
+Latent layout: packed (H/16 * W/16, 64) tokens (2x2 patches of the 16-channel VAE latent), the
+transformer's input layout; noise is drawn in the unpacked (16, H/8, W/8) layout and packed, so a
+seed gives the same start as the pipeline. Text: Qwen2.5-VL hidden states through the pipeline's
+own chat-template encoder, variable length per prompt; batched rows are right-padded and masked.
+Schedule: dynamic shift with mu from the packed image token count. Timestep scaling: sigma.
+CFG is "true CFG" with the guided vector rescaled to the cond vector's norm, as the pipeline does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.schedule import schedule_sigmas
+
+
+class QwenImageAdapter(FlowModelAdapter):
+    family = "qwen_image"
+    size_multiple = 16  # VAE factor 8 times the 2x2 packing
+    default_lora_targets = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    )
+
+    def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.scheduler = pipeline.scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        self.true_cfg_renorm = true_cfg_renorm
+        self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+        self.latent_channels = self.vae.config.z_dim
+        self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 1024):
+        from diffusers import QwenImagePipeline
+
+        pipeline = QwenImagePipeline.from_pretrained(str(path), dtype=dtype)
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder):
+            module.requires_grad_(False).eval()
+        return cls(pipeline, device, dtype, max_sequence_length)
+
+    # --- text -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
+        embeds, mask = self.pipeline.encode_prompt(
+            prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        lengths = [embeds.shape[1]] * len(prompts) if mask is None else mask.sum(dim=1).tolist()
+        out = []
+        for row, length in enumerate(lengths):
+            length = int(length)
+            row_mask = torch.ones(length, dtype=torch.bool, device=self.device)
+            out.append(PromptEncoding(embeds[row, :length], row_mask, None))
+        return out
+
+    # --- latents and schedule ----------------------------------------------------------------
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        h, w = self._latent_hw(height, width)
+        return ((h // 2) * (w // 2), self.latent_channels * 4)
+
+    def initial_noise(self, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        h, w = self._latent_hw(height, width)
+        noise = torch.randn((1, 1, self.latent_channels, h, w), generator=generator, dtype=torch.float32, device=generator.device)
+        return self.pack(noise[:, 0], h, w)[0]
+
+    def pack(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """(B, C, h, w) -> (B, h/2 * w/2, 4C): each token is a 2x2 patch, channel-major."""
+        b, c = latents.shape[:2]
+        x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def unpack(self, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Inverse of pack: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
+        b, _, d = tokens.shape
+        c = d // 4
+        x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        seq_len = self.latent_shape(height, width)[0]
+        key = (num_steps, seq_len)
+        if key not in self._sigma_cache:
+            self._sigma_cache[key] = schedule_sigmas(self.scheduler, num_steps, image_seq_len=seq_len, linear_base=True)
+        return self._sigma_cache[key]
+
+    # --- transformer ---------------------------------------------------------------------------
+    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
+        cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
+        encodings = list(cond) + [uncond[i] for i in cfg_rows]
+        hidden = latents
+        timestep = sigmas
+        if cfg_rows:
+            index = torch.tensor(cfg_rows, device=latents.device)
+            hidden = torch.cat([latents, latents.index_select(0, index)])
+            timestep = torch.cat([sigmas, sigmas.index_select(0, index)])
+        embeds, mask, _ = pad_encodings(encodings)
+        # Lengths are known on the host, so deciding whether a mask is needed costs no sync;
+        # without padding we pass no mask (the pipeline does the same, and fast kernels apply).
+        lengths = {e.embeds.shape[0] for e in encodings}
+        h, w = self._latent_hw(height, width)
+        out = self.transformer(
+            hidden_states=hidden.to(self.dtype),
+            timestep=timestep.to(self.dtype),
+            encoder_hidden_states=embeds.to(self.dtype),
+            encoder_hidden_states_mask=mask if len(lengths) > 1 else None,
+            img_shapes=[[(1, h // 2, w // 2)]] * hidden.shape[0],
+            return_dict=False,
+        )[0].float()
+        return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
+
+    # --- VAE -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        h, w = self._latent_hw(height, width)
+        x = self.unpack(latents, h, w)[:, :, None]  # (B, C, 1, h, w): one video frame
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean, device=x.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std, device=x.device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        x = x * std + mean
+        image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
+        return to_uint8(image)

@@ -1,0 +1,97 @@
+"""Stable Diffusion 3 / 3.5 adapter over the diffusers StableDiffusion3Pipeline components.
+
+Latent layout: (16, H/8, W/8), the transformer's own input layout. Text: CLIP-L + CLIP-G + T5,
+encoded by the pipeline's own `encode_prompt`; every prompt has the same fixed length
+(77 + max_sequence_length), so no mask is needed and the stored mask is all True.
+Timestep scaling: the transformer takes sigma * 1000.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.schedule import schedule_sigmas
+
+
+class SD3Adapter(FlowModelAdapter):
+    family = "sd3"
+    size_multiple = 16  # VAE factor 8 times patch size 2
+    default_lora_targets = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    )
+
+    def __init__(self, pipeline, device, dtype, max_sequence_length: int = 256):
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.scheduler = pipeline.scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.latent_channels = self.transformer.config.in_channels
+        self._sigma_cache: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
+        from diffusers import StableDiffusion3Pipeline
+
+        pipeline = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype)
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
+            if module is not None:
+                module.requires_grad_(False).eval()
+        return cls(pipeline, device, dtype, max_sequence_length)
+
+    # --- text -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+        )
+        mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=self.device)
+        return [PromptEncoding(embeds[i], mask, pooled[i]) for i in range(len(prompts))]
+
+    # --- latents and schedule ----------------------------------------------------------------
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        if num_steps not in self._sigma_cache:  # fixed shift: independent of the image size
+            self._sigma_cache[num_steps] = schedule_sigmas(self.scheduler, num_steps)
+        return self._sigma_cache[num_steps]
+
+    # --- transformer ---------------------------------------------------------------------------
+    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
+        cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
+        encodings = list(cond) + [uncond[i] for i in cfg_rows]
+        hidden = latents
+        timestep = sigmas
+        if cfg_rows:
+            index = torch.tensor(cfg_rows, device=latents.device)
+            hidden = torch.cat([latents, latents.index_select(0, index)])
+            timestep = torch.cat([sigmas, sigmas.index_select(0, index)])
+        embeds, _, pooled = pad_encodings(encodings)
+        out = self.transformer(
+            hidden_states=hidden.to(self.dtype),
+            timestep=(timestep * 1000.0).to(self.dtype),
+            encoder_hidden_states=embeds.to(self.dtype),
+            pooled_projections=pooled.to(self.dtype),
+            return_dict=False,
+        )[0].float()
+        return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
+
+    # --- VAE -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        config = self.vae.config
+        scaled = latents / config.scaling_factor + config.shift_factor
+        image = self.vae.decode(scaled.to(self.vae.dtype), return_dict=False)[0]
+        return to_uint8(image)
+

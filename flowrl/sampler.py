@@ -1,0 +1,146 @@
+"""The one home of the sampling math shared by the rollout engine and the trainer.
+
+Vocabulary (FLOWGRPO.md section 1):
+- `sigma` in [0, 1] is the noise level: x_sigma = (1 - sigma) * x0 + sigma * noise.
+- The transformer predicts a velocity v (about noise - x0); a step goes from sigma s to
+  s' < s with dt = s' - s < 0.
+- `noise_level` a scales the injected noise; a = 0 turns every step type into the Euler ODE step
+  x' = x + v * dt.
+
+Every tensor argument is per row: x, v are (B, ...) and s, s', a are (B,), so one call steps rows
+that sit at different points of their schedules. All math runs in float32. The log-prob is
+reduced by a MEAN over the non-batch dims, one scalar per (row, step).
+
+`sde_step` either samples the next latent from caller-supplied standard-normal noise (rollout: each
+sample owns its generator, so the engine draws the noise) or scores a given next latent (training:
+`next_latents=` the stored one). Both paths share the same mean/std code, which is what keeps
+rollout and trainer log-probs equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SDE_TYPES = ("sde", "cps")
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass
+class StepResult:
+    """next_latents (B, ...); log_prob (B,) (undefined where std == 0: those rows are ODE steps);
+    mean (B, ...) the Gaussian mean; std (B,) the transition std (used by the KL term)."""
+
+    next_latents: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _per_row(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast a (B,) tensor or a float to like's rank: (B, 1, 1, ...), float32."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=like.device)
+    if t.dim() == 0:
+        t = t.expand(like.shape[0])
+    return t.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _mean_over_elements(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).mean(dim=1)
+
+
+def sde_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    noise_level: torch.Tensor | float,
+    sde_type: str = "sde",
+    noise: torch.Tensor | None = None,
+    next_latents: torch.Tensor | None = None,
+    sigma_first_step: torch.Tensor | float | None = None,
+) -> StepResult:
+    """One denoising step with the log-prob of the transition.
+
+    latents, velocity: (B, ...) (cast to float32). sigma, sigma_next: (B,) noise levels.
+    noise_level: a, float or (B,). sde_type: "sde" (Flow-GRPO) or "cps" (coefficient-preserving).
+    noise: standard normal (B, ...) used to sample next latents (None with next_latents given).
+    next_latents: score these instead of sampling (training recompute).
+    sigma_first_step: for "sde", the schedule's second sigma (sigma_1), used in place of s in
+        std_t = a * sqrt(s / (1 - s)) where s == 1, as Flow-GRPO does (the ratio is infinite there).
+        None uses s itself, so callers whose schedule starts at 1 must pass it (the engine and
+        the trainer pass schedule[1]).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type={sde_type!r} is unknown; use one of {SDE_TYPES}")
+    if (noise is None) == (next_latents is None):
+        raise ValueError("pass exactly one of noise= (sample the next latent) or next_latents= (score it)")
+    x = latents.float()
+    v = velocity.float()
+    s = _per_row(sigma, x)
+    s_next = _per_row(sigma_next, x)
+    a = _per_row(noise_level, x)
+    dt = s_next - s
+
+    if sde_type == "sde":
+        if sigma_first_step is None:
+            s_den = s
+        else:
+            s_den = torch.where(s >= 1.0, _per_row(sigma_first_step, x), s)
+        std_t = a * torch.sqrt(s / (1.0 - s_den))
+        mean = x + v * dt + (std_t**2 / (2.0 * s)) * (x + (1.0 - s) * v) * dt
+        std = std_t * torch.sqrt(-dt)
+    else:  # cps
+        angle = a * (math.pi / 2.0)
+        std = s_next * torch.sin(angle)
+        x0_hat = x - s * v
+        x1_hat = x + (1.0 - s) * v
+        mean = (1.0 - s_next) * x0_hat + s_next * torch.cos(angle) * x1_hat
+
+    if next_latents is None:
+        nxt = mean + std * noise.float()
+    else:
+        nxt = next_latents.float()
+
+    diff_sq = (nxt - mean) ** 2
+    if sde_type == "sde":
+        # Rows with std == 0 (ODE rows) get a harmless std of 1 here; their log-prob is unused.
+        safe_std = torch.where(std > 0, std, torch.ones_like(std))
+        log_prob = -diff_sq / (2.0 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    else:
+        # Constants dropped on purpose (the cps log-prob is a scaled squared distance).
+        log_prob = -diff_sq
+    return StepResult(
+        next_latents=nxt,
+        log_prob=_mean_over_elements(log_prob),
+        mean=mean,
+        std=std.reshape(-1),
+    )
+
+
+def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The Euler ODE step x' = x + v * (s' - s), in float32."""
+    x = latents.float()
+    return x + velocity.float() * (_per_row(sigma_next, x) - _per_row(sigma, x))
+
+
+def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between two Gaussians with the same std: mean over elements of (mu - mu_ref)^2 / (2 std^2),
+    per row (B,)."""
+    sq = _mean_over_elements((mean.float() - mean_ref.float()) ** 2)
+    return sq / (2.0 * std.float() ** 2)
+
+
+def default_sde_window(num_steps: int) -> tuple[int, int]:
+    """With no window configured every step but the last is stochastic (the last step, whose
+    sigma_next is 0, has a degenerate Gaussian)."""
+    return (0, max(num_steps - 1, 0))
+
+
+def draw_sde_window(num_steps: int, size: int, window_range: tuple[int, int] | None, generator: torch.Generator) -> tuple[int, int]:
+    """Draw start ~ U{lo .. hi - size} and return [start, start + size)."""
+    lo, hi = window_range if window_range is not None else (0, num_steps - 1)
+    start = int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())
+    return (start, start + size)
