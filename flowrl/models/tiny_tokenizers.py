@@ -113,7 +113,14 @@ def build_qwen2_tokenizer(words: tuple[str, ...] = tuple(COMMON_WORDS)) -> Qwen2
     merges = _merges_for_words(spaced + plain, vocab)
     for special in ("<|endoftext|>", *QWEN_SPECIAL_TOKENS):
         vocab.setdefault(special, len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=QWEN_MAX_LENGTH)
+    # As in the real Qwen2.5-VL tokenizer: pad = `<|endoftext|>`, eos = `<|im_end|>`.
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=QWEN_MAX_LENGTH,
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
     return tokenizer
 

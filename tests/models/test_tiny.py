@@ -123,6 +123,7 @@ def test_vocab_words_are_single_tokens_and_anything_tokenizes():
     assert (clip.bos_token_id, clip.eos_token_id, clip.pad_token_id) == (0, 1, 1)
     assert (t5.pad_token_id, t5.eos_token_id) == (0, 1)
     assert qwen.pad_token_id == qwen.convert_tokens_to_ids("<|endoftext|>")
+    assert qwen.eos_token_id == qwen.convert_tokens_to_ids("<|im_end|>") != qwen.pad_token_id
 
 
 def test_parameter_counts_cover_every_model_component(tiny_sd3_path):
