@@ -89,7 +89,8 @@ def sde_step(
             s_den = s
         else:
             s_den = torch.where(s >= 1.0, _per_row(sigma_first_step, x), s)
-        std_t = a * torch.sqrt(s / (1.0 - s_den))
+        # where(): a = 0 (ODE rows) must give std 0 even where the ratio is infinite.
+        std_t = torch.where(a > 0, a * torch.sqrt(s / (1.0 - s_den)), torch.zeros_like(s))
         mean = x + v * dt + (std_t**2 / (2.0 * s)) * (x + (1.0 - s) * v) * dt
         std = std_t * torch.sqrt(-dt)
     else:  # cps

@@ -148,13 +148,13 @@ def read_model_family(path: str | Path) -> str:
     return families[class_name]
 
 
-def load_adapter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> FlowModelAdapter:
+def load_adapter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options) -> FlowModelAdapter:
     """Load the adapter of the family stored at `path` (a local diffusers folder)."""
     family = read_model_family(path)
     if family == "sd3":
         from flowrl.models.sd3 import SD3Adapter
 
-        return SD3Adapter.from_pretrained(path, device=device, dtype=dtype)
+        return SD3Adapter.from_pretrained(path, device=device, dtype=dtype, **options)
     from flowrl.models.qwen_image import QwenImageAdapter
 
-    return QwenImageAdapter.from_pretrained(path, device=device, dtype=dtype)
+    return QwenImageAdapter.from_pretrained(path, device=device, dtype=dtype, **options)

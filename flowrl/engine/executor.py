@@ -1,0 +1,137 @@
+"""Executor: owns the device work. Steps a group of samples with one transformer forward, then
+decodes finished samples in bounded chunks and packages them as DiffusionOutputs.
+
+A step packs every row (CFG rows inside the adapter), calls the shared `sampler.sde_step` once for
+the batch with per-row sigmas, noise levels and noise drawn from each sample's own generator, and
+unpacks the results back into the samples. Nothing in `step` reads a device value back to the
+host, so on a GPU the loop never waits for the device between steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flowrl import sampler
+from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.sample import SampleState
+from flowrl.models.base import FlowModelAdapter
+
+
+class Executor:
+    def __init__(self, adapter: FlowModelAdapter, decode_chunk_size: int = 8):
+        if decode_chunk_size < 1:
+            raise ValueError(f"decode_chunk_size={decode_chunk_size} must be >= 1")
+        self.adapter = adapter
+        self.device = adapter.device
+        self.decode_chunk_size = decode_chunk_size
+
+    def _host_to_device(self, values: list[float]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float32)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def prepare(self, sample: SampleState) -> None:
+        """Admission: the sample's generator, schedule and starting noise."""
+        p = sample.params
+        sample.generator = torch.Generator(device=self.device).manual_seed(sample.seed)
+        sample.sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width).tolist()
+        sample.latents = self.adapter.initial_noise(p.height, p.width, sample.generator)
+
+    @torch.no_grad()
+    def step(self, group: list[SampleState]) -> int:
+        """Advance every sample of `group` by one denoising step. Returns the rows forwarded."""
+        p0 = group[0].params
+        latents = torch.stack([s.latents for s in group])
+        sigma = self._host_to_device([s.sigmas[s.step] for s in group])
+        sigma_next = self._host_to_device([s.sigmas[s.step + 1] for s in group])
+        guidance = self._host_to_device([s.params.guidance_scale for s in group])
+        velocity = self.adapter.velocity(
+            latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width
+        )
+        in_window = [s.in_window(s.step) for s in group]
+        noise_level = self._host_to_device([s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)])
+        sigma_first = self._host_to_device([s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group])
+        noise = torch.stack([
+            torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
+            if w else torch.zeros_like(s.latents)
+            for s, w in zip(group, in_window)
+        ])
+        next_latents = torch.empty_like(latents)
+        log_prob = torch.empty(len(group), dtype=torch.float32, device=self.device)
+        for sde_type in {s.params.sde_type for s in group}:
+            rows = [i for i, s in enumerate(group) if s.params.sde_type == sde_type]
+            idx = torch.tensor(rows, device=self.device) if len(rows) < len(group) else None
+            pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
+            result = sampler.sde_step(
+                pick(latents), pick(velocity), pick(sigma), pick(sigma_next), pick(noise_level),
+                sde_type=sde_type, noise=pick(noise), sigma_first_step=pick(sigma_first),
+            )
+            if idx is None:
+                next_latents, log_prob = result.next_latents, result.log_prob
+            else:
+                next_latents.index_copy_(0, idx, result.next_latents)
+                log_prob.index_copy_(0, idx, result.log_prob)
+        for i, (s, w) in enumerate(zip(group, in_window)):
+            if w:
+                if not s.trajectory:
+                    s.trajectory.append(s.latents)
+                s.trajectory.append(next_latents[i])
+                if s.params.logprobs:
+                    s.log_probs.append(log_prob[i])
+            s.latents = next_latents[i]
+            s.step += 1
+        return sum(s.num_rows for s in group)
+
+    @torch.no_grad()
+    def finish(self, samples: list[SampleState]) -> list[tuple[SampleState, DiffusionOutput]]:
+        """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk)."""
+        results = []
+        by_key: dict[tuple[int, int], list[SampleState]] = {}
+        for s in samples:
+            by_key.setdefault(s.batch_key, []).append(s)
+        for (height, width), same in by_key.items():
+            for start in range(0, len(same), self.decode_chunk_size):
+                chunk = same[start : start + self.decode_chunk_size]
+                t0 = time.perf_counter()
+                images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
+                decode_s = (time.perf_counter() - t0) / len(chunk)
+                for s, image in zip(chunk, images):
+                    results.append((s, self._package(s, image, decode_s)))
+        return results
+
+    def _package(self, s: SampleState, image: torch.Tensor, decode_s: float) -> DiffusionOutput:
+        start, end = s.sde_window
+        if not s.trajectory:  # empty window (a 1-step schedule): just the final latent
+            s.trajectory.append(s.latents)
+        now = time.perf_counter()
+        log_probs = torch.stack(s.log_probs).cpu() if s.params.logprobs and s.log_probs else None
+        if s.params.logprobs and log_probs is None:
+            log_probs = torch.zeros(0, dtype=torch.float32)
+        uncond = s.uncond
+        return DiffusionOutput(
+            prompt=s.prompt,
+            image=image,
+            all_latents=torch.stack(s.trajectory).cpu(),
+            all_log_probs=log_probs,
+            all_timesteps=torch.tensor(s.sigmas[start:end], dtype=torch.float32),
+            all_next_timesteps=torch.tensor(s.sigmas[start + 1 : end + 1], dtype=torch.float32),
+            prompt_embeds=s.cond.embeds.cpu(),
+            prompt_embeds_mask=s.cond.mask.cpu(),
+            pooled_prompt_embeds=None if s.cond.pooled is None else s.cond.pooled.cpu(),
+            negative_prompt_embeds=None if uncond is None else uncond.embeds.cpu(),
+            negative_prompt_embeds_mask=None if uncond is None else uncond.mask.cpu(),
+            negative_pooled_prompt_embeds=None if uncond is None or uncond.pooled is None else uncond.pooled.cpu(),
+            seed=s.seed,
+            policy_version=s.policy_version,
+            sde_window=(start, end),
+            guidance_scale=float(s.params.guidance_scale),
+            timings={
+                "queued_s": s.admitted_at - s.submitted_at,
+                "denoise_s": now - s.admitted_at - decode_s,
+                "decode_s": decode_s,
+                "total_s": now - s.submitted_at,
+            },
+        )

@@ -1,0 +1,65 @@
+"""Per-sample state: one object per in-flight sample, owned by the engine thread.
+
+Holds everything that belongs to one sample (its generator, latents, position in its schedule,
+SDE window, recorded trajectory and log-probs, the future its caller waits on), so the scheduler
+can reason about samples without touching tensors and the executor can step any mix of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from flowrl.engine.request import SamplingParams
+from flowrl.models.base import PromptEncoding
+
+_ids = itertools.count()
+
+
+@dataclass
+class SampleState:
+    prompt: str
+    params: SamplingParams
+    seed: int
+    sde_window: tuple[int, int]
+    future: Future
+    sample_id: int = field(default_factory=lambda: next(_ids))
+    submitted_at: float = field(default_factory=time.perf_counter)
+    # Filled at admission (engine thread).
+    cond: PromptEncoding | None = None
+    uncond: PromptEncoding | None = None
+    generator: torch.Generator | None = None
+    latents: torch.Tensor | None = None
+    sigmas: list[float] = field(default_factory=list)  # host copy of the schedule (T + 1 values)
+    step: int = 0
+    policy_version: int = 0
+    admitted_at: float = 0.0
+    last_stepped_tick: int = -1
+    trajectory: list[torch.Tensor] = field(default_factory=list)
+    log_probs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this sample occupies in a forward: 2 with CFG (cond + uncond), else 1."""
+        return 2 if self.params.uses_cfg else 1
+
+    @property
+    def batch_key(self) -> tuple[int, int]:
+        """Samples with the same key can share a forward (same latent shape)."""
+        return (self.params.height, self.params.width)
+
+    @property
+    def num_steps(self) -> int:
+        return self.params.num_inference_steps
+
+    @property
+    def is_finished(self) -> bool:
+        return self.step >= self.num_steps
+
+    def in_window(self, step: int) -> bool:
+        start, end = self.sde_window
+        return start <= step < end
