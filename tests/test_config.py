@@ -1,0 +1,186 @@
+"""Config loading: defaults, YAML + dotted overrides, strict key/type errors, validation, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from flowrl.config import (
+    FlowRLConfig,
+    RolloutConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+)
+from flowrl.engine.request import SamplingParams
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_defaults_load_as_plain_dataclasses():
+    cfg = load_config(None, [])
+    assert cfg == FlowRLConfig().validate()
+    assert isinstance(cfg.rollout, RolloutConfig)
+    assert type(cfg.rollout.sampling) is SamplingParams and type(cfg.rollout.val_sampling) is SamplingParams
+    assert isinstance(cfg.trainer.betas, tuple)
+    assert cfg.rollout.enable_batched_diffusion is True and cfg.rollout.n >= 2
+    # Validation samples are ODE without log-probs; training samples are SDE with log-probs.
+    assert cfg.rollout.val_sampling.noise_level == 0 and not cfg.rollout.val_sampling.logprobs
+    assert cfg.rollout.sampling.noise_level > 0 and cfg.rollout.sampling.logprobs
+
+
+def test_overrides_change_exactly_their_keys():
+    overrides = {
+        "rollout.n": 16,
+        "rollout.enable_batched_diffusion": False,
+        "rollout.sampling.guidance_scale": 4.5,
+        "rollout.sampling.sde_window": [1, 3],
+        "algorithm.clip_range": 1e-5,
+        "trainer.lora.target_modules": ["to_q", "add_q_proj"],
+        "reward.options.quality": 90,
+        "model.path": "/models/sd35",
+    }
+    texts = ["rollout.n=16", "rollout.enable_batched_diffusion=false", "rollout.sampling.guidance_scale=4.5",
+             "rollout.sampling.sde_window=[1,3]", "algorithm.clip_range=1e-5",
+             "trainer.lora.target_modules=[to_q,add_q_proj]", "reward.options.quality=90", "model.path=/models/sd35"]
+    cfg = load_config(None, texts)
+    before, after = _flatten(config_to_dict(load_config(None, []))), _flatten(config_to_dict(cfg))
+    changed = {key for key in after if before.get(key) != after[key]}
+    assert changed == set(overrides)
+    assert all(after[key] == value for key, value in overrides.items())
+    assert cfg.rollout.sampling.sde_window == (1, 3)  # a real tuple, not a list or ListConfig
+    assert type(cfg.rollout.sampling) is SamplingParams
+
+
+def test_yaml_file_then_overrides_in_order(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("rollout:\n  n: 8\n  sampling:\n    height: 128\ntrainer:\n  lr: 3.0e-4\n")
+    cfg = load_config(str(path), ["rollout.n=16"])
+    assert cfg.rollout.n == 16  # the override wins over the file
+    assert cfg.rollout.sampling.height == 128 and cfg.trainer.lr == pytest.approx(3e-4)
+    assert cfg.rollout.sampling.width == FlowRLConfig().rollout.sampling.width  # untouched default
+
+
+def test_yaml_output_round_trips(tmp_path):
+    cfg = load_config(None, ["rollout.sampling.sde_window_size=2", "rollout.sampling.sde_window_range=[0,4]",
+                             "trainer.mixed_precision=no", "reward.name=null",
+                             "reward.components=[{name: ocr, weight: 2.0, options: {lang: en}}, {name: jpeg_compressibility}]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(str(path), []) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("rollout.nn=3", "rollout.nn", "rollout.n?"),
+    ("trainer.lora.rnak=4", "trainer.lora.rank", "trainer.lora.rank?"),
+    ("rollout.sampling.guidance=4.5", "rollout.sampling.guidance", "rollout.sampling.guidance_scale?"),
+    ("rollot.n=3", "rollot", "rollout?"),
+])
+def test_unknown_key_names_it_and_suggests_the_closest(override, key, hint):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert key in str(error.value) and f"did you mean {hint}" in str(error.value)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  enable_batched_difusion: false\n")
+    with pytest.raises(ValueError, match=r"rollout\.enable_batched_difusion.*rollout\.enable_batched_diffusion\?"):
+        load_config(str(path), [])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.n=abc", "rollout.n"),
+    ("rollout.n=2.5", "rollout.n"),
+    ("rollout.enable_batched_diffusion=2", "rollout.enable_batched_diffusion"),
+    ("trainer.betas=[0.9,0.99,0.9]", "trainer.betas"),
+    ("trainer.lr=fast", "trainer.lr"),
+    ("rollout.sampling=3", "rollout.sampling"),
+    ("trainer.lora.target_modules=to_q", "trainer.lora.target_modules"),
+    ("rollout.sampling.sde_window=[1,x]", "rollout.sampling.sde_window.1"),
+])
+def test_wrong_type_names_key_and_value(override, key):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    message = str(error.value)
+    assert key in message and override.split("=", 1)[1].strip("[]").split(",")[-1] in message
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.n=0", "rollout.n"),
+    ("rollout.n=1", "rollout.n"),  # flow_grpo needs a group of at least two
+    ("model.dtype=float64", "model.dtype"),
+    ("model.device=gpu", "model.device"),
+    ("algorithm.std_mode=batch", "algorithm.std_mode"),
+    ("algorithm.old_log_prob=old", "algorithm.old_log_prob"),
+    ("algorithm.train_timestep_fraction=0", "algorithm.train_timestep_fraction"),
+    ("trainer.lr=-1e-4", "trainer.lr"),
+    ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+    ("trainer.lora.init=xavier", "trainer.lora.init"),
+    ("rollout.sampling.sde_type=ode", "rollout.sampling.sde_type"),
+    ("rollout.sampling.height=65", "rollout.sampling.height"),
+    ("rollout.sampling.seed=3", "rollout.sampling.seed"),
+    ("data.train_path=prompts.csv", "data.train_path"),
+    ("engine.max_batch_rows=0", "engine.max_batch_rows"),
+    ("reward.components=[{name: ocr}]", "reward.name"),
+])
+def test_semantic_errors_name_the_field(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_reward_component_keys_are_checked():
+    with pytest.raises(ValueError, match=r"reward\.components\.0\.wieght.*did you mean reward\.components\.0\.weight"):
+        load_config(None, ["reward.name=null", "reward.components=[{name: ocr, wieght: 2}]"])
+    cfg = load_config(None, ["reward.name=null", "reward.components=[{name: ocr}]"])
+    assert cfg.reward.resolved_components() == [{"name": "ocr", "weight": 1.0, "options": {}, "optional": False}]
+
+
+@pytest.mark.parametrize("override", ["rollout.n", "=3", "+rollout.n=3", "rollout..n=3"])
+def test_malformed_override(override):
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, [override])
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"), [])
+
+
+def test_slices_are_independent_dataclasses():
+    cfg = load_config(None, [])
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    assert sections == {"model", "engine", "rollout", "algorithm", "trainer", "reward", "data", "logging"}
+    # A component validates its own slice without the root.
+    assert cfg.rollout.validate() is cfg.rollout
+    assert cfg.trainer.resolve_grad_accum(cfg.trainer.prompts_per_step * cfg.rollout.n) * \
+        cfg.trainer.micro_batch_size >= cfg.trainer.prompts_per_step * cfg.rollout.n
+
+
+def test_cli_config_show_prints_resolved_yaml(capsys):
+    from flowrl.cli import main
+
+    assert main(["config", "show", "rollout.n=8", "rollout.sampling.guidance_scale=4.5"]) == 0
+    out = capsys.readouterr().out
+    assert "n: 8" in out
+    shown = yaml.safe_load(out)
+    assert shown["rollout"]["n"] == 8 and shown["rollout"]["sampling"]["guidance_scale"] == 4.5
+
+
+def test_cli_config_show_reports_errors(capsys):
+    from flowrl.cli import main
+
+    assert main(["config", "show", "rollout.nn=8"]) == 2
+    assert "rollout.nn" in capsys.readouterr().err
