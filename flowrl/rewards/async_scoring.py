@@ -1,0 +1,162 @@
+"""Async scoring: score samples as the engine finishes them, while others are still generating.
+
+The rollout loop calls `submit(row_index, image, prompt, metadata)` in the engine's completion
+order. A pool of `num_workers` threads scores what is pending: a worker that becomes free takes
+every pending row of the same image size (up to `max_batch_size`) and scores them as one batch,
+so early rows start scoring at once and late bursts are still batched. `results()` waits for all
+submitted rows and returns the scores in row order: the update still waits for the full batch.
+
+Threads (not processes) suffice: the heavy parts (onnxruntime OCR, torch CLIP, HTTP waits)
+release the GIL. Rewards called from several workers must be thread-safe; the built-in ones are
+(OCR keeps one engine per thread).
+
+The scorer is reusable: `results()` hands back one batch and clears the state for the next.
+Failures follow the reward's policy: a RewardError of a required reward is re-raised by
+`results()` with the row index in the submitted numbering.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowrl.rewards.base import Reward, RewardError, as_uint8_images
+
+
+@dataclass
+class _PendingRow:
+    row_index: int
+    image: np.ndarray  # (3, H, W) uint8
+    prompt: str
+    metadata: dict
+
+
+class AsyncRewardScorer:
+    """A worker pool that scores submitted rows in batches of whatever is pending."""
+
+    def __init__(self, reward: Reward, num_workers: int = 2, max_batch_size: int | None = None):
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"reward.num_workers={num_workers!r} must be an integer >= 1")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be None or an integer >= 1")
+        self.reward = reward
+        self.max_batch_size = max_batch_size
+        self._condition = threading.Condition()
+        self._pending: list[_PendingRow] = []
+        self._num_in_flight = 0
+        self._submitted: set[int] = set()
+        self._scores: dict[int, float] = {}
+        self._components: dict[int, dict[str, float]] = {}
+        self._errors: list[BaseException] = []
+        self._is_closed = False
+        self.scored_batch_sizes: list[int] = []  # one entry per scored batch, for metrics
+        self._workers = [
+            threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True) for i in range(num_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # -- producer side -----------------------------------------------------------------------
+    def submit(self, row_index: int, image, prompt: str, metadata: dict | None = None) -> None:
+        """Queue one finished sample; `image` is (3, H, W) uint8 (numpy or torch)."""
+        if not isinstance(row_index, int) or row_index < 0:
+            raise ValueError(f"row_index={row_index!r} must be an integer >= 0")
+        image = as_uint8_images(image[None])[0]
+        metadata = {} if metadata is None else metadata
+        with self._condition:
+            if self._is_closed:
+                raise RuntimeError("AsyncRewardScorer is closed; create a new one")
+            if row_index in self._submitted:
+                raise ValueError(f"row_index {row_index} was submitted twice; each row is scored once per batch")
+            self._submitted.add(row_index)
+            self._pending.append(_PendingRow(row_index, image, prompt, metadata))
+            self._condition.notify()
+
+    # -- worker side -------------------------------------------------------------------------
+    def _take_batch(self) -> list[_PendingRow]:
+        """All pending rows with the first row's image size (one stacked array), oldest first."""
+        shape = self._pending[0].image.shape
+        batch = [row for row in self._pending if row.image.shape == shape][: self.max_batch_size]
+        taken = {id(row) for row in batch}
+        self._pending = [row for row in self._pending if id(row) not in taken]
+        return batch
+
+    def _work(self) -> None:
+        while True:
+            with self._condition:
+                while not self._pending and not self._is_closed:
+                    self._condition.wait()
+                if not self._pending:  # closed and drained
+                    return
+                batch = self._take_batch()
+                self._num_in_flight += len(batch)
+            outcome = self._score(batch)
+            with self._condition:
+                if isinstance(outcome, BaseException):
+                    self._errors.append(outcome)
+                else:
+                    total, components = outcome
+                    for position, row in enumerate(batch):
+                        self._scores[row.row_index] = float(total[position])
+                        self._components[row.row_index] = {name: float(s[position]) for name, s in components.items()}
+                self.scored_batch_sizes.append(len(batch))
+                self._num_in_flight -= len(batch)
+                self._condition.notify_all()
+
+    def _score(self, batch: list[_PendingRow]):
+        rows = [row.row_index for row in batch]
+        try:
+            return self.reward.score_with_components(
+                np.stack([row.image for row in batch]), [row.prompt for row in batch], [row.metadata for row in batch]
+            )
+        except RewardError as error:  # re-address the batch-local row to the submitted numbering
+            moved = error.with_row_index(None if error.row_index is None else rows[error.row_index])
+            moved.__cause__ = error
+            return moved
+        except BaseException as error:  # handed to results(); a worker thread must not die silently
+            return error
+
+    # -- consumer side -----------------------------------------------------------------------
+    def results_with_components(self, num_rows: int | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Wait for every submitted row; (total (N,), {name: (N,)}) in row order; then reset."""
+        with self._condition:
+            while self._pending or self._num_in_flight:
+                self._condition.wait()
+            errors, submitted = self._errors, sorted(self._submitted)
+            scores, per_row_components = self._scores, self._components
+            self._errors, self._submitted, self._scores, self._components = [], set(), {}, {}
+        if errors:
+            raise errors[0]
+        expected = len(submitted) if num_rows is None else num_rows
+        if submitted != list(range(expected)):
+            missing = sorted(set(range(expected)) - set(submitted))[:10]
+            extra = [row for row in submitted if row >= expected][:10]
+            raise ValueError(
+                f"rows submitted to the reward scorer are not 0..{expected - 1}: missing {missing}, "
+                f"out of range {extra}; submit every row of the batch exactly once"
+            )
+        total = np.array([scores[row] for row in range(expected)], dtype=np.float64)
+        names = sorted({name for row_components in per_row_components.values() for name in row_components})
+        components = {
+            name: np.array([per_row_components[row].get(name, np.nan) for row in range(expected)], dtype=np.float64)
+            for name in names
+        }
+        return total, components
+
+    def results(self, num_rows: int | None = None) -> np.ndarray:
+        return self.results_with_components(num_rows)[0]
+
+    def close(self) -> None:
+        with self._condition:
+            self._is_closed = True
+            self._condition.notify_all()
+        for worker in self._workers:
+            worker.join()
+
+    def __enter__(self) -> "AsyncRewardScorer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
