@@ -170,7 +170,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """FlowGRPO objective (see docs/FLOWGRPO math).
+    """FlowGRPO objective: group-relative advantages and the clipped PPO loss.
 
     adv_estimator: "flow_grpo": (r - mean_group) / (std + std_eps), clamped to +-adv_clip_max.
     std_mode: "global" (std over the whole batch, Flow-GRPO default) or "group" (per prompt).
@@ -319,7 +319,8 @@ class RewardConfig:
             _fail("reward.name", self.name, "reward.components is set too; set reward.name=null to "
                   "use the weighted sum of components, or remove reward.components")
         if not self.components and not self.name:
-            _fail("reward.name", self.name, "name a reward (e.g. jpeg_compressibility) or give reward.components")
+            _fail("reward.name", self.name,
+                  "name a reward (e.g. jpeg_compressibility) or give reward.components")
         if self.components and self.options:
             _fail("reward.options", self.options, "with reward.components put options inside each component")
         for index, component in enumerate(self.components):
@@ -337,7 +338,8 @@ def _validate_component(key: str, component: dict) -> None:
     for name in component:
         if name not in REWARD_COMPONENT_KEYS:
             close = difflib.get_close_matches(str(name), REWARD_COMPONENT_KEYS, n=1)
-            hint = f"did you mean {key}.{close[0]}?" if close else f"allowed: {', '.join(REWARD_COMPONENT_KEYS)}"
+            allowed = ", ".join(REWARD_COMPONENT_KEYS)
+            hint = f"did you mean {key}.{close[0]}?" if close else f"allowed: {allowed}"
             _fail(f"{key}.{name}", component[name], f"unknown key; {hint}")
     if not isinstance(component.get("name"), str) or not component["name"]:
         _fail(f"{key}.name", component.get("name"), "each component needs a reward name")
@@ -474,7 +476,9 @@ def _read_yaml(path: str) -> dict:
         with open(path, encoding="utf-8") as handle:
             data = yaml.load(handle, Loader=_YamlLoader)
     except FileNotFoundError:
-        raise ValueError(f"--config {path!r} does not exist; pass an existing YAML file (see recipes/)") from None
+        raise ValueError(
+            f"--config {path!r} does not exist; pass an existing YAML file (see recipes/)"
+        ) from None
     except yaml.YAMLError as error:
         raise ValueError(f"config file {path} is not valid YAML: {error}") from None
     return {} if data is None else data

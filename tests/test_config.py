@@ -60,6 +60,7 @@ def test_overrides_change_exactly_their_keys():
     assert changed == set(overrides)
     assert all(after[key] == value for key, value in overrides.items())
     assert cfg.rollout.sampling.sde_window == (1, 3)  # a real tuple, not a list or ListConfig
+    assert load_config(None, ["trainer.mixed_precision=no"]).trainer.mixed_precision == "no"
     assert type(cfg.rollout.sampling) is SamplingParams
 
 
@@ -184,3 +185,11 @@ def test_cli_config_show_reports_errors(capsys):
 
     assert main(["config", "show", "rollout.nn=8"]) == 2
     assert "rollout.nn" in capsys.readouterr().err
+
+
+def test_docs_mention_every_key():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    missing = [key for key in _flatten(config_to_dict(FlowRLConfig())) if key.rsplit(".", 1)[-1] not in text]
+    assert not missing, f"docs/config.md does not mention {missing}"

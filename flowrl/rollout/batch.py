@@ -52,8 +52,8 @@ def _pad_and_stack(name: str, tensors: list[torch.Tensor], names) -> torch.Tenso
     first = tensors[0]
     for index, tensor in enumerate(tensors):
         if tensor.dtype != first.dtype or tensor.dim() != first.dim():
-            raise ValueError(f"field {name!r}: row {index} is {tensor.dtype} with shape {tuple(tensor.shape)} "
-                             f"but row 0 is {first.dtype} with shape {tuple(first.shape)}; all rows need the same dtype and rank")
+            raise ValueError(f"field {name!r}: row {index} is {tensor.dtype} {tuple(tensor.shape)} but "
+                             f"row 0 is {first.dtype} {tuple(first.shape)}; rows need one dtype and rank")
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) == 1:
         return torch.stack(tensors)
@@ -106,10 +106,15 @@ class RolloutBatch:
     meta_info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.non_tensor_batch = {name: _as_object_array(values) for name, values in self.non_tensor_batch.items()}
+        self.non_tensor_batch = {name: _as_object_array(values)
+                                 for name, values in self.non_tensor_batch.items()}
         self._check_lengths()
 
     def _check_lengths(self) -> None:
+        for name, tensor in self.batch.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                raise ValueError(f"batch field {name!r} must be a tensor whose first dim is the row; "
+                                 "put scalars in meta_info and non-tensors in non_tensor_batch")
         lengths = {name: len(t) for name, t in self.batch.items()}
         lengths.update({name: len(a) for name, a in self.non_tensor_batch.items()})
         if len(set(lengths.values())) > 1:
@@ -145,7 +150,7 @@ class RolloutBatch:
     @classmethod
     def concat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
         """Rows of all batches in order. Field names must match; padded fields are re-padded.
-        meta_info: the union, the first batch winning on conflicting keys (as verl does)."""
+        meta_info: the union, the first batch winning on conflicting keys."""
         if not batches:
             raise ValueError("RolloutBatch.concat got no batches")
         first = batches[0]
@@ -194,11 +199,13 @@ class RolloutBatch:
         index_array = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else list(indices))
         if index_array.dtype == bool:
             if index_array.shape != (size,):
-                raise ValueError(f"boolean mask has shape {index_array.shape}; it needs one entry per row ({size})")
+                raise ValueError(f"boolean mask has shape {index_array.shape}; "
+                                 f"it needs one entry per row ({size})")
             index_array = np.flatnonzero(index_array)
         index_array = index_array.astype(np.int64).reshape(-1)
         if index_array.size and (index_array.min() < -size or index_array.max() >= size):
-            raise IndexError(f"row indices {index_array.tolist()[:8]}... out of range for a batch of {size} rows")
+            raise IndexError(f"row indices {index_array.tolist()[:8]} are out of range "
+                             f"for a batch of {size} rows")
         index_array = index_array % max(size, 1)
         torch_index = torch.from_numpy(index_array)
         tensors = {name: t.index_select(0, torch_index.to(t.device)) for name, t in self.batch.items()}
@@ -222,7 +229,8 @@ class RolloutBatch:
         """Consecutive chunks of `size` rows (the last may be shorter)."""
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"split size={size!r} must be an integer >= 1")
-        return [self.select(range(start, min(start + size, len(self)))) for start in range(0, len(self), size)]
+        starts = range(0, len(self), size)
+        return [self.select(range(start, min(start + size, len(self)))) for start in starts]
 
     # ---- adding fields ----
 
@@ -230,7 +238,10 @@ class RolloutBatch:
         """Attach (or replace) tensor fields in place; each needs one entry per row. Returns self."""
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"field {name!r} is a {type(tensor).__name__}, not a tensor; use add_non_tensors")
+                raise ValueError(f"field {name!r} is a {type(tensor).__name__}, not a tensor; "
+                                 "use add_non_tensors")
+            if tensor.dim() == 0:
+                raise ValueError(f"field {name!r} is a 0-d tensor; it needs one entry per row (dim 0)")
             self._check_new_field(name, len(tensor))
             self.batch[name] = tensor
         return self
@@ -257,8 +268,8 @@ class RolloutBatch:
         for name in set(self.non_tensor_batch) & set(other.non_tensor_batch):
             if list(self.non_tensor_batch[name]) != list(other.non_tensor_batch[name]):
                 raise ValueError(f"union: non-tensor field {name!r} differs between the two batches")
-        return RolloutBatch({**self.batch, **other.batch}, {**self.non_tensor_batch, **other.non_tensor_batch},
-                            {**other.meta_info, **self.meta_info})
+        non_tensors = {**self.non_tensor_batch, **other.non_tensor_batch}
+        return RolloutBatch({**self.batch, **other.batch}, non_tensors, {**other.meta_info, **self.meta_info})
 
     def to(self, device) -> "RolloutBatch":
         """A batch with every tensor on `device` (non-tensor fields shared)."""
@@ -274,7 +285,8 @@ class RolloutBatch:
 
         columns = {}
         for name, array in self.non_tensor_batch.items():
-            columns[name] = [_json_value(value, f"non_tensor_batch[{name!r}][{row}]") for row, value in enumerate(array)]
+            columns[name] = [_json_value(value, f"non_tensor_batch[{name!r}][{row}]")
+                             for row, value in enumerate(array)]
         metadata = {"format": "flowrl.RolloutBatch/1", "num_rows": str(len(self)),
                     "non_tensor_batch": json.dumps(columns),
                     "meta_info": json.dumps(_json_value(self.meta_info, "meta_info"))}
