@@ -1,0 +1,187 @@
+"""AgentLoop: dataset rows -> rollouts through one or more engines.
+
+Rows arrive repeated (p0 x n, p1 x n, ...). Two paths produce the same samples and row layout:
+- batched: each group of n consecutive rows becomes ONE `generate_batched` call (one prompt
+  encoding, samples admitted together), taken only when provably safe (see `batched_path_blocker`);
+- fallback: every row is its own single request, all in flight at once (the engine still batches
+  them into shared forwards).
+Equality of the two paths rests on seeds: row i gets seed base + global row index, and
+generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
+either way. The loop knows nothing about rewards or training; `on_sample_done(row, output)` lets a
+caller (async reward scoring) see each sample as soon as it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from flowrl.engine.request import SamplingParams
+from flowrl.rollout.balancer import LeastInFlightBalancer
+from flowrl.rollout.batch import RolloutBatch, stack_rows
+
+logger = logging.getLogger(__name__)
+
+KNOWN_AGENTS = ("diffusion",)
+# DiffusionOutput field -> RolloutBatch tensor field.
+OUTPUT_TO_BATCH = {
+    "image": "responses",
+    "all_latents": "all_latents",
+    "all_log_probs": "all_log_probs",
+    "all_timesteps": "all_timesteps",
+    "all_next_timesteps": "all_next_timesteps",
+    "prompt_embeds": "prompt_embeds",
+    "prompt_embeds_mask": "prompt_embeds_mask",
+    "pooled_prompt_embeds": "pooled_prompt_embeds",
+    "negative_prompt_embeds": "negative_prompt_embeds",
+    "negative_prompt_embeds_mask": "negative_prompt_embeds_mask",
+    "negative_pooled_prompt_embeds": "negative_pooled_prompt_embeds",
+}
+
+
+class AgentLoop:
+    """Drives engines with the rows of a RolloutBatch (rollout config slice only)."""
+
+    def __init__(self, engines, rollout_config):
+        replicas = engines if isinstance(engines, (list, tuple)) else [engines]
+        self.balancer = LeastInFlightBalancer(list(replicas))
+        self.config = rollout_config
+        self.rows_generated = 0  # global row index of the next training row (saved by checkpoints)
+        self._logged_reasons: set[str] = set()
+
+    # --- row -> request --------------------------------------------------------------------------
+    def _row_params(self, batch: RolloutBatch, i: int, base: SamplingParams) -> SamplingParams:
+        nt = batch.non_tensor_batch
+        agent = nt["agent_name"][i] if "agent_name" in nt else "diffusion"
+        if agent not in KNOWN_AGENTS:
+            raise ValueError(f"row {i}: agent_name={agent!r} is unknown; known agents: {KNOWN_AGENTS}")
+        changes = {}
+        negative = nt["negative_prompt"][i] if "negative_prompt" in nt else None
+        if negative is not None:
+            changes["negative_prompt"] = negative
+        overrides = nt["sampling_overrides"][i] if "sampling_overrides" in nt else None
+        if overrides:
+            unknown = set(overrides) - set(SamplingParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"row {i}: sampling_overrides has unknown fields {sorted(unknown)}")
+            changes.update(overrides)
+        return base.replace(**changes) if changes else base
+
+    def batched_path_blocker(self, batch: RolloutBatch, params: list[SamplingParams]) -> str | None:
+        """None when the batched path is provably safe, else the reason it is not."""
+        n = self.config.n
+        if not self.config.enable_batched_diffusion:
+            return "rollout.enable_batched_diffusion is false"
+        if not self.balancer.supports_batched_generation:
+            return "an engine does not support batched generation"
+        if n <= 1:
+            return f"rollout.n={n} (batching needs n > 1)"
+        if len(batch) % n:
+            return f"len(batch)={len(batch)} is not a multiple of rollout.n={n}"
+        nt = batch.non_tensor_batch
+        for start in range(0, len(batch), n):
+            rows = range(start, start + n)
+            for field in ("agent_name", "raw_prompt", "negative_prompt"):
+                if field in nt and len({repr(nt[field][r]) for r in rows}) > 1:
+                    return f"rows {start}..{start + n - 1} differ in {field}"
+            if len({repr(params[r].replace(seed=None)) for r in rows}) > 1:
+                return f"rows {start}..{start + n - 1} differ in sampling settings"
+            seeds = [params[r].seed for r in rows]
+            if seeds != list(range(seeds[0], seeds[0] + n)):
+                return f"rows {start}..{start + n - 1} carry seeds that are not consecutive"
+        return None
+
+    def _seeds(self, batch: RolloutBatch, base_seed: int | None, row_offset: int) -> list[int]:
+        """Row seeds: an explicit per-row `seed` wins; otherwise base + global row index."""
+        base = base_seed if base_seed is not None else secrets.randbits(40)
+        given = batch.non_tensor_batch.get("seed")
+        seeds = []
+        for i in range(len(batch)):
+            explicit = None if given is None else given[i]
+            # Consecutive rows get consecutive seeds, as generate_batched gives sample j seed + j.
+            seeds.append(int(explicit) if explicit is not None else (base * 1_000_000_007) % 2**62 + row_offset + i)
+        return seeds
+
+    # --- main entry --------------------------------------------------------------------------------
+    def generate_sequences(self, batch: RolloutBatch, validation: bool = False,
+                           on_sample_done: Callable[[int, object], None] | None = None) -> RolloutBatch:
+        """Generate one sample per row; return the batch with the sample fields attached.
+
+        validation=True uses rollout.val_sampling (ODE, no log-probs) and the fixed rollout.val_seed
+        with row indices from 0, so validation images are comparable across training steps.
+        """
+        if len(batch) == 0:
+            raise ValueError("generate_sequences got an empty batch; pass at least one row")
+        t0 = time.perf_counter()
+        base_params = self.config.val_sampling if validation else self.config.sampling
+        base_seed = self.config.val_seed if validation else self.config.seed
+        offset = 0 if validation else self.rows_generated
+        seeds = self._seeds(batch, base_seed, offset)
+        prompts = [str(p) for p in batch.non_tensor_batch["raw_prompt"]]
+        params = [self._row_params(batch, i, base_params).replace(seed=seeds[i]) for i in range(len(batch))]
+
+        reason = self.batched_path_blocker(batch, params)
+        futures: list[Future] = []
+        if reason is None:
+            n = self.config.n
+            for start in range(0, len(batch), n):
+                futures += self.balancer.submit_batched(prompts[start], n, params[start])
+        else:
+            if reason not in self._logged_reasons:
+                self._logged_reasons.add(reason)
+                logger.warning("agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch))
+            for i in range(len(batch)):
+                futures += self.balancer.submit(prompts[i], params[i])
+        if on_sample_done is not None:
+            for i, f in enumerate(futures):
+                f.add_done_callback(_notify(on_sample_done, i))
+        outputs = []
+        for i, f in enumerate(futures):
+            try:
+                outputs.append(f.result())
+            except Exception as exc:
+                raise RuntimeError(f"rollout of row {i} (prompt {prompts[i]!r}) failed: {exc}") from exc
+        if not validation:
+            self.rows_generated += len(batch)
+        return self._assemble(batch, outputs, reason, time.perf_counter() - t0)
+
+    def _assemble(self, batch: RolloutBatch, outputs: list, reason: str | None, seconds: float) -> RolloutBatch:
+        rows = [{dst: getattr(o, src) for src, dst in OUTPUT_TO_BATCH.items()} for o in outputs]
+        result = batch.select(np.arange(len(batch)))
+        result.add_tensors(stack_rows(rows))
+        result.add_non_tensors({
+            "seed": [o.seed for o in outputs],
+            "policy_version": [o.policy_version for o in outputs],
+            "sde_window": [list(o.sde_window) for o in outputs],
+        })
+        n = self.config.n
+        batched = reason is None
+        result.meta_info.update({
+            "num_batched_groups": len(batch) // n if batched else 0,
+            "num_single_requests": 0 if batched else len(batch),
+            "fallback_reason": reason,
+            "timing": {
+                "rollout_s": seconds,
+                "queued_s_mean": float(np.mean([o.timings["queued_s"] for o in outputs])),
+                "denoise_s_mean": float(np.mean([o.timings["denoise_s"] for o in outputs])),
+                "decode_s_mean": float(np.mean([o.timings["decode_s"] for o in outputs])),
+            },
+            "replica_in_flight_assigned": list(self.balancer.assigned),
+        })
+        return result
+
+
+def _notify(callback: Callable[[int, object], None], row: int) -> Callable[[Future], None]:
+    """A done-callback that hands a finished sample to `callback`; failed samples are reported by
+    generate_sequences itself, so they are skipped here."""
+
+    def done(future: Future) -> None:
+        if future.exception() is None:
+            callback(row, future.result())
+
+    return done
