@@ -1,0 +1,410 @@
+"""flowrl configuration sections: one dataclass per component, each with `validate()`.
+
+`flowrl.config.load_config(path, overrides)` (loading.py) merges, in order, the defaults below, a YAML file and
+`key=value` overrides (`rollout.n=16 rollout.sampling.guidance_scale=4.5`), checks every key and
+type strictly, converts back to plain dataclasses (real `SamplingParams`, tuples stay tuples) and
+runs `validate()`. Each component receives only its own slice (`cfg.rollout`, `cfg.engine`, ...).
+
+Defaults are tuned for the embedded tiny CPU run (64x64 images, few steps); recipes override them.
+This module knows nothing about models, engines or trainers: it only describes and checks settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+
+
+from flowrl.engine.request import SamplingParams
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODEL_FAMILIES = ("auto", "sd3", "qwen_image")
+ADV_ESTIMATORS = ("flow_grpo",)
+STD_MODES = ("global", "group")
+OLD_LOG_PROB_SOURCES = ("rollout", "recompute")
+ZERO_STD_POLICIES = ("keep", "drop")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+LORA_INITS = ("default", "gaussian", "pissa", "olora", "orthogonal")
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional")
+
+
+def _fail(key: str, value, fix: str):
+    raise ValueError(f"{key}={value!r} is invalid: {fix}")
+
+
+def _check_choice(key: str, value, choices: tuple) -> None:
+    if value not in choices:
+        _fail(key, value, f"use one of {', '.join(map(repr, choices))}")
+
+
+def _check_min(key: str, value, minimum, strict: bool = False) -> None:
+    if value is not None and (value <= minimum if strict else value < minimum):
+        _fail(key, value, f"must be {'>' if strict else '>='} {minimum}")
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load and how.
+
+    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
+        the embedded tiny SD3 model, which the trainer builds offline on first use.
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image".
+    dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
+    device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
+    """
+
+    path: str | None = None
+    family: str = "auto"
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def validate(self) -> "ModelConfig":
+        _check_choice("model.family", self.family, MODEL_FAMILIES)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            _fail("model.device", self.device, "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return self
+
+    def resolve_device(self) -> str:
+        """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class EngineConfig:
+    """Rollout engine limits.
+
+    max_batch_rows: most transformer rows per forward (a CFG sample counts two rows).
+    decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
+    compile: torch.compile the transformer. enable_cuda_graphs: capture CUDA graphs (GPU only).
+    num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
+    """
+
+    max_batch_rows: int = 32
+    decode_chunk_size: int = 8
+    compile: bool = False
+    num_replicas: int = 1
+    enable_cuda_graphs: bool = False
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
+            _check_min(f"engine.{name}", getattr(self, name), 1)
+        return self
+
+
+def _default_sampling() -> SamplingParams:
+    return SamplingParams(height=64, width=64, num_inference_steps=6, guidance_scale=1.0, noise_level=0.7)
+
+
+def _default_val_sampling() -> SamplingParams:
+    return _default_sampling().replace(noise_level=0.0, logprobs=False)
+
+
+@dataclass
+class RolloutConfig:
+    """How dataset rows become rollouts (the agent loop's slice).
+
+    n: samples per prompt (the group size of group-relative advantages). Rows are repeated
+        interleaved: p0 x n, then p1 x n, ...
+    enable_batched_diffusion: send each group of n consecutive rows as ONE
+        `engine.generate_batched(prompt, n, sampling)` call (one prompt encoding, samples admitted
+        together). Taken only when provably safe, i.e. all of: this flag is on; the engine supports
+        batched generation; n > 1; len(batch) % n == 0; and within every group agent_name,
+        raw_prompt, negative_prompt and sampling settings are identical. Otherwise (or with the
+        flag off) every row is sent as its own single `generate` request, all in flight at once
+        (the engine still batches them into shared forwards), with identical results and the same
+        row layout; the agent loop logs why it fell back.
+    seed: base seed; row i of a rollout batch gets a seed derived from it and the global row index,
+        so reruns are identical. None: fresh randomness per row. (`sampling.seed` must stay None:
+        per-row seeds always come from here.)
+    val_seed: the base seed of validation rollouts, fixed so validation images are comparable
+        across steps.
+    sampling: SamplingParams of training rollouts (SDE, log-probs on).
+    val_sampling: SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs).
+    """
+
+    n: int = 4
+    enable_batched_diffusion: bool = True
+    seed: int | None = 42
+    val_seed: int = 0
+    sampling: SamplingParams = field(default_factory=_default_sampling)
+    val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
+
+    def validate(self) -> "RolloutConfig":
+        _check_min("rollout.n", self.n, 1)
+        for name in ("sampling", "val_sampling"):
+            params = getattr(self, name)
+            try:
+                # Every supported family (SD3, Qwen-Image) needs sides that are multiples of 16;
+                # checking here fails before any model is loaded.
+                params.validate(size_multiple=16)
+            except ValueError as error:
+                raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
+            if params.seed is not None:
+                _fail(f"rollout.{name}.seed", params.seed,
+                      "per-row seeds derive from rollout.seed / rollout.val_seed; set those instead "
+                      f"and leave rollout.{name}.seed=null")
+        return self
+
+
+@dataclass
+class AlgorithmConfig:
+    """FlowGRPO objective: group-relative advantages and the clipped PPO loss.
+
+    adv_estimator: "flow_grpo": (r - mean_group) / (std + std_eps), clamped to +-adv_clip_max.
+    std_mode: "global" (std over the whole batch, Flow-GRPO default) or "group" (per prompt).
+    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "keep"
+        leaves those rows in the loss (as the reference code does), "drop" removes them. Either way
+        the trainer reports their share as `zero_std_ratio`.
+    clip_range: PPO ratio clip epsilon. kl_beta: weight of the KL to the reference (LoRA off).
+    old_log_prob: PPO denominator: the rollout's log-prob, or a recompute by the trainer before
+        the update.
+    train_timestep_fraction: fraction of each sample's SDE-window steps that are trained.
+    """
+
+    adv_estimator: str = "flow_grpo"
+    std_mode: str = "global"
+    std_eps: float = 1e-4
+    adv_clip_max: float = 5.0
+    zero_std_policy: str = "keep"
+    zero_std_threshold: float = 1e-6
+    clip_range: float = 1e-4
+    kl_beta: float = 0.0
+    old_log_prob: str = "rollout"
+    train_timestep_fraction: float = 1.0
+
+    def validate(self) -> "AlgorithmConfig":
+        _check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _check_choice("algorithm.std_mode", self.std_mode, STD_MODES)
+        _check_choice("algorithm.zero_std_policy", self.zero_std_policy, ZERO_STD_POLICIES)
+        _check_choice("algorithm.old_log_prob", self.old_log_prob, OLD_LOG_PROB_SOURCES)
+        for name in ("std_eps", "adv_clip_max", "clip_range"):
+            _check_min(f"algorithm.{name}", getattr(self, name), 0.0, strict=True)
+        _check_min("algorithm.kl_beta", self.kl_beta, 0.0)
+        _check_min("algorithm.zero_std_threshold", self.zero_std_threshold, 0.0)
+        if not 0.0 < self.train_timestep_fraction <= 1.0:
+            _fail("algorithm.train_timestep_fraction", self.train_timestep_fraction, "must be in (0, 1]")
+        return self
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapter (peft). enabled=False means full fine-tuning of the transformer.
+
+    init: "default" (peft's kaiming A, zero B), "gaussian", "pissa", "olora", "orthogonal".
+    """
+
+    enabled: bool = True
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    init: str = "gaussian"
+    dropout: float = 0.0
+
+    def validate(self) -> "LoraConfig":
+        _check_min("trainer.lora.rank", self.rank, 1)
+        _check_min("trainer.lora.alpha", self.alpha, 0.0, strict=True)
+        _check_choice("trainer.lora.init", self.init, LORA_INITS)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("trainer.lora.dropout", self.dropout, "must be in [0, 1)")
+        if self.enabled and not self.target_modules:
+            _fail("trainer.lora.target_modules", self.target_modules,
+                  "list the module names to adapt, e.g. [to_q, to_k, to_v, to_out.0]")
+        return self
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop.
+
+    total_steps: training steps (one rollout batch + its updates each); epochs: passes over the
+        prompt dataset (None: cycle until total_steps). Training stops at whichever comes first.
+    prompts_per_step: prompts per step; the step holds prompts_per_step * rollout.n samples.
+    update_epochs: passes of updates over one rollout batch.
+    micro_batch_size: samples per forward/backward in the update.
+    grad_accum: micro-batches per optimizer step; None derives it so that one optimizer step
+        covers the whole rollout batch (see `resolve_grad_accum`).
+    resume: "auto" (latest checkpoint in output_dir, if any), "never", or a checkpoint path.
+    save_every / val_every / log_every: in steps; 0 disables saving / validation.
+    num_val_images: validation prompts (one ODE sample each, fixed seeds).
+    """
+
+    output_dir: str = "outputs/flowrl"
+    total_steps: int = 30
+    epochs: int | None = None
+    prompts_per_step: int = 4
+    update_epochs: int = 1
+    micro_batch_size: int = 8
+    grad_accum: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    save_every: int = 10
+    val_every: int = 10
+    resume: str = "auto"
+    log_every: int = 1
+    seed: int = 42
+    num_val_images: int = 4
+
+    def validate(self) -> "TrainerConfig":
+        for name in ("total_steps", "epochs", "prompts_per_step", "update_epochs",
+                     "micro_batch_size", "grad_accum", "log_every"):
+            _check_min(f"trainer.{name}", getattr(self, name), 1)
+        for name in ("save_every", "val_every", "num_val_images", "weight_decay"):
+            _check_min(f"trainer.{name}", getattr(self, name), 0)
+        _check_min("trainer.lr", self.lr, 0.0, strict=True)
+        _check_min("trainer.grad_clip", self.grad_clip, 0.0, strict=True)
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            _fail("trainer.betas", self.betas, "both Adam betas must be in [0, 1), e.g. [0.9, 0.999]")
+        _check_choice("trainer.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        if not self.output_dir:
+            _fail("trainer.output_dir", self.output_dir, "give a folder for checkpoints and metrics")
+        if not self.resume:
+            _fail("trainer.resume", self.resume, "use 'auto', 'never' or a checkpoint path")
+        self.lora.validate()
+        return self
+
+    def resolve_grad_accum(self, samples_per_step: int) -> int:
+        """Micro-batches per optimizer step: explicit, or enough to cover samples_per_step."""
+        if self.grad_accum is not None:
+            return self.grad_accum
+        return max(1, -(-samples_per_step // self.micro_batch_size))
+
+
+@dataclass
+class RewardConfig:
+    """What scores the images (the rewards' slice).
+
+    name / options: a single registered reward and its options. components: a weighted sum of
+        rewards instead, each {name, weight (1.0), options ({}), optional (False: a failure
+        raises; True: the row gets NaN and is excluded)}; set name=null when using components.
+    route_by_data_source: data_source -> reward name, for datasets that mix tasks.
+    num_workers: scoring workers (scoring overlaps generation).
+    """
+
+    name: str | None = "jpeg_compressibility"
+    options: dict = field(default_factory=dict)
+    components: list[dict] = field(default_factory=list)
+    route_by_data_source: dict[str, str] = field(default_factory=dict)
+    num_workers: int = 2
+
+    def validate(self) -> "RewardConfig":
+        _check_min("reward.num_workers", self.num_workers, 1)
+        if self.components and self.name is not None:
+            _fail("reward.name", self.name, "reward.components is set too; set reward.name=null to "
+                  "use the weighted sum of components, or remove reward.components")
+        if not self.components and not self.name:
+            _fail("reward.name", self.name,
+                  "name a reward (e.g. jpeg_compressibility) or give reward.components")
+        if self.components and self.options:
+            _fail("reward.options", self.options, "with reward.components put options inside each component")
+        for index, component in enumerate(self.components):
+            _validate_component(f"reward.components.{index}", component)
+        return self
+
+    def resolved_components(self) -> list[dict]:
+        """The reward as a list of complete component dicts (a single reward is one component)."""
+        if not self.components:
+            return [{"name": self.name, "weight": 1.0, "options": dict(self.options), "optional": False}]
+        return [{"weight": 1.0, "options": {}, "optional": False, **c} for c in self.components]
+
+
+def _validate_component(key: str, component: dict) -> None:
+    for name in component:
+        if name not in REWARD_COMPONENT_KEYS:
+            close = difflib.get_close_matches(str(name), REWARD_COMPONENT_KEYS, n=1)
+            allowed = ", ".join(REWARD_COMPONENT_KEYS)
+            hint = f"did you mean {key}.{close[0]}?" if close else f"allowed: {allowed}"
+            _fail(f"{key}.{name}", component[name], f"unknown key; {hint}")
+    if not isinstance(component.get("name"), str) or not component["name"]:
+        _fail(f"{key}.name", component.get("name"), "each component needs a reward name")
+    weight = component.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        _fail(f"{key}.weight", weight, "must be a number")
+    if not isinstance(component.get("options", {}), dict):
+        _fail(f"{key}.options", component["options"], "must be a mapping of option -> value")
+    if not isinstance(component.get("optional", False), bool):
+        _fail(f"{key}.optional", component["optional"], "must be true or false")
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (.txt: one prompt per line; .jsonl / .parquet: one row per prompt).
+
+    train_path / val_path: None uses the embedded tiny prompt list (train) / the train prompts (val).
+    prompt_field: the column holding the prompt text in jsonl/parquet rows.
+    max_prompts: keep only the first N prompts (None: all).
+    """
+
+    train_path: str | None = None
+    val_path: str | None = None
+    prompt_field: str = "prompt"
+    shuffle: bool = True
+    max_prompts: int | None = None
+
+    def validate(self) -> "DataConfig":
+        for name in ("train_path", "val_path"):
+            path = getattr(self, name)
+            if path is not None and not path.endswith(DATA_SUFFIXES):
+                _fail(f"data.{name}", path, f"use a file ending in {', '.join(DATA_SUFFIXES)}")
+        if not self.prompt_field:
+            _fail("data.prompt_field", self.prompt_field, "name the column holding the prompt, e.g. prompt")
+        _check_min("data.max_prompts", self.max_prompts, 1)
+        return self
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go (metrics.jsonl under trainer.output_dir is always written)."""
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "flowrl"
+    progress_bar: bool = True
+    log_images: bool = True
+
+    def validate(self) -> "LoggingConfig":
+        if self.wandb and not self.wandb_project:
+            _fail("logging.wandb_project", self.wandb_project, "name a wandb project")
+        return self
+
+
+@dataclass
+class FlowRLConfig:
+    """The root: one slice per component. Build it with `load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "FlowRLConfig":
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
+        if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
+            _fail("rollout.n", self.rollout.n,
+                  "flow_grpo compares samples within a prompt's group, so every advantage would be "
+                  "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)")
+        return self
