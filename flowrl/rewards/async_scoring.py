@@ -155,7 +155,7 @@ class AsyncRewardScorer:
         for worker in self._workers:
             worker.join()
 
-    def __enter__(self) -> "AsyncRewardScorer":
+    def __enter__(self) -> AsyncRewardScorer:
         return self
 
     def __exit__(self, *exc_info) -> None:

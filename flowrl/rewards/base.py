@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class RewardError(RuntimeError):
         cause_text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
         super().__init__(f"reward {reward_name!r} failed on {where}: {cause_text}")
 
-    def with_row_index(self, row_index: int | None) -> "RewardError":
+    def with_row_index(self, row_index: int | None) -> RewardError:
         """The same failure re-addressed to another row numbering (e.g. a batch's global rows)."""
         moved = RewardError(self.reward_name, row_index, self.cause)
         moved.__cause__ = self.__cause__

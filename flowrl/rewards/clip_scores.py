@@ -66,6 +66,7 @@ class ClipBackbone:
             raise ValueError(f"{reward_name} option dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         self.device = torch.device(device)
         self.model = CLIPModel.from_pretrained(str(folder), dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.model.requires_grad_(False)  # a frozen judge: no autograd state, ever
         self.tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         if len(self.tokenizer) <= 2:  # transformers may return an empty tokenizer instead of raising
             raise ValueError(f"{reward_name}: no usable tokenizer in {folder} (vocab size {len(self.tokenizer)})")

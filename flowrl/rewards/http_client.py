@@ -20,7 +20,7 @@ import base64
 import io
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import numpy as np

@@ -9,7 +9,7 @@ rapidocr 3.x ships its detection/recognition models inside the wheel, so nothing
 with the default model choice. onnxruntime is bounded to `num_threads` threads (default 1) so
 that OCR does not fight torch or sibling workers for the cores. One rapidocr engine is created
 per calling thread: the async scorer calls the reward from several worker threads, and rapidocr
-objects keep per-call state, so sharing one across threads is not safe.
+does not promise that one engine may be called from several threads at once.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def ocr_text_score(recognized: str, target: str) -> float:
 
 def create_rapidocr_engine(num_threads: int = 1, text_score: float = 0.5):
     """A rapidocr engine with its default in-wheel models and bounded onnxruntime threads."""
-    from rapidocr import RapidOCR  # imported here: 0.5 s, only rewards that read text pay it
+    from rapidocr import (
+        RapidOCR,  # imported here: 0.5 s, only rewards that read text pay it
+    )
 
     return RapidOCR(
         params={

@@ -23,11 +23,10 @@ import re
 import threading
 import time
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-
-import numpy as np
 
 from flowrl.rewards.base import Reward, RewardError
 from flowrl.rewards.http_client import decode_png, scores_to_json

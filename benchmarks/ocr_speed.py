@@ -1,0 +1,82 @@
+"""OCR reward speed: milliseconds per 512x512 image on CPU, read by rapidocr (onnxruntime).
+
+    python benchmarks/ocr_speed.py [--num-images 8] [--repeats 3] [--threads 1]
+
+Renders text images (DejaVu Sans Bold, several sizes, some with noise) and blank images, warms
+the engine up once, then times the OcrReward on each image one at a time (the way training
+scores them) and prints the mean per image, plus the accuracy as a sanity check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from flowrl.rewards.ocr import OcrReward
+
+TEXTS = ("HELLO WORLD", "Open 24 Hours", "flow grpo", "FRESH BREAD", "Golden Harbor", "SALE TODAY", "quiet forest", "ROCKET")
+
+
+def render(text: str, size: int, font_px: int, noise_sigma: float, seed: int) -> np.ndarray:
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.truetype("DejaVuSans-Bold.ttf", font_px)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    draw.text(((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top), text, fill="black", font=font)
+    pixels = np.asarray(image).astype(np.float64)
+    pixels += np.random.default_rng(seed).normal(0, noise_sigma, pixels.shape)
+    return np.clip(pixels, 0, 255).astype(np.uint8).transpose(2, 0, 1)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def time_per_image_ms(reward: OcrReward, images, targets, repeats: int) -> tuple[float, float]:
+    scores, start = [], time.perf_counter()
+    for _ in range(repeats):
+        for image, target in zip(images, targets):
+            scores.append(reward(image[None], [""], [{"ground_truth": target}])[0])
+    elapsed = time.perf_counter() - start
+    return 1000 * elapsed / (repeats * len(images)), float(np.mean(scores))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-images", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    args = parser.parse_args()
+
+    size = 512
+    texts = [TEXTS[i % len(TEXTS)] for i in range(args.num_images)]
+    text_images = [render(text, size, 40 + 8 * (i % 3), 20.0 * (i % 2), i) for i, text in enumerate(texts)]
+    blank_images = [np.full((3, size, size), 255, np.uint8)] * min(4, args.num_images)
+
+    start = time.perf_counter()
+    reward = OcrReward(num_threads=args.threads)
+    reward(text_images[0][None], [""], [{"ground_truth": texts[0]}])  # engine init + warm-up
+    init_s = time.perf_counter() - start
+
+    text_ms, mean_score = time_per_image_ms(reward, text_images, texts, args.repeats)
+    blank_ms, _ = time_per_image_ms(reward, blank_images, ["x"] * len(blank_images), args.repeats)
+    print(f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}")
+    print(f"rapidocr init + first image: {init_s:.2f} s; onnxruntime threads: {args.threads}")
+    print(f"OCR ms per 512x512 image with text: {text_ms:.0f} ms (mean score {mean_score:.3f} over {len(texts)} images)")
+    print(f"OCR ms per 512x512 blank image:     {blank_ms:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

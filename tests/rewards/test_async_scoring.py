@@ -1,0 +1,100 @@
+"""Async scoring: same scores as synchronous scoring, starts before the last row is submitted,
+batches what is pending, and re-raises failures with the submitted row index."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from flowrl.rewards import AsyncRewardScorer, Reward, RewardError, build_reward
+
+
+def _images(num_rows: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (num_rows, 3, 24, 24), dtype=np.uint8)
+    images[::3] = 200  # some flat rows so scores differ a lot
+    return images
+
+
+def test_async_equals_sync_with_rows_finishing_out_of_order():
+    reward = build_reward({"name": "multi", "options": {"components": [
+        {"name": "jpeg_compressibility", "weight": 1.0}, {"name": "jpeg_incompressibility", "weight": 0.5}]}})
+    images = _images(12)
+    prompts, meta = [f"p{i}" for i in range(12)], [{} for _ in range(12)]
+    sync_total, sync_components = reward.score_with_components(images, prompts, meta)
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    with AsyncRewardScorer(reward, num_workers=2) as scorer:
+        for step in range(2):  # reusable across steps
+            for row in order:  # a fake engine finishing rows in its own order, over time
+                scorer.submit(row, images[row], prompts[row], meta[row])
+                time.sleep(0.002)
+            total, components = scorer.results_with_components()
+            np.testing.assert_array_equal(total, sync_total)
+            for name in sync_components:
+                np.testing.assert_array_equal(components[name], sync_components[name])
+
+
+class GatedReward(Reward):
+    """Records when each batch starts and blocks until the test opens the gate."""
+
+    name = "gated"
+
+    def __init__(self):
+        self.first_batch_started = threading.Event()
+        self.gate = threading.Event()
+        self.batches: list[list[str]] = []
+
+    def score_batch(self, images, prompts, metadata):
+        self.batches.append(list(prompts))
+        self.first_batch_started.set()
+        assert self.gate.wait(10)
+        return np.array([float(p) for p in prompts])
+
+
+def test_scoring_starts_before_last_row_and_batches_pending_rows():
+    reward = GatedReward()
+    images = _images(8)
+    with AsyncRewardScorer(reward, num_workers=1) as scorer:
+        scorer.submit(0, images[0], "0", {})
+        # The producer has not finished the batch, yet scoring of row 0 has begun.
+        assert reward.first_batch_started.wait(5)
+        assert reward.batches == [["0"]]
+        for row in range(1, 8):  # these finish while the only worker is busy ...
+            scorer.submit(row, images[row], str(row), {})
+        reward.gate.set()
+        scores = scorer.results()
+    np.testing.assert_array_equal(scores, np.arange(8.0))
+    # ... so the worker takes all seven pending rows as one batch.
+    assert reward.batches == [["0"], [str(r) for r in range(1, 8)]]
+    assert scorer.scored_batch_sizes == [1, 7]
+
+
+def test_required_failure_is_raised_with_submitted_row_index(fake_rewards):
+    reward = build_reward("metadata_value")
+    images = _images(4)
+    with AsyncRewardScorer(reward, num_workers=2, max_batch_size=2) as scorer:
+        for row in (3, 0, 1, 2):
+            scorer.submit(row, images[row], "", {"fail": True} if row == 2 else {"value": row})
+        with pytest.raises(RewardError) as caught:
+            scorer.results()
+    assert caught.value.row_index == 2
+
+
+def test_bad_submissions_are_rejected():
+    with AsyncRewardScorer(build_reward("jpeg_compressibility"), num_workers=1) as scorer:
+        image = _images(1)[0]
+        scorer.submit(0, image, "", {})
+        with pytest.raises(ValueError, match="twice"):
+            scorer.submit(0, image, "", {})
+        scorer.submit(2, image, "", {})
+        with pytest.raises(ValueError, match=r"missing \[1\]"):
+            scorer.results()
+        with pytest.raises(ValueError, match="uint8"):
+            scorer.submit(0, image.astype(np.float32), "", {})
+    with pytest.raises(ValueError, match="num_workers"):
+        AsyncRewardScorer(build_reward("jpeg_compressibility"), num_workers=0)
