@@ -19,7 +19,16 @@ from PIL import Image, ImageDraw, ImageFont
 
 from flowrl.rewards.ocr import OcrReward
 
-TEXTS = ("HELLO WORLD", "Open 24 Hours", "flow grpo", "FRESH BREAD", "Golden Harbor", "SALE TODAY", "quiet forest", "ROCKET")
+TEXTS = (
+    "HELLO WORLD",
+    "Open 24 Hours",
+    "flow grpo",
+    "FRESH BREAD",
+    "Golden Harbor",
+    "SALE TODAY",
+    "quiet forest",
+    "ROCKET",
+)
 
 
 def render(text: str, size: int, font_px: int, noise_sigma: float, seed: int) -> np.ndarray:
@@ -27,7 +36,12 @@ def render(text: str, size: int, font_px: int, noise_sigma: float, seed: int) ->
     draw = ImageDraw.Draw(image)
     font = ImageFont.truetype("DejaVuSans-Bold.ttf", font_px)
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text(((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top), text, fill="black", font=font)
+    draw.text(
+        ((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top),
+        text,
+        fill="black",
+        font=font,
+    )
     pixels = np.asarray(image).astype(np.float64)
     pixels += np.random.default_rng(seed).normal(0, noise_sigma, pixels.shape)
     return np.clip(pixels, 0, 255).astype(np.uint8).transpose(2, 0, 1)
@@ -74,7 +88,9 @@ def main() -> None:
     blank_ms, _ = time_per_image_ms(reward, blank_images, ["x"] * len(blank_images), args.repeats)
     print(f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}")
     print(f"rapidocr init + first image: {init_s:.2f} s; onnxruntime threads: {args.threads}")
-    print(f"OCR ms per 512x512 image with text: {text_ms:.0f} ms (mean score {mean_score:.3f} over {len(texts)} images)")
+    print(
+        f"OCR ms per 512x512 image with text: {text_ms:.0f} ms (mean score {mean_score:.3f} over {len(texts)} images)"
+    )
     print(f"OCR ms per 512x512 blank image:     {blank_ms:.0f} ms")
 
 

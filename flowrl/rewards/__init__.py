@@ -72,7 +72,9 @@ def build_reward_from_config(reward_cfg) -> Reward:
         main: Reward = MultiReward(_plain(components))
     else:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"reward.name={name!r} must be a reward name; choose one of: {', '.join(registered_rewards())}")
+            raise ValueError(
+                f"reward.name={name!r} must be a reward name; choose one of: {', '.join(registered_rewards())}"
+            )
         main = build_reward({"name": name, "options": _plain(options)})
     if routes:
         return DataSourceRouter(_plain(routes), default=main)

@@ -53,7 +53,8 @@ class AsyncRewardScorer:
         self._is_closed = False
         self.scored_batch_sizes: list[int] = []  # one entry per scored batch, for metrics
         self._workers = [
-            threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True) for i in range(num_workers)
+            threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True)
+            for i in range(num_workers)
         ]
         for worker in self._workers:
             worker.start()
@@ -69,7 +70,9 @@ class AsyncRewardScorer:
             if self._is_closed:
                 raise RuntimeError("AsyncRewardScorer is closed; create a new one")
             if row_index in self._submitted:
-                raise ValueError(f"row_index {row_index} was submitted twice; each row is scored once per batch")
+                raise ValueError(
+                    f"row_index {row_index} was submitted twice; each row is scored once per batch"
+                )
             self._submitted.add(row_index)
             self._pending.append(_PendingRow(row_index, image, prompt, metadata))
             self._condition.notify()
@@ -100,7 +103,9 @@ class AsyncRewardScorer:
                     total, components = outcome
                     for position, row in enumerate(batch):
                         self._scores[row.row_index] = float(total[position])
-                        self._components[row.row_index] = {name: float(s[position]) for name, s in components.items()}
+                        self._components[row.row_index] = {
+                            name: float(s[position]) for name, s in components.items()
+                        }
                 self.scored_batch_sizes.append(len(batch))
                 self._num_in_flight -= len(batch)
                 self._condition.notify_all()
@@ -109,7 +114,9 @@ class AsyncRewardScorer:
         rows = [row.row_index for row in batch]
         try:
             return self.reward.score_with_components(
-                np.stack([row.image for row in batch]), [row.prompt for row in batch], [row.metadata for row in batch]
+                np.stack([row.image for row in batch]),
+                [row.prompt for row in batch],
+                [row.metadata for row in batch],
             )
         except RewardError as error:  # re-address the batch-local row to the submitted numbering
             moved = error.with_row_index(None if error.row_index is None else rows[error.row_index])
@@ -119,7 +126,9 @@ class AsyncRewardScorer:
             return error
 
     # -- consumer side -----------------------------------------------------------------------
-    def results_with_components(self, num_rows: int | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def results_with_components(
+        self, num_rows: int | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Wait for every submitted row; (total (N,), {name: (N,)}) in row order; then reset."""
         with self._condition:
             while self._pending or self._num_in_flight:
@@ -140,7 +149,9 @@ class AsyncRewardScorer:
         total = np.array([scores[row] for row in range(expected)], dtype=np.float64)
         names = sorted({name for row_components in per_row_components.values() for name in row_components})
         components = {
-            name: np.array([per_row_components[row].get(name, np.nan) for row in range(expected)], dtype=np.float64)
+            name: np.array(
+                [per_row_components[row].get(name, np.nan) for row in range(expected)], dtype=np.float64
+            )
             for name in names
         }
         return total, components

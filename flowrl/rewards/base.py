@@ -67,7 +67,9 @@ def validate_batch(images: Any, prompts: list[str], metadata: list[dict]) -> np.
     if len(prompts) != batch_size:
         raise ValueError(f"prompts has {len(prompts)} entries for {batch_size} images; pass one per image")
     if len(metadata) != batch_size:
-        raise ValueError(f"metadata has {len(metadata)} entries for {batch_size} images; pass one dict per image")
+        raise ValueError(
+            f"metadata has {len(metadata)} entries for {batch_size} images; pass one dict per image"
+        )
     if not all(isinstance(meta, dict) for meta in metadata):
         raise ValueError("metadata must be a list of dicts, one per image (use {} for none)")
     return images
@@ -85,7 +87,9 @@ class Reward:
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         return self.score_with_components(images, prompts, metadata)[0]
 
-    def score_with_components(self, images: Any, prompts: list[str], metadata: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def score_with_components(
+        self, images: Any, prompts: list[str], metadata: list[dict]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(total, {component name: scores}); a single reward is its own only component."""
         images = validate_batch(images, prompts, metadata)
         try:
@@ -105,7 +109,9 @@ class Reward:
     def score_batch(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         raise NotImplementedError
 
-    def score_or_nan(self, images: Any, prompts: list[str], metadata: list[dict]) -> tuple[np.ndarray, list[RewardError]]:
+    def score_or_nan(
+        self, images: Any, prompts: list[str], metadata: list[dict]
+    ) -> tuple[np.ndarray, list[RewardError]]:
         """Scores with failed rows set to NaN, plus the failures (for optional rewards).
 
         Input validation errors (ValueError from a malformed batch) still raise: they are bugs
@@ -128,7 +134,9 @@ class RowwiseReward(Reward):
         scores = np.empty(images.shape[0], dtype=np.float64)
         for row, (image, prompt, meta) in enumerate(zip(images, prompts, metadata)):
             try:
-                scores[row] = float(self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta))
+                scores[row] = float(
+                    self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta)
+                )
             except Exception as error:
                 wrapped = RewardError(self.name, row, error)
                 wrapped.__cause__ = error
@@ -182,7 +190,9 @@ def registered_rewards() -> list[str]:
 
 def _resolve_factory(name: str) -> Callable[..., Reward]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown reward name {name!r}; registered rewards: {', '.join(registered_rewards())}")
+        raise ValueError(
+            f"unknown reward name {name!r}; registered rewards: {', '.join(registered_rewards())}"
+        )
     entry = _REGISTRY[name]
     if isinstance(entry, str):
         module_name, attribute = entry.split(":")
@@ -220,7 +230,9 @@ def build_reward(spec: dict | str) -> Reward:
             "and put per-reward settings under 'options'"
         )
     if "name" not in spec or not isinstance(spec["name"], str):
-        raise ValueError(f"reward spec {spec!r} needs a string 'name'; registered rewards: {', '.join(registered_rewards())}")
+        raise ValueError(
+            f"reward spec {spec!r} needs a string 'name'; registered rewards: {', '.join(registered_rewards())}"
+        )
     name, options = spec["name"], dict(spec.get("options") or {})
     factory = _resolve_factory(name)
     _check_options(name, factory, options)

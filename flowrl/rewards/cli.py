@@ -23,12 +23,22 @@ CONFIG_FIELDS = ("name", "options", "components", "route_by_data_source", "num_w
 
 def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     choose = parser.add_argument_group("reward choice")
-    choose.add_argument("--reward", help="registered reward name (e.g. ocr, jpeg_compressibility, clip_score)")
-    choose.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a reward option; VALUE is parsed as JSON when it can be (repeatable)")
-    choose.add_argument("--spec-file", type=Path,
-                        help="YAML/JSON file with a reward section (name, options, components, route_by_data_source), "
-                             "either at the top level or under a 'reward' key")
+    choose.add_argument(
+        "--reward", help="registered reward name (e.g. ocr, jpeg_compressibility, clip_score)"
+    )
+    choose.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a reward option; VALUE is parsed as JSON when it can be (repeatable)",
+    )
+    choose.add_argument(
+        "--spec-file",
+        type=Path,
+        help="YAML/JSON file with a reward section (name, options, components, route_by_data_source), "
+        "either at the top level or under a 'reward' key",
+    )
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -57,7 +67,9 @@ def reward_from_args(args: argparse.Namespace):
             raise ValueError(f"--spec-file {args.spec_file} must hold a mapping (a reward section)")
         unknown = sorted(set(section) - set(CONFIG_FIELDS))
         if unknown:
-            raise ValueError(f"--spec-file {args.spec_file}: unknown reward field(s) {unknown}; allowed: {CONFIG_FIELDS}")
+            raise ValueError(
+                f"--spec-file {args.spec_file}: unknown reward field(s) {unknown}; allowed: {CONFIG_FIELDS}"
+            )
         if args.option:
             raise ValueError("--option applies to --reward; put options inside the --spec-file instead")
         return build_reward_from_config(SimpleNamespace(**{"name": None, **section}))
@@ -76,10 +88,16 @@ def load_image_chw(path: Path) -> np.ndarray:
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_reward_arguments(parser)
-    parser.add_argument("--ground-truth", default=None, help="metadata ground_truth of every image (OCR target text)")
+    parser.add_argument(
+        "--ground-truth", default=None, help="metadata ground_truth of every image (OCR target text)"
+    )
     parser.add_argument("--prompt", default="", help="the prompt of every image (CLIP-family rewards)")
-    parser.add_argument("--data-source", default=None, help="metadata data_source of every image (for routing)")
-    parser.add_argument("images", nargs="+", type=Path, help="image files (any PIL-readable format; converted to RGB)")
+    parser.add_argument(
+        "--data-source", default=None, help="metadata data_source of every image (for routing)"
+    )
+    parser.add_argument(
+        "images", nargs="+", type=Path, help="image files (any PIL-readable format; converted to RGB)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

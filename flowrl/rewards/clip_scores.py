@@ -35,7 +35,9 @@ def _existing_path(option: str, value, reward_name: str, want_dir: bool) -> Path
     ok = path.is_dir() if want_dir else path.is_file()
     if not ok:
         kind = "folder (save_pretrained output)" if want_dir else "file"
-        raise ValueError(f"{reward_name} option {option}={str(value)!r} is not an existing {kind}; give a local path")
+        raise ValueError(
+            f"{reward_name} option {option}={str(value)!r} is not an existing {kind}; give a local path"
+        )
     return path
 
 
@@ -46,7 +48,9 @@ def preprocess_images(images: torch.Tensor, size: int, mean, std) -> torch.Tenso
     scale = size / min(height, width)
     new_h, new_w = max(size, round(height * scale)), max(size, round(width * scale))
     if (new_h, new_w) != (height, width):
-        pixels = torch.nn.functional.interpolate(pixels, size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False)
+        pixels = torch.nn.functional.interpolate(
+            pixels, size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False
+        )
         pixels = pixels.clamp(0.0, 1.0)  # bicubic overshoots; uint8 pipelines clip here too
     top, left = (new_h - size) // 2, (new_w - size) // 2
     pixels = pixels[:, :, top : top + size, left : left + size]
@@ -69,7 +73,9 @@ class ClipBackbone:
         self.model.requires_grad_(False)  # a frozen judge: no autograd state, ever
         self.tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         if len(self.tokenizer) <= 2:  # transformers may return an empty tokenizer instead of raising
-            raise ValueError(f"{reward_name}: no usable tokenizer in {folder} (vocab size {len(self.tokenizer)})")
+            raise ValueError(
+                f"{reward_name}: no usable tokenizer in {folder} (vocab size {len(self.tokenizer)})"
+            )
         self.image_size = int(self.model.config.vision_config.image_size)
         self.mean, self.std = CLIP_MEAN, CLIP_STD
         preprocessor = folder / "preprocessor_config.json"
@@ -93,7 +99,9 @@ class ClipBackbone:
         tokens = self.tokenizer(
             prompts, padding=True, truncation=True, max_length=self.max_text_length, return_tensors="pt"
         ).to(self.device)
-        pooled = self.model.text_model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).pooler_output
+        pooled = self.model.text_model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+        ).pooler_output
         return self.model.text_projection(pooled).float()
 
     def cosine(self, images: np.ndarray, prompts: list[str]) -> torch.Tensor:
@@ -111,7 +119,14 @@ def _check_batch_size(reward_name: str, batch_size) -> int:
 class ClipScoreReward(Reward):
     name = "clip_score"
 
-    def __init__(self, model_path: str, scale: float = 1.0, batch_size: int = 32, device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self,
+        model_path: str,
+        scale: float = 1.0,
+        batch_size: int = 32,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ):
         self.backbone = ClipBackbone(model_path, self.name, device, dtype)
         self.scale = float(scale)
         self.batch_size = _check_batch_size(self.name, batch_size)
@@ -135,7 +150,9 @@ class PickScoreReward(ClipScoreReward):
         return self.scale * logit_scale * self.backbone.cosine(images, prompts)
 
 
-def load_linear_head(head_path: Path, input_dim: int, reward_name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def load_linear_head(
+    head_path: Path, input_dim: int, reward_name: str
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Linear layers from a safetensors file, applied in the order of the numbers in their keys.
 
     Keys are `<prefix><i>.weight` (out, in) with optional `<prefix><i>.bias` (out,), e.g. the
@@ -147,7 +164,9 @@ def load_linear_head(head_path: Path, input_dim: int, reward_name: str) -> list[
     tensors = load_file(str(head_path))
     weight_keys = [key for key in tensors if key.endswith("weight")]
     if not weight_keys:
-        raise ValueError(f"{reward_name}: head file {head_path} has no '*weight' tensors; keys: {sorted(tensors)}")
+        raise ValueError(
+            f"{reward_name}: head file {head_path} has no '*weight' tensors; keys: {sorted(tensors)}"
+        )
 
     def natural_order(key: str):
         return tuple(int(number) for number in re.findall(r"\d+", key)), key
@@ -164,7 +183,9 @@ def load_linear_head(head_path: Path, input_dim: int, reward_name: str) -> list[
         layers.append((weight, None if bias is None else bias.float()))
         expected_in = weight.shape[0]
     if expected_in != 1:
-        raise ValueError(f"{reward_name}: head in {head_path} ends with {expected_in} outputs; it must end with 1")
+        raise ValueError(
+            f"{reward_name}: head in {head_path} ends with {expected_in} outputs; it must end with 1"
+        )
     return layers
 
 
@@ -174,10 +195,20 @@ _ACTIVATIONS = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functi
 class AestheticReward(Reward):
     name = "aesthetic"
 
-    def __init__(self, model_path: str, head_path: str, activation: str = "none", normalize_embeddings: bool = True,
-                 batch_size: int = 32, device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self,
+        model_path: str,
+        head_path: str,
+        activation: str = "none",
+        normalize_embeddings: bool = True,
+        batch_size: int = 32,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ):
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"aesthetic option activation={activation!r} is not one of {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"aesthetic option activation={activation!r} is not one of {sorted(_ACTIVATIONS)}"
+            )
         self.backbone = ClipBackbone(model_path, self.name, device, dtype)
         head_file = _existing_path("head_path", head_path, self.name, want_dir=False)
         self.layers = load_linear_head(head_file, int(self.backbone.model.config.projection_dim), self.name)

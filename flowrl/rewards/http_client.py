@@ -34,7 +34,9 @@ RETRYABLE_STATUS = frozenset({408, 429})
 def encode_png(image_chw: np.ndarray) -> bytes:
     """(3, H, W) uint8 -> PNG bytes (lossless; low compression level because speed matters more)."""
     buffer = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(buffer, format="PNG", compress_level=1)
+    Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(
+        buffer, format="PNG", compress_level=1
+    )
     return buffer.getvalue()
 
 
@@ -44,9 +46,13 @@ def decode_png(data: bytes, field: str = "image") -> np.ndarray:
         image = Image.open(io.BytesIO(data))
         image.load()
     except Exception as error:
-        raise ValueError(f"{field} is not a readable image ({type(error).__name__}: {error}); send RGB PNG bytes") from error
+        raise ValueError(
+            f"{field} is not a readable image ({type(error).__name__}: {error}); send RGB PNG bytes"
+        ) from error
     if image.mode != "RGB":
-        raise ValueError(f"{field} has mode {image.mode!r}; send 8-bit RGB images (convert RGBA/L to RGB first)")
+        raise ValueError(
+            f"{field} has mode {image.mode!r}; send 8-bit RGB images (convert RGBA/L to RGB first)"
+        )
     return np.asarray(image).transpose(2, 0, 1).copy()
 
 
@@ -88,28 +94,50 @@ class HttpReward(Reward):
 
     name = "http"
 
-    def __init__(self, url: str, transport: str = "json", timeout_s: float = 60.0, max_attempts: int = 4,
-                 backoff_s: float = 0.5, max_backoff_s: float = 8.0, client: httpx.Client | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        url: str,
+        transport: str = "json",
+        timeout_s: float = 60.0,
+        max_attempts: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        client: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"http option url={url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
+            raise ValueError(
+                f"http option url={url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000"
+            )
         if transport not in ("json", "multipart"):
             raise ValueError(f"http option transport={transport!r} must be 'json' or 'multipart'")
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"http option max_attempts={max_attempts!r} must be an integer >= 1")
         if timeout_s <= 0 or backoff_s < 0 or max_backoff_s < 0:
-            raise ValueError(f"http options timeout_s={timeout_s}, backoff_s={backoff_s}, max_backoff_s={max_backoff_s} must be positive")
+            raise ValueError(
+                f"http options timeout_s={timeout_s}, backoff_s={backoff_s}, max_backoff_s={max_backoff_s} must be positive"
+            )
         self.score_url = url.rstrip("/") + "/score"
         self.transport = transport
-        self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, float(backoff_s), float(max_backoff_s)
+        self.max_attempts, self.backoff_s, self.max_backoff_s = (
+            max_attempts,
+            float(backoff_s),
+            float(max_backoff_s),
+        )
         self.client = client or httpx.Client(timeout=httpx.Timeout(timeout_s))
         self._sleep = sleep
 
     def _request_kwargs(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> dict:
         if self.transport == "json":
-            payload = {"images": [encode_png_base64(image) for image in images], "prompts": prompts, "metadata": metadata}
+            payload = {
+                "images": [encode_png_base64(image) for image in images],
+                "prompts": prompts,
+                "metadata": metadata,
+            }
             return {"json": payload}
-        files = [("images", (f"{row}.png", encode_png(image), "image/png")) for row, image in enumerate(images)]
+        files = [
+            ("images", (f"{row}.png", encode_png(image), "image/png")) for row, image in enumerate(images)
+        ]
         return {"files": files, "data": {"request": json.dumps({"prompts": prompts, "metadata": metadata})}}
 
     def _raise_if_remote_reward_failed(self, response: httpx.Response) -> None:
@@ -137,7 +165,9 @@ class HttpReward(Reward):
                 if response.status_code >= 500:
                     self._raise_if_remote_reward_failed(response)
                 elif response.status_code not in RETRYABLE_STATUS:
-                    raise HttpRewardError(self.score_url, attempt, last_error + " (not retried: the request was rejected)")
+                    raise HttpRewardError(
+                        self.score_url, attempt, last_error + " (not retried: the request was rejected)"
+                    )
                 retry_after = _retry_after_seconds(response)
                 if retry_after is not None:
                     wait_s = min(self.max_backoff_s, retry_after)
@@ -149,8 +179,13 @@ class HttpReward(Reward):
         answer = self.post(**self._request_kwargs(images, prompts, metadata))
         scores = scores_from_json(answer.get("scores"), "scores")
         if scores.shape != (len(prompts),):
-            raise ValueError(f"reward service at {self.score_url} returned {scores.shape[0]} scores for {len(prompts)} images")
-        components = {name: scores_from_json(values, f"components.{name}") for name, values in (answer.get("components") or {}).items()}
+            raise ValueError(
+                f"reward service at {self.score_url} returned {scores.shape[0]} scores for {len(prompts)} images"
+            )
+        components = {
+            name: scores_from_json(values, f"components.{name}")
+            for name, values in (answer.get("components") or {}).items()
+        }
         return scores, components or {self.name: scores}
 
     def close(self) -> None:

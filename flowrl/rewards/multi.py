@@ -50,13 +50,17 @@ class MultiReward(Reward):
                 raise ValueError(f"{where} is {component!r}; give a dict with at least 'name'")
             unknown = sorted(set(component) - set(COMPONENT_KEYS))
             if unknown:
-                raise ValueError(f"{where} ({component['name']!r}) has unknown key(s) {unknown}; allowed: {COMPONENT_KEYS}")
+                raise ValueError(
+                    f"{where} ({component['name']!r}) has unknown key(s) {unknown}; allowed: {COMPONENT_KEYS}"
+                )
             weight = component.get("weight", 1.0)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"{where} ({component['name']!r}) weight={weight!r} must be a finite number")
             label = component.get("label") or component["name"]
             if any(label == existing for existing, *_ in self.components):
-                raise ValueError(f"{where}: component name {label!r} is used twice; give one of them a distinct 'label'")
+                raise ValueError(
+                    f"{where}: component name {label!r} is used twice; give one of them a distinct 'label'"
+                )
             reward = _as_reward({"name": component["name"], "options": component.get("options") or {}}, where)
             reward.name = label  # failures and logs carry the component's label
             self.components.append((label, float(weight), bool(component.get("optional", False)), reward))
@@ -68,8 +72,12 @@ class MultiReward(Reward):
             if is_optional:
                 scores, failures = reward.score_or_nan(images, prompts, metadata)
                 if failures:
-                    logger.warning("optional reward %r failed on %d row(s), scored NaN; first: %s",
-                                   label, int(np.isnan(scores).sum()), failures[0])
+                    logger.warning(
+                        "optional reward %r failed on %d row(s), scored NaN; first: %s",
+                        label,
+                        int(np.isnan(scores).sum()),
+                        failures[0],
+                    )
                 sub_components = {label: scores}
             else:
                 scores, sub_components = reward.score_with_components(images, prompts, metadata)
@@ -88,8 +96,12 @@ class DataSourceRouter(Reward):
 
     def __init__(self, routes: dict, default=None, data_source_key: str = "data_source"):
         if not isinstance(routes, dict) or not routes:
-            raise ValueError(f"route_by_data_source routes={routes!r} must be a non-empty dict data_source -> reward")
-        self.routes = {source: _as_reward(spec, f"route for data_source {source!r}") for source, spec in routes.items()}
+            raise ValueError(
+                f"route_by_data_source routes={routes!r} must be a non-empty dict data_source -> reward"
+            )
+        self.routes = {
+            source: _as_reward(spec, f"route for data_source {source!r}") for source, spec in routes.items()
+        }
         self.default = None if default is None else _as_reward(default, "default reward")
         self.data_source_key = data_source_key
 
@@ -133,8 +145,10 @@ def summarize_rewards(total: np.ndarray, components: dict[str, np.ndarray]) -> d
     """Metrics to log: `reward/<name>` (nan-mean per component), `reward/total`, NaN-row count."""
     total = np.asarray(total, dtype=np.float64)
     finite = ~np.isnan(total)
-    metrics = {"reward/total": float(total[finite].mean()) if finite.any() else float("nan"),
-               "reward/num_nan_rows": float((~finite).sum())}
+    metrics = {
+        "reward/total": float(total[finite].mean()) if finite.any() else float("nan"),
+        "reward/num_nan_rows": float((~finite).sum()),
+    }
     for name, scores in components.items():
         scores = np.asarray(scores, dtype=np.float64)
         scored = scores[~np.isnan(scores)]

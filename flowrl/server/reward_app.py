@@ -67,11 +67,15 @@ def _decode_base64_png(value, index: int) -> np.ndarray:
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as error:
-        raise BadRequest(f"images[{index}] is not valid base64 ({error}); send base64-encoded PNG bytes") from error
+        raise BadRequest(
+            f"images[{index}] is not valid base64 ({error}); send base64-encoded PNG bytes"
+        ) from error
     return decode_png(data, f"images[{index}]")
 
 
-def parse_score_request(body: bytes, content_type: str, max_batch_size: int) -> tuple[np.ndarray, list[str], list[dict]]:
+def parse_score_request(
+    body: bytes, content_type: str, max_batch_size: int
+) -> tuple[np.ndarray, list[str], list[dict]]:
     """Validate a /score request into (images (B, 3, H, W) uint8, prompts, metadata)."""
     try:
         if content_type.startswith("application/json"):
@@ -84,12 +88,17 @@ def parse_score_request(body: bytes, content_type: str, max_batch_size: int) -> 
             raw_images = payload.get("images")
             if not isinstance(raw_images, list) or not raw_images:
                 raise BadRequest("field 'images' must be a non-empty list of base64 PNG strings")
-            images = [_decode_base64_png(value, index) for index, value in enumerate(raw_images[: max_batch_size + 1])]
+            images = [
+                _decode_base64_png(value, index)
+                for index, value in enumerate(raw_images[: max_batch_size + 1])
+            ]
         elif content_type.startswith("multipart/form-data"):
             fields = parse_multipart(body, content_type)
             requests = [content for name, content in fields if name == "request"]
             if len(requests) != 1:
-                raise BadRequest("multipart request needs exactly one 'request' field with JSON {prompts, metadata}")
+                raise BadRequest(
+                    "multipart request needs exactly one 'request' field with JSON {prompts, metadata}"
+                )
             try:
                 payload = json.loads(requests[0])
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -99,9 +108,14 @@ def parse_score_request(body: bytes, content_type: str, max_batch_size: int) -> 
             files = [content for name, content in fields if name == "images"]
             if not files:
                 raise BadRequest("multipart request has no 'images' file parts")
-            images = [decode_png(content, f"images[{index}]") for index, content in enumerate(files[: max_batch_size + 1])]
+            images = [
+                decode_png(content, f"images[{index}]")
+                for index, content in enumerate(files[: max_batch_size + 1])
+            ]
         else:
-            raise BadRequest(f"unsupported Content-Type {content_type!r}; use application/json or multipart/form-data", 415)
+            raise BadRequest(
+                f"unsupported Content-Type {content_type!r}; use application/json or multipart/form-data", 415
+            )
     except BadRequest:
         raise
     except ValueError as error:  # decode_png names the image and the fix
@@ -111,20 +125,32 @@ def parse_score_request(body: bytes, content_type: str, max_batch_size: int) -> 
     batch_size = len(images)
     prompts = payload.get("prompts", [""] * batch_size)
     metadata = payload.get("metadata", [{}] * batch_size)
-    if not isinstance(prompts, list) or len(prompts) != batch_size or not all(isinstance(p, str) for p in prompts):
+    if (
+        not isinstance(prompts, list)
+        or len(prompts) != batch_size
+        or not all(isinstance(p, str) for p in prompts)
+    ):
         raise BadRequest(f"field 'prompts' must be a list of {batch_size} strings, one per image")
-    if not isinstance(metadata, list) or len(metadata) != batch_size or not all(isinstance(m, dict) for m in metadata):
+    if (
+        not isinstance(metadata, list)
+        or len(metadata) != batch_size
+        or not all(isinstance(m, dict) for m in metadata)
+    ):
         raise BadRequest(f"field 'metadata' must be a list of {batch_size} objects, one per image")
     shapes = sorted({image.shape for image in images})
     if len(shapes) != 1:
-        raise BadRequest(f"all images of one request must have the same size, got {shapes}; send one request per size")
+        raise BadRequest(
+            f"all images of one request must have the same size, got {shapes}; send one request per size"
+        )
     return np.stack(images), prompts, metadata
 
 
 def create_reward_app(reward: Reward, max_batch_size: int = 256, max_concurrency: int = 1) -> FastAPI:
     """A FastAPI app serving `reward` at /score (see the module docstring)."""
     if max_concurrency < 1 or max_batch_size < 1:
-        raise ValueError(f"max_concurrency={max_concurrency} and max_batch_size={max_batch_size} must be >= 1")
+        raise ValueError(
+            f"max_concurrency={max_concurrency} and max_batch_size={max_batch_size} must be >= 1"
+        )
     app = FastAPI(title="flowrl reward service")
     slots = threading.Semaphore(max_concurrency)
 
@@ -140,23 +166,43 @@ def create_reward_app(reward: Reward, max_batch_size: int = 256, max_concurrency
     async def score(request: Request):
         body = await request.body()
         try:
-            images, prompts, metadata = parse_score_request(body, request.headers.get("content-type", ""), max_batch_size)
+            images, prompts, metadata = parse_score_request(
+                body, request.headers.get("content-type", ""), max_batch_size
+            )
         except BadRequest as error:
             return JSONResponse({"error": "bad_request", "detail": str(error)}, status_code=error.status_code)
         try:
             total, components = await run_in_threadpool(score_blocking, images, prompts, metadata)
         except RewardError as error:
-            cause = error.cause if isinstance(error.cause, str) else f"{type(error.cause).__name__}: {error.cause}"
-            content = {"error": "reward_failed", "reward": error.reward_name, "row": error.row_index, "cause": cause}
+            cause = (
+                error.cause
+                if isinstance(error.cause, str)
+                else f"{type(error.cause).__name__}: {error.cause}"
+            )
+            content = {
+                "error": "reward_failed",
+                "reward": error.reward_name,
+                "row": error.row_index,
+                "cause": cause,
+            }
             return JSONResponse(content, status_code=500)
-        return {"reward": reward.name, "scores": scores_to_json(total),
-                "components": {name: scores_to_json(values) for name, values in components.items()}}
+        return {
+            "reward": reward.name,
+            "scores": scores_to_json(total),
+            "components": {name: scores_to_json(values) for name, values in components.items()},
+        }
 
     return app
 
 
 @contextlib.contextmanager
-def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout_s: float = 20.0):
+def serve_in_background(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    startup_timeout_s: float = 20.0,
+):
     """Run `app` with uvicorn in a daemon thread; yields its base URL; stops it on exit.
 
     port=0 picks a free port (the URL carries the real one). Binds loopback unless told otherwise.
@@ -170,7 +216,9 @@ def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, lo
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"reward server did not start on {host}:{port} (port in use? see the log above)")
+            raise RuntimeError(
+                f"reward server did not start on {host}:{port} (port in use? see the log above)"
+            )
         time.sleep(0.01)
     bound_port = server.servers[0].sockets[0].getsockname()[1]
     try:

@@ -23,8 +23,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8100, help="port to bind; 0 picks a free one")
     parser.add_argument("--max-batch-size", type=int, default=256, help="largest accepted request batch")
-    parser.add_argument("--max-concurrency", type=int, default=1,
-                        help="batches scored at once (raise only for thread-safe rewards with spare cores)")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=1,
+        help="batches scored at once (raise only for thread-safe rewards with spare cores)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         reward = reward_from_args(args)
-        app = create_reward_app(reward, max_batch_size=args.max_batch_size, max_concurrency=args.max_concurrency)
+        app = create_reward_app(
+            reward, max_batch_size=args.max_batch_size, max_concurrency=args.max_concurrency
+        )
     except ValueError as error:
         print(f"flowrl reward-server: error: {error}", file=sys.stderr)
         return 1

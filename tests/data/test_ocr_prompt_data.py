@@ -22,6 +22,7 @@ def test_rows_quote_their_ground_truth_from_our_word_list():
     assert len({row["ground_truth"] for row in rows}) > 250  # varied targets
     assert len({row["prompt"].replace(row["ground_truth"], "") for row in rows}) == len(SCENE_TEMPLATES)
     assert len(set(OCR_WORDS)) == len(OCR_WORDS)
+    assert all(3 <= len(word) <= 8 and word.isalpha() and word.islower() for word in OCR_WORDS)
 
 
 def test_same_seed_same_rows_other_seed_other_rows():

@@ -6,14 +6,21 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 
-def render_text_image(text: str, size: int = 320, font_px: int = 32, noise_sigma: float = 0.0, seed: int = 0) -> np.ndarray:
+def render_text_image(
+    text: str, size: int = 320, font_px: int = 32, noise_sigma: float = 0.0, seed: int = 0
+) -> np.ndarray:
     """(3, size, size) uint8: black DejaVu Sans Bold text centred on white (+ optional noise)."""
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.truetype("DejaVuSans-Bold.ttf", font_px)
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
     assert right - left < size - 8, f"text {text!r} does not fit; use a smaller font"
-    draw.text(((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top), text, fill="black", font=font)
+    draw.text(
+        ((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top),
+        text,
+        fill="black",
+        font=font,
+    )
     pixels = np.asarray(image).astype(np.float64)
     if noise_sigma:
         pixels = pixels + np.random.default_rng(seed).normal(0, noise_sigma, pixels.shape)

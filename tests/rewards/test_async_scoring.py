@@ -21,8 +21,17 @@ def _images(num_rows: int) -> np.ndarray:
 
 
 def test_async_equals_sync_with_rows_finishing_out_of_order():
-    reward = build_reward({"name": "multi", "options": {"components": [
-        {"name": "jpeg_compressibility", "weight": 1.0}, {"name": "jpeg_incompressibility", "weight": 0.5}]}})
+    reward = build_reward(
+        {
+            "name": "multi",
+            "options": {
+                "components": [
+                    {"name": "jpeg_compressibility", "weight": 1.0},
+                    {"name": "jpeg_incompressibility", "weight": 0.5},
+                ]
+            },
+        }
+    )
     images = _images(12)
     prompts, meta = [f"p{i}" for i in range(12)], [{} for _ in range(12)]
     sync_total, sync_components = reward.score_with_components(images, prompts, meta)

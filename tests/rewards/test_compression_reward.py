@@ -28,8 +28,12 @@ def test_compressibility_orders_flat_above_noise_and_incompressibility_reverses(
 def test_torch_input_matches_numpy_and_quality_changes_size():
     images = _flat_and_noise()
     reward = build_reward({"name": "jpeg_incompressibility", "options": {"quality": 95}})
-    np.testing.assert_array_equal(reward(torch.from_numpy(images), ["", ""], [{}, {}]), reward(images, ["", ""], [{}, {}]))
-    low = build_reward({"name": "jpeg_incompressibility", "options": {"quality": 20}})(images, ["", ""], [{}, {}])
+    np.testing.assert_array_equal(
+        reward(torch.from_numpy(images), ["", ""], [{}, {}]), reward(images, ["", ""], [{}, {}])
+    )
+    low = build_reward({"name": "jpeg_incompressibility", "options": {"quality": 20}})(
+        images, ["", ""], [{}, {}]
+    )
     assert low[1] < reward(images, ["", ""], [{}, {}])[1]
 
 

@@ -14,11 +14,13 @@ def _multi(components):
 
 
 def test_weighted_sum_and_components(fake_rewards):
-    reward = _multi([
-        {"name": "metadata_value", "weight": 0.5},
-        {"name": "metadata_value", "label": "doubled", "weight": -2.0, "options": {"scale": 2.0}},
-        {"name": "jpeg_incompressibility", "weight": 0.1},
-    ])
+    reward = _multi(
+        [
+            {"name": "metadata_value", "weight": 0.5},
+            {"name": "metadata_value", "label": "doubled", "weight": -2.0, "options": {"scale": 2.0}},
+            {"name": "jpeg_incompressibility", "weight": 0.1},
+        ]
+    )
     values = np.array([1.0, -3.0, 0.25])
     images = np.random.default_rng(0).integers(0, 256, (3, 3, 16, 16), dtype=np.uint8)
     meta = [{"value": v} for v in values]
@@ -34,10 +36,12 @@ def test_weighted_sum_and_components(fake_rewards):
 
 
 def test_optional_failure_makes_only_those_rows_nan_and_counts_them(fake_rewards):
-    reward = _multi([
-        {"name": "jpeg_compressibility", "weight": 1.0},
-        {"name": "metadata_value", "weight": 1.0, "optional": True},
-    ])
+    reward = _multi(
+        [
+            {"name": "jpeg_compressibility", "weight": 1.0},
+            {"name": "metadata_value", "weight": 1.0, "optional": True},
+        ]
+    )
     meta = [{"value": 1.0}, {"fail": True}, {"value": 3.0}]
     total, components = reward.score_with_components(blank_images(3), [""] * 3, meta)
     assert np.isnan(total[1]) and np.isfinite(total[[0, 2]]).all()
@@ -70,12 +74,21 @@ def test_bad_components_are_named(fake_rewards, components, match):
 
 
 def test_routing_by_data_source(fake_rewards):
-    router = build_reward({"name": "route_by_data_source", "options": {
-        "routes": {"ocr": {"name": "metadata_value", "options": {"scale": 10.0}}},
-        "default": "metadata_value",
-    }})
-    meta = [{"data_source": "ocr", "value": 1.0}, {"data_source": "other", "value": 2.0}, {"value": 3.0},
-            {"data_source": "ocr", "value": 4.0}]
+    router = build_reward(
+        {
+            "name": "route_by_data_source",
+            "options": {
+                "routes": {"ocr": {"name": "metadata_value", "options": {"scale": 10.0}}},
+                "default": "metadata_value",
+            },
+        }
+    )
+    meta = [
+        {"data_source": "ocr", "value": 1.0},
+        {"data_source": "other", "value": 2.0},
+        {"value": 3.0},
+        {"data_source": "ocr", "value": 4.0},
+    ]
     total, components = router.score_with_components(blank_images(4), [""] * 4, meta)
     np.testing.assert_allclose(total, [10.0, 2.0, 3.0, 40.0])
     assert list(components) == ["metadata_value"]  # both routes are this reward: one metric
@@ -84,6 +97,8 @@ def test_routing_by_data_source(fake_rewards):
     with pytest.raises(RewardError) as caught:
         router(blank_images(4), [""] * 4, meta)
     assert caught.value.row_index == 3
-    no_default = build_reward({"name": "route_by_data_source", "options": {"routes": {"ocr": "metadata_value"}}})
+    no_default = build_reward(
+        {"name": "route_by_data_source", "options": {"routes": {"ocr": "metadata_value"}}}
+    )
     with pytest.raises(RewardError, match="data_source='web'"):
         no_default(blank_images(1), [""], [{"data_source": "web", "value": 1}])

@@ -36,12 +36,23 @@ class FailOnMetadata(RowwiseReward):
 def servers():
     """Two live services on 127.0.0.1 (free ports): a multi-reward and a required failing reward."""
     register_reward("fail_on_metadata", FailOnMetadata, overwrite=True)
-    multi = build_reward({"name": "multi", "options": {"components": [
-        {"name": "jpeg_incompressibility"}, {"name": "fail_on_metadata", "optional": True}]}})
+    multi = build_reward(
+        {
+            "name": "multi",
+            "options": {
+                "components": [
+                    {"name": "jpeg_incompressibility"},
+                    {"name": "fail_on_metadata", "optional": True},
+                ]
+            },
+        }
+    )
     unregister_reward("fail_on_metadata")
     failing = FailOnMetadata()
-    with serve_in_background(create_reward_app(multi, max_batch_size=8)) as multi_url, \
-            serve_in_background(create_reward_app(failing)) as failing_url:
+    with (
+        serve_in_background(create_reward_app(multi, max_batch_size=8)) as multi_url,
+        serve_in_background(create_reward_app(failing)) as failing_url,
+    ):
         yield {"multi": (multi, multi_url), "failing": (failing, failing_url)}
 
 
@@ -107,8 +118,16 @@ def test_malformed_requests_get_4xx_and_server_stays_up(servers):
         (dict(json={"images": [png] * 9}), 413, "at most 8"),
         (dict(content=b"x", headers={"content-type": "text/plain"}), 415, "Content-Type"),
         (dict(content=b"x", headers={"content-type": "multipart/form-data"}), 400, "boundary"),
-        (dict(files=[("images", ("0.png", b"\x89PNG", "image/png"))], data={"request": "{}"}), 400, "images[0]"),
-        (dict(files=[("images", ("0.png", encode_png(np.zeros((3, 8, 8), np.uint8)), "image/png"))]), 400, "'request'"),
+        (
+            dict(files=[("images", ("0.png", b"\x89PNG", "image/png"))], data={"request": "{}"}),
+            400,
+            "images[0]",
+        ),
+        (
+            dict(files=[("images", ("0.png", encode_png(np.zeros((3, 8, 8), np.uint8)), "image/png"))]),
+            400,
+            "'request'",
+        ),
     ]
     for kwargs, status, fragment in cases:
         response = _post(url, **kwargs)
@@ -119,8 +138,14 @@ def test_malformed_requests_get_4xx_and_server_stays_up(servers):
 
 
 def test_retries_with_exponential_backoff_on_retryable_statuses():
-    answers = iter([httpx.Response(503), httpx.Response(408), httpx.Response(429, headers={"retry-after": "0.25"}),
-                    httpx.Response(200, json={"scores": [0.5], "components": {"x": [0.5]}})])
+    answers = iter(
+        [
+            httpx.Response(503),
+            httpx.Response(408),
+            httpx.Response(429, headers={"retry-after": "0.25"}),
+            httpx.Response(200, json={"scores": [0.5], "components": {"x": [0.5]}}),
+        ]
+    )
     requests = []
 
     def handler(request):
@@ -128,8 +153,13 @@ def test_retries_with_exponential_backoff_on_retryable_statuses():
         return next(answers)
 
     sleeps = []
-    reward = HttpReward("http://reward.test", max_attempts=4, backoff_s=0.1, sleep=sleeps.append,
-                        client=httpx.Client(transport=httpx.MockTransport(handler)))
+    reward = HttpReward(
+        "http://reward.test",
+        max_attempts=4,
+        backoff_s=0.1,
+        sleep=sleeps.append,
+        client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
     scores = reward(np.zeros((1, 3, 8, 8), np.uint8), [""], [{}])
     assert scores.tolist() == [0.5] and len(requests) == 4
     assert sleeps == [0.1, 0.2, 0.25]  # doubling, then the server's Retry-After
@@ -142,7 +172,11 @@ def test_client_errors_are_not_retried():
         calls.append(request)
         return httpx.Response(400, json={"error": "bad_request", "detail": "field 'prompts' ..."})
 
-    reward = HttpReward("http://reward.test", client=httpx.Client(transport=httpx.MockTransport(handler)), sleep=lambda s: None)
+    reward = HttpReward(
+        "http://reward.test",
+        client=httpx.Client(transport=httpx.MockTransport(handler)),
+        sleep=lambda s: None,
+    )
     with pytest.raises(RewardError, match=r"HTTP 400.*not retried"):
         reward(np.zeros((1, 3, 8, 8), np.uint8), [""], [{}])
     assert len(calls) == 1
@@ -153,11 +187,15 @@ def test_server_down_retries_then_names_url_and_attempts():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     sleeps = []
-    reward = HttpReward(f"http://127.0.0.1:{port}", max_attempts=3, backoff_s=0.01, timeout_s=2, sleep=sleeps.append)
+    reward = HttpReward(
+        f"http://127.0.0.1:{port}", max_attempts=3, backoff_s=0.01, timeout_s=2, sleep=sleeps.append
+    )
     with pytest.raises(RewardError) as caught:
         reward(np.zeros((1, 3, 8, 8), np.uint8), [""], [{}])
     message = str(caught.value)
-    assert f"http://127.0.0.1:{port}/score" in message and "3 attempts" in message and "ConnectError" in message
+    assert (
+        f"http://127.0.0.1:{port}/score" in message and "3 attempts" in message and "ConnectError" in message
+    )
     assert sleeps == [0.01, 0.02]
 
 
