@@ -127,12 +127,22 @@ class AsyncRewardScorer:
 
     # -- consumer side -----------------------------------------------------------------------
     def results_with_components(
-        self, num_rows: int | None = None
+        self, num_rows: int | None = None, timeout_s: float | None = None
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Wait for every submitted row; (total (N,), {name: (N,)}) in row order; then reset."""
+        """Wait for every submitted row; (total (N,), {name: (N,)}) in row order; then reset.
+
+        `num_rows` (optional) checks that rows 0..num_rows-1 were all submitted; `timeout_s`
+        bounds the wait (TimeoutError, state kept) so a hung reward cannot stall training silently.
+        """
         with self._condition:
-            while self._pending or self._num_in_flight:
-                self._condition.wait()
+            is_done = self._condition.wait_for(
+                lambda: not self._pending and not self._num_in_flight, timeout_s
+            )
+            if not is_done:
+                raise TimeoutError(
+                    f"reward {self.reward.name!r}: {len(self._pending)} row(s) pending and "
+                    f"{self._num_in_flight} in flight after {timeout_s} s"
+                )
             errors, submitted = self._errors, sorted(self._submitted)
             scores, per_row_components = self._scores, self._components
             self._errors, self._submitted, self._scores, self._components = [], set(), {}, {}
@@ -156,8 +166,8 @@ class AsyncRewardScorer:
         }
         return total, components
 
-    def results(self, num_rows: int | None = None) -> np.ndarray:
-        return self.results_with_components(num_rows)[0]
+    def results(self, num_rows: int | None = None, timeout_s: float | None = None) -> np.ndarray:
+        return self.results_with_components(num_rows, timeout_s)[0]
 
     def close(self) -> None:
         with self._condition:

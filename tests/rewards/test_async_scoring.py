@@ -75,6 +75,8 @@ def test_scoring_starts_before_last_row_and_batches_pending_rows():
         assert reward.batches == [["0"]]
         for row in range(1, 8):  # these finish while the only worker is busy ...
             scorer.submit(row, images[row], str(row), {})
+        with pytest.raises(TimeoutError, match=r"7 row\(s\) pending and 1 in flight"):
+            scorer.results(timeout_s=0.05)
         reward.gate.set()
         scores = scorer.results()
     np.testing.assert_array_equal(scores, np.arange(8.0))
