@@ -28,7 +28,7 @@ ZERO_STD_POLICIES = ("keep", "drop")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LORA_INITS = ("default", "gaussian", "pissa", "olora", "orthogonal")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional")
+REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
 
 
 def _fail(key: str, value, fix: str):

@@ -16,11 +16,13 @@ import math
 
 import numpy as np
 
+from flowrl.config.sections import REWARD_COMPONENT_KEYS
 from flowrl.rewards.base import Reward, build_reward
 
 logger = logging.getLogger(__name__)
 
-COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
+# One home for the component keys: the config section that declares them.
+COMPONENT_KEYS = REWARD_COMPONENT_KEYS
 
 
 def _as_reward(spec_or_reward, where: str) -> Reward:
