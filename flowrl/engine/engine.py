@@ -33,9 +33,20 @@ from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.request import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
-from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.models.base import COMPILE_BACKENDS, FlowModelAdapter, PromptEncoding
 
 logger = logging.getLogger(__name__)
+
+
+def _compile_backend(compile: bool | str) -> str:
+    if compile is True:
+        return "inductor"
+    if isinstance(compile, str) and compile in COMPILE_BACKENDS:
+        return compile
+    raise ValueError(
+        f"compile={compile!r} is not valid; use False, True (torch.compile with inductor) or a "
+        f"backend name in {COMPILE_BACKENDS}"
+    )
 
 
 class DiffusionEngine:
@@ -43,8 +54,12 @@ class DiffusionEngine:
 
     supports_batched_generation = True
 
-    def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 8, prompt_cache_size: int = 4096):
+    def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 8, prompt_cache_size: int = 4096,
+                 compile: bool | str = False):
         self.adapter = adapter
+        # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
+        # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
+        self.compiled_modules = adapter.compile_modules(_compile_backend(compile)) if compile else []
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)
         self.max_batch_rows = max_batch_rows
@@ -61,13 +76,14 @@ class DiffusionEngine:
 
     @classmethod
     def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-                        max_batch_rows: int = 32, decode_chunk_size: int = 8, **adapter_kwargs) -> "DiffusionEngine":
+                        max_batch_rows: int = 32, decode_chunk_size: int = 8, compile: bool | str = False,
+                        **adapter_kwargs) -> "DiffusionEngine":
         from flowrl.models.base import load_adapter
 
         if isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         adapter = load_adapter(path, device=device, dtype=dtype, **adapter_kwargs)
-        return cls(adapter, max_batch_rows=max_batch_rows, decode_chunk_size=decode_chunk_size)
+        return cls(adapter, max_batch_rows=max_batch_rows, decode_chunk_size=decode_chunk_size, compile=compile)
 
     # --- public API ------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):

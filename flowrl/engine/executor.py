@@ -16,7 +16,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.sample import SampleState
-from flowrl.models.base import FlowModelAdapter
+from flowrl.models.base import FlowModelAdapter, rows_to_device
 
 
 class Executor:
@@ -27,8 +27,10 @@ class Executor:
         self.device = adapter.device
         self.decode_chunk_size = decode_chunk_size
 
-    def _host_to_device(self, values: list[float]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.float32)
+    def _host_to_device(self, rows: list[list[float]]) -> torch.Tensor:
+        """Per-row scalars (one list per quantity) as ONE (len(rows), B) float32 device tensor:
+        a single pinned, non-blocking copy per step, so the host never waits for the device."""
+        t = torch.tensor(rows, dtype=torch.float32)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
@@ -45,25 +47,30 @@ class Executor:
         """Advance every sample of `group` by one denoising step. Returns the rows forwarded."""
         p0 = group[0].params
         latents = torch.stack([s.latents for s in group])
-        sigma = self._host_to_device([s.sigmas[s.step] for s in group])
-        sigma_next = self._host_to_device([s.sigmas[s.step + 1] for s in group])
-        guidance = self._host_to_device([s.params.guidance_scale for s in group])
+        in_window = [s.in_window(s.step) for s in group]
+        sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device([
+            [s.sigmas[s.step] for s in group],
+            [s.sigmas[s.step + 1] for s in group],
+            [s.params.guidance_scale for s in group],
+            [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
+            [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
+        ]).unbind(0)
         velocity = self.adapter.velocity(
             latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width
         )
-        in_window = [s.in_window(s.step) for s in group]
-        noise_level = self._host_to_device([s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)])
-        sigma_first = self._host_to_device([s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group])
-        noise = torch.stack([
-            torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
-            if w else torch.zeros_like(s.latents)
-            for s, w in zip(group, in_window)
-        ])
+        if any(in_window):
+            noise = torch.stack([
+                torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
+                if w else torch.zeros_like(s.latents)
+                for s, w in zip(group, in_window)
+            ])
+        else:  # ODE step for every row: no noise is drawn, so no generator advances
+            noise = torch.zeros_like(latents)
         next_latents = torch.empty_like(latents)
         log_prob = torch.empty(len(group), dtype=torch.float32, device=self.device)
         for sde_type in {s.params.sde_type for s in group}:
             rows = [i for i, s in enumerate(group) if s.params.sde_type == sde_type]
-            idx = torch.tensor(rows, device=self.device) if len(rows) < len(group) else None
+            idx = rows_to_device(rows, self.device) if len(rows) < len(group) else None
             pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
             result = sampler.sde_step(
                 pick(latents), pick(velocity), pick(sigma), pick(sigma_next), pick(noise_level),
@@ -89,6 +96,17 @@ class Executor:
     def finish(self, samples: list[SampleState]) -> list[tuple[SampleState, DiffusionOutput]]:
         """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk)."""
         results = []
+        # Samples of one prompt share its cached encoding: copy each encoding tensor to the host
+        # once per call, not once per sample (SD3's T5 embeddings are 2.7 MB per prompt).
+        host_copies: dict[int, torch.Tensor] = {}
+
+        def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in host_copies:
+                host_copies[id(t)] = t.cpu()
+            return host_copies[id(t)]
+
         by_key: dict[tuple[int, int], list[SampleState]] = {}
         for s in samples:
             by_key.setdefault(s.batch_key, []).append(s)
@@ -99,10 +117,10 @@ class Executor:
                 images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
                 decode_s = (time.perf_counter() - t0) / len(chunk)
                 for s, image in zip(chunk, images):
-                    results.append((s, self._package(s, image, decode_s)))
+                    results.append((s, self._package(s, image, decode_s, to_host)))
         return results
 
-    def _package(self, s: SampleState, image: torch.Tensor, decode_s: float) -> DiffusionOutput:
+    def _package(self, s: SampleState, image: torch.Tensor, decode_s: float, to_host) -> DiffusionOutput:
         start, end = s.sde_window
         if not s.trajectory:  # empty window (a 1-step schedule): just the final latent
             s.trajectory.append(s.latents)
@@ -118,12 +136,12 @@ class Executor:
             all_log_probs=log_probs,
             all_timesteps=torch.tensor(s.sigmas[start:end], dtype=torch.float32),
             all_next_timesteps=torch.tensor(s.sigmas[start + 1 : end + 1], dtype=torch.float32),
-            prompt_embeds=s.cond.embeds.cpu(),
-            prompt_embeds_mask=s.cond.mask.cpu(),
-            pooled_prompt_embeds=None if s.cond.pooled is None else s.cond.pooled.cpu(),
-            negative_prompt_embeds=None if uncond is None else uncond.embeds.cpu(),
-            negative_prompt_embeds_mask=None if uncond is None else uncond.mask.cpu(),
-            negative_pooled_prompt_embeds=None if uncond is None or uncond.pooled is None else uncond.pooled.cpu(),
+            prompt_embeds=to_host(s.cond.embeds),
+            prompt_embeds_mask=to_host(s.cond.mask),
+            pooled_prompt_embeds=to_host(s.cond.pooled),
+            negative_prompt_embeds=None if uncond is None else to_host(uncond.embeds),
+            negative_prompt_embeds_mask=None if uncond is None else to_host(uncond.mask),
+            negative_pooled_prompt_embeds=None if uncond is None else to_host(uncond.pooled),
             seed=s.seed,
             policy_version=s.policy_version,
             sde_window=(start, end),

@@ -12,6 +12,8 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   a batch of rows that may sit at different sigmas and use different prompts; CFG rows (cond and
   uncond) run in the same transformer forward.
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
+- `compile_modules(backend)`: regional torch.compile of the hot modules in place (the engine's
+  `compile` option); results stay the same function of the inputs.
 
 The adapter knows nothing about requests, scheduling or rewards.
 """
@@ -60,6 +62,29 @@ def pad_encodings(encodings: list[PromptEncoding]) -> tuple[torch.Tensor, torch.
     return embeds, mask, pooled
 
 
+def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """A (len(rows),) int64 index tensor on `device` without a host sync.
+
+    `torch.tensor(list, device="cuda")` copies from pageable memory and waits for the stream (a
+    full host sync inside the step loop); a pinned staging tensor with a non-blocking copy does not.
+    """
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def cfg_forward_inputs(latents: torch.Tensor, sigmas: torch.Tensor, cfg_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of one CFG forward: every row's cond input, then the uncond inputs of `cfg_rows`.
+    When every row uses CFG (the usual case) this is a plain concatenation, no index tensor."""
+    if not cfg_rows:
+        return latents, sigmas
+    if len(cfg_rows) == latents.shape[0]:
+        return torch.cat([latents, latents]), torch.cat([sigmas, sigmas])
+    index = rows_to_device(cfg_rows, latents.device)
+    return torch.cat([latents, latents.index_select(0, index)]), torch.cat([sigmas, sigmas.index_select(0, index)])
+
+
 def combine_cfg(out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_scale: torch.Tensor, renormalize: bool) -> torch.Tensor:
     """Guided velocity from a forward whose first num_cond rows are cond and whose remaining rows
     are the uncond rows of `cfg_rows`: v = v_u + g (v_c - v_u). With renormalize (Qwen-Image true
@@ -67,15 +92,17 @@ def combine_cfg(out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_
     cond_v = out[:num_cond]
     if not cfg_rows:
         return cond_v
-    index = torch.tensor(cfg_rows, device=out.device)
-    c = cond_v.index_select(0, index)
+    every_row = len(cfg_rows) == num_cond
+    index = None if every_row else rows_to_device(cfg_rows, out.device)
+    c = cond_v if every_row else cond_v.index_select(0, index)
     u = out[num_cond:]
-    g = guidance_scale.to(out.device, torch.float32).index_select(0, index)
+    g = guidance_scale.to(out.device, torch.float32)
+    g = g if every_row else g.index_select(0, index)
     g = g.reshape(-1, *([1] * (c.dim() - 1)))
     guided = u + g * (c - u)
     if renormalize:
         guided = guided * (c.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
-    return cond_v.index_copy(0, index, guided)
+    return guided if every_row else cond_v.index_copy(0, index, guided)
 
 
 def to_uint8(image: torch.Tensor) -> torch.Tensor:
@@ -85,6 +112,77 @@ def to_uint8(image: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(image).all()):
         raise FloatingPointError("VAE decode produced non-finite pixels; check the latents and dtype")
     return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
+    """The batch size (dim 0 of the first tensor argument) and the top-level tensor arguments that
+    carry it (hidden states, text states, masks, per-row timestep embeddings)."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        return 0, []
+    batch = tensors[0].shape[0]
+    return batch, [t for t in tensors if t.shape[0] == batch]
+
+
+def _repeat_rows(value, ids: set[int]):
+    return torch.cat([value, value]) if isinstance(value, torch.Tensor) and id(value) in ids else value
+
+
+def _first_row(value):
+    """Row 0 of every tensor in a module output (a tensor, or a tuple/list holding tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value[:1]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_first_row(v) for v in value)
+    return value
+
+
+def compile_in_place(module: torch.nn.Module, backend: str = "inductor") -> bool:
+    """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
+    Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
+    and weight sync see the same module. Returns False when it was compiled already.
+
+    Batch sizes: one graph serves every batch >= 2 (dim 0 marked dynamic outside the compiled
+    frame, hence the small wrapper; `dynamic=True` would also make token counts and widths
+    symbolic, which costs kernel quality). Torch specializes size 1, which would mean a second
+    compilation of every block variant; instead a batch of 1 runs as 2 identical rows and keeps
+    row 0 (the padding row only costs compute; the real row's result is the same function of its
+    inputs, up to batch-shape rounding like any batch).
+    """
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend={backend!r} is unknown; use one of {COMPILE_BACKENDS}")
+    if getattr(module, "_flowrl_compile_backend", None) is not None:
+        return False
+    compiled = torch.compile(module._call_impl, backend=backend, dynamic=None)
+
+    def call_with_dynamic_batch(*args, **kwargs):
+        batch, tensors = _batch_tensors(args, kwargs)
+        padded = batch == 1
+        if padded:
+            ids = {id(t) for t in tensors}
+            args = tuple(_repeat_rows(a, ids) for a in args)
+            kwargs = {k: _repeat_rows(v, ids) for k, v in kwargs.items()}
+            _, tensors = _batch_tensors(args, kwargs)
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        out = compiled(*args, **kwargs)
+        return _first_row(out) if padded else out
+
+    module._compiled_call_impl = call_with_dynamic_batch
+    module._flowrl_compile_backend = backend
+    return True
+
+
+def _raise_recompile_limit(minimum: int = 64) -> None:
+    # Regional compilation shares one code object (Module._call_impl) across every compiled
+    # block; block variants x (batch 1, batch >= 2) x (no-grad, grad) x (LoRA on/off) can pass
+    # torch's default limit of 8 graphs, after which blocks silently fall back to eager.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), minimum))
 
 
 class FlowModelAdapter:
@@ -126,6 +224,22 @@ class FlowModelAdapter:
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def modules_to_compile(self) -> list[tuple[str, torch.nn.Module]]:
+        """(name, module) pairs that `compile_modules` compiles: every transformer block (regional
+        compilation: identical blocks share one compiled graph, so compile time stays short)."""
+        return [(f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(self.transformer.transformer_blocks)]
+
+    def compile_modules(self, backend: str = "inductor") -> list[str]:
+        """torch.compile the hot modules in place (see `compile_in_place`); returns their names.
+        Per-row timesteps are ordinary tensor inputs, and the batch dim is dynamic, so changing
+        batch sizes reuse one graph (plus one for batch 1). Idempotent."""
+        _raise_recompile_limit()
+        names = []
+        for name, module in self.modules_to_compile():
+            compile_in_place(module, backend)
+            names.append(name)
+        return names
 
 
 def read_model_family(path: str | Path) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
 from flowrl.models.schedule import schedule_sigmas
 
 
@@ -101,12 +101,7 @@ class QwenImageAdapter(FlowModelAdapter):
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
         cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
         encodings = list(cond) + [uncond[i] for i in cfg_rows]
-        hidden = latents
-        timestep = sigmas
-        if cfg_rows:
-            index = torch.tensor(cfg_rows, device=latents.device)
-            hidden = torch.cat([latents, latents.index_select(0, index)])
-            timestep = torch.cat([sigmas, sigmas.index_select(0, index)])
+        hidden, timestep = cfg_forward_inputs(latents, sigmas, cfg_rows)
         embeds, mask, _ = pad_encodings(encodings)
         # Lengths are known on the host, so deciding whether a mask is needed costs no sync;
         # without padding we pass no mask (the pipeline does the same, and fast kernels apply).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
 from flowrl.models.schedule import schedule_sigmas
 
 
@@ -71,12 +71,7 @@ class SD3Adapter(FlowModelAdapter):
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
         cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
         encodings = list(cond) + [uncond[i] for i in cfg_rows]
-        hidden = latents
-        timestep = sigmas
-        if cfg_rows:
-            index = torch.tensor(cfg_rows, device=latents.device)
-            hidden = torch.cat([latents, latents.index_select(0, index)])
-            timestep = torch.cat([sigmas, sigmas.index_select(0, index)])
+        hidden, timestep = cfg_forward_inputs(latents, sigmas, cfg_rows)
         embeds, _, pooled = pad_encodings(encodings)
         out = self.transformer(
             hidden_states=hidden.to(self.dtype),
@@ -86,6 +81,11 @@ class SD3Adapter(FlowModelAdapter):
             return_dict=False,
         )[0].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
+
+    def modules_to_compile(self) -> list[tuple[str, torch.nn.Module]]:
+        # The VAE decoder too: GroupNorm + SiLU + convs at full resolution cost about a fifth of a
+        # 10-step 512px rollout in eager mode, and fusing the elementwise work pays there.
+        return super().modules_to_compile() + [("vae.decoder", self.vae.decoder)]
 
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()

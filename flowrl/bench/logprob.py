@@ -1,0 +1,217 @@
+"""`flowrl bench logprob`: the rollout-vs-trainer log-prob gap, and the speed of a training step.
+
+1. The transformer gets what training gives it (a LoRA adapter on the attention projections,
+   B = 0 at init so the policy is unchanged, or full fine-tuning with --lora-rank 0), and the
+   engine generates N samples of one prompt with generate_batched (log-probs recorded) in the model
+   dtype.
+2. Every stored window transition is re-scored the way the trainer does it
+   (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent with grad
+   enabled, then sampler.sde_step(next_latents=...)), in micro-batches of each size of
+   --micro-batches, and compared with the rollout's log-prob: mean and max |diff| per window step
+   and overall. A micro-batch that does not fit in memory is reported as such.
+3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
+   LoRA) is timed (median of --train-repeats after a warm-up); its FLOPs are counted once and
+   MFU is reported against the matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+from flowrl.bench import flops as flop_count
+from flowrl.bench.models import build_bench_model
+from flowrl.bench.report import (
+    JsonReport, environment, format_table, median, peak_memory_gb, quiet_libraries, reset_peak_memory,
+    resolve_device_dtype, time_runs,
+)
+from flowrl.engine.request import SamplingParams
+
+PROMPT = "a photo of a red bicycle leaning on a white wall"
+_AUTOCAST = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_micro_batches(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--micro-batches={text!r} must be a comma list of integers >= 1, e.g. 1,8,32")
+    return sizes
+
+
+def _make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[torch.nn.Parameter]:
+    from flowrl.trainer.lora import apply_trainable
+
+    if rank < 0:
+        raise ValueError(f"--lora-rank={rank} must be >= 0 (0 trains the full transformer)")
+    cfg = SimpleNamespace(enabled=rank > 0, rank=rank, alpha=2.0 * rank, target_modules=list(targets),
+                          init="gaussian", dropout=0.0)
+    return apply_trainable(transformer, cfg)
+
+
+def _rollout_tensors(outputs) -> dict[str, torch.Tensor]:
+    from flowrl.rollout.agent_loop import OUTPUT_TO_BATCH
+    from flowrl.rollout.batch import stack_rows
+
+    return stack_rows([{dst: getattr(o, src) for src, dst in OUTPUT_TO_BATCH.items()} for o in outputs])
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dict:
+    """|trainer log-prob - rollout log-prob| per window step, recomputed with grad enabled."""
+    from flowrl.trainer.policy import score_transitions
+
+    num_samples, window = tensors["all_log_probs"].shape
+    diffs = torch.zeros(num_samples, window, dtype=torch.float64)
+    t0 = time.perf_counter()
+    for step in range(window):
+        for start in range(0, num_samples, micro_batch):
+            rows = torch.arange(start, min(start + micro_batch, num_samples))
+            mb = {name: t[rows] for name, t in tensors.items()}
+            step_index = torch.full((rows.shape[0],), step, dtype=torch.long)
+            with torch.enable_grad():
+                log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
+            diffs[rows, step] = (log_prob.double().cpu() - mb["all_log_probs"][:, step].double()).abs()
+    return {
+        "micro_batch": micro_batch, "mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max()),
+        "mean_abs_diff_per_step": diffs.mean(dim=0).tolist(), "max_abs_diff_per_step": diffs.max(dim=0).values.tolist(),
+        "rollout_log_prob_mean": float(tensors["all_log_probs"].double().mean()),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocast_dtype, repeats: int, device) -> dict:
+    """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA)."""
+    from flowrl.trainer.policy import score_transitions
+
+    rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
+    mb = {name: t[rows] for name, t in tensors.items()}
+    step_index = torch.zeros(rows.shape[0], dtype=torch.long)
+    advantages = torch.linspace(-1.0, 1.0, rows.shape[0], device=device)
+    old_log_prob = mb["all_log_probs"][:, 0].to(device)
+    use_optimizer = len(params) < 5_000  # LoRA: a few hundred tensors; full fine-tuning: skip Adam states
+    optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
+
+    def forward_backward():
+        result = score_transitions(adapter, mb, step_index, spec, autocast_dtype)
+        ratio = torch.exp(result.log_prob - old_log_prob)
+        loss = -(advantages * ratio).mean()
+        loss.backward()
+
+    def train_step():
+        forward_backward()
+        if optimizer is not None:
+            optimizer.step()
+        for p in params:
+            p.grad = None
+
+    with torch.enable_grad():
+        train_step()  # warm-up
+        reset_peak_memory(device)
+        seconds = time_runs(train_step, device, repeats)
+        fwd_bwd_flops = flop_count.count_flops(forward_backward)
+        for p in params:
+            p.grad = None
+    return {"micro_batch": int(rows.shape[0]), "seconds": seconds, "seconds_median": median(seconds),
+            "flops_forward_backward": fwd_bwd_flops, "optimizer_step_included": optimizer is not None,
+            "peak_memory_gb": peak_memory_gb(device)}
+
+
+def run_logprob(args) -> int:
+    quiet_libraries()
+    sizes = parse_micro_batches(args.micro_batches)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
+    adapter = bench.adapter
+    params = _make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
+    autocast_dtype = _AUTOCAST[args.autocast]
+    report = JsonReport(args.json, {
+        "benchmark": "logprob", "environment": environment(device),
+        "settings": {"model": args.model, "dtype": str(dtype).replace("torch.", ""), "num_samples": args.num_samples,
+                     "steps": args.steps, "size": args.size, "guidance_scale": args.guidance_scale,
+                     "noise_level": args.noise_level, "lora_rank": args.lora_rank, "autocast": args.autocast,
+                     "sde_window_size": args.sde_window_size, "micro_batches": sizes, "trainable_params": sum(p.numel() for p in params)},
+        "gaps": [],
+    })
+    peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
+    report.data["peak"] = peak
+    # 1. Rollout with the engine (batched, model dtype).
+    from flowrl.engine.engine import DiffusionEngine
+    from flowrl.trainer.policy import TransitionSpec
+
+    rows_per_sample = 2 if args.guidance_scale > 1.0 else 1
+    engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample))
+    params_sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
+                                     guidance_scale=args.guidance_scale, noise_level=args.noise_level, seed=args.seed,
+                                     sde_window_size=args.sde_window_size)
+    t0 = time.perf_counter()
+    outputs = engine.generate_batched(PROMPT, args.num_samples, params_sampling)
+    report.data["rollout_seconds"] = time.perf_counter() - t0
+    report.data["rollout_rows_per_forward"] = engine.stats()["mean_rows_per_forward"]
+    engine.shutdown()
+    tensors = _rollout_tensors(outputs)
+    spec = TransitionSpec(height=args.size, width=args.size, num_inference_steps=args.steps,
+                          noise_level=args.noise_level, sde_type="sde", guidance_scale=args.guidance_scale)
+    print(f"[bench] rollout of {args.num_samples} samples x {tensors['all_log_probs'].shape[1]} window steps "
+          f"in {report.data['rollout_seconds']:.1f}s", flush=True)
+    # 2. Gap per micro-batch size.
+    for size in sizes:
+        try:
+            gap = measure_gap(adapter, tensors, spec, size, autocast_dtype)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
+            if not _is_oom(exc):
+                traceback.print_exc()
+            gap = {"micro_batch": size, "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report.data["gaps"].append(gap)
+        report.save()
+        shown = f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
+        print(f"[bench] micro-batch {size}: |trainer - rollout| log-prob {shown}", flush=True)
+    # 3. Training step speed.
+    fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
+    train_mb = args.train_micro_batch or (max(fitting) if fitting else 1)
+    try:
+        train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats, device)
+        train["mfu"] = train["flops_forward_backward"] / train["seconds_median"] / peak["sustained_flops"]
+    except Exception as exc:  # noqa: BLE001
+        if not _is_oom(exc):
+            traceback.print_exc()
+        train = {"micro_batch": train_mb, "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"}
+    report.data["training_step"] = train
+    report.save()
+    _print_summary(report.data)
+    ok = "error" not in train and all("error" not in g for g in report.data["gaps"])
+    return 0 if ok else 1
+
+
+def _print_summary(data: dict) -> None:
+    s = data["settings"]
+    print()
+    print(f"== logprob: {s['model']}, {s['num_samples']} samples, {s['steps']} steps, {s['size']}px, guidance "
+          f"{s['guidance_scale']}, {s['dtype']}, LoRA rank {s['lora_rank']}, autocast {s['autocast']}, "
+          f"{data['environment'].get('gpu') or data['environment']['device']}")
+    rows = []
+    for g in data["gaps"]:
+        if "error" in g:
+            rows.append([g["micro_batch"], None, None, g["error"]])
+        else:
+            per_step = " ".join(f"{v:.1e}" for v in g["max_abs_diff_per_step"])
+            rows.append([g["micro_batch"], g["mean_abs_diff"], g["max_abs_diff"], per_step])
+    print(format_table(["micro-batch", "mean |diff|", "max |diff|", "max |diff| per window step"], rows))
+    t = data.get("training_step", {})
+    if "error" in t:
+        print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
+    elif t:
+        print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
+              f"(forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
+              f"{t['flops_forward_backward'] / 1e12:.2f} TFLOP fwd+bwd, MFU {t['mfu']:.1%} of "
+              f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB")

@@ -1,0 +1,276 @@
+"""`flowrl bench rollout`: rollout throughput of the engine against the diffusers pipeline.
+
+One process, one model, one set of settings; the modes (img/s = images / wall seconds, VAE decode
+and host copies included, median of --repeats runs after a warm-up run):
+
+- pipeline-serial:   the family's diffusers pipeline at batch 1, called --serial-samples times
+- pipeline-batched:  that pipeline at batch N (precomputed prompt embeddings)
+- engine-batched:    DiffusionEngine.generate_batched(prompt, N)
+- engine-concurrent: N concurrent single requests (engine.submit, different prompts)
+- *-compiled:        the same after regional torch.compile of the hot modules (in place, so every
+                     eager mode runs first; pipeline-batched-compiled shows compile in the
+                     diffusers loop)
+
+The engine samples the way rollouts do (SDE steps with log-probs and stored trajectories); the
+pipeline runs its plain ODE loop. FLOPs are counted once per configuration and MFU is reported
+against the matmul peak measured in the same run; `limit` is the img/s at that peak.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from flowrl.bench import flops as flop_count
+from flowrl.bench.models import build_bench_model, pipeline_prompt_kwargs
+from flowrl.bench.report import (
+    JsonReport, environment, format_table, median, peak_memory_gb, profile_summary, quiet_libraries,
+    reset_peak_memory, resolve_device_dtype, time_runs,
+)
+from flowrl.engine.request import SamplingParams
+
+EAGER_MODES = ("pipeline-serial", "pipeline-batched", "engine-batched", "engine-concurrent")
+COMPILED_MODES = ("engine-batched-compiled", "engine-concurrent-compiled", "pipeline-batched-compiled")
+ALL_MODES = EAGER_MODES + COMPILED_MODES
+PROMPT = "a photo of a red bicycle leaning on a white wall"
+
+
+def resolve_modes(modes: str | None, compile: bool) -> list[str]:
+    """The modes to run, eager ones first (compilation happens in place, once, between them)."""
+    if modes:
+        chosen = [m.strip() for m in modes.split(",") if m.strip()]
+        unknown = [m for m in chosen if m not in ALL_MODES]
+        if unknown or not chosen:
+            raise ValueError(f"--modes={modes!r} has unknown modes {unknown}; choose from {', '.join(ALL_MODES)}")
+    else:
+        chosen = list(EAGER_MODES) + (["engine-batched-compiled", "engine-concurrent-compiled"] if compile else [])
+    return [m for m in ALL_MODES if m in chosen]
+
+
+def _params(args, steps: int) -> SamplingParams:
+    return SamplingParams(
+        height=args.size, width=args.size, num_inference_steps=steps, guidance_scale=args.guidance_scale,
+        noise_level=args.noise_level, seed=args.seed, logprobs=args.noise_level > 0,
+    )
+
+
+class RolloutBench:
+    def __init__(self, args):
+        self.args = args
+        self.device, self.dtype = resolve_device_dtype(args.device, args.dtype)
+        self.bench = build_bench_model(args.model, self.device, self.dtype, num_layers=args.num_layers)
+        self.rows_per_image = 2 if args.guidance_scale > 1.0 else 1
+        needed = args.num_samples * self.rows_per_image
+        self.max_batch_rows = args.max_batch_rows or max(needed, 2)
+        self.engines: dict[bool, object] = {}
+
+    # --- engines and pipeline calls ------------------------------------------------------------
+    def engine(self, compiled: bool):
+        from flowrl.engine.engine import DiffusionEngine
+
+        if compiled not in self.engines:
+            compile = self.args.compile_backend if compiled else False
+            self.engines[compiled] = DiffusionEngine(
+                self.bench.adapter, max_batch_rows=self.max_batch_rows,
+                decode_chunk_size=self.args.decode_chunk_size, compile=compile,
+            )
+        return self.engines[compiled]
+
+    def compile_in_place(self) -> None:
+        self.engine(True)  # compiles the shared modules, so the pipeline runs compiled too
+
+    def engine_batched(self, compiled: bool, steps: int, n: int):
+        return lambda: self.engine(compiled).generate_batched(PROMPT, n, _params(self.args, steps))
+
+    def engine_concurrent(self, compiled: bool, steps: int, n: int):
+        def run():
+            engine = self.engine(compiled)
+            params = _params(self.args, steps)
+            futures = [engine.submit(f"{PROMPT} #{i}", params.replace(seed=self.args.seed + i)) for i in range(n)]
+            return [f.result() for f in futures]
+        return run
+
+    def pipeline_call(self, steps: int, n: int, calls: int = 1):
+        kwargs = pipeline_prompt_kwargs(self.bench, [PROMPT] * n, self.args.guidance_scale)
+        size = self.args.size
+
+        def run():
+            for i in range(calls):
+                generator = torch.Generator(device=self.device).manual_seed(self.args.seed + i)
+                self.bench.pipeline(**kwargs, num_inference_steps=steps, height=size, width=size,
+                                    output_type="pt", generator=generator)
+        return run
+
+    # --- one mode ---------------------------------------------------------------------------------
+    def run_mode(self, mode: str) -> dict:
+        args = self.args
+        compiled = mode.endswith("-compiled")
+        base = mode.removesuffix("-compiled")
+        if compiled:
+            self.compile_in_place()
+        n = args.num_samples
+        if base == "pipeline-serial":
+            images = args.serial_samples or n
+            warm, timed = self.pipeline_call(args.warmup_steps, 1), self.pipeline_call(args.steps, 1, images)
+        elif base == "pipeline-batched":
+            images = n
+            warm, timed = self.pipeline_call(args.warmup_steps, n), self.pipeline_call(args.steps, n)
+        elif base == "engine-batched":
+            images = n
+            warm, timed = self.engine_batched(compiled, args.warmup_steps, n), self.engine_batched(compiled, args.steps, n)
+        else:
+            images = n
+            warm, timed = self.engine_concurrent(compiled, args.warmup_steps, n), self.engine_concurrent(compiled, args.steps, n)
+        t0 = time.perf_counter()
+        warm()
+        if compiled and base.startswith("engine"):  # a lone request (batch 1) too, should it recompile
+            self.engine_batched(True, args.warmup_steps, 1)()
+        warmup_s = time.perf_counter() - t0
+        engine = self.engine(compiled) if base.startswith("engine") else None
+        if engine is not None:
+            engine.reset_stats()
+        reset_peak_memory(self.device)
+        seconds = time_runs(timed, self.device, args.repeats)
+        result = {
+            "images_per_run": images, "seconds": seconds, "seconds_median": median(seconds),
+            "images_per_second": images / median(seconds), "warmup_seconds": warmup_s,
+            "peak_memory_gb": peak_memory_gb(self.device),
+        }
+        if engine is not None:
+            stats = engine.stats()
+            result.update(
+                forwards_per_run=stats["num_forwards"] / args.repeats,
+                mean_rows_per_forward=stats["mean_rows_per_forward"],
+                rows_per_forward_hist=stats["rows_per_forward_hist"],
+                decode_calls_per_run=stats["num_decode_calls"] / args.repeats,
+            )
+        else:
+            batch = 1 if base == "pipeline-serial" else n
+            # SD3's pipeline concatenates cond and uncond rows; Qwen-Image's runs two forwards.
+            rows = batch * (self.rows_per_image if self.bench.family == "sd3" else 1)
+            result.update(mean_rows_per_forward=float(rows))
+        return result
+
+    def profile(self, mode: str) -> dict:
+        compiled = mode.endswith("-compiled")
+        steps = self.args.profile_steps
+        if mode.startswith("pipeline"):
+            fn = self.pipeline_call(steps, 1 if "serial" in mode else self.args.num_samples)
+        elif "concurrent" in mode:
+            fn = self.engine_concurrent(compiled, steps, self.args.num_samples)
+        else:
+            fn = self.engine_batched(compiled, steps, self.args.num_samples)
+        return profile_summary(fn, self.device)
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+
+
+def _ratios(modes: dict) -> dict:
+    def ips(name):
+        m = modes.get(name)
+        return m["images_per_second"] if m and "images_per_second" in m else None
+
+    pairs = {
+        "engine-batched / pipeline-batched": ("engine-batched", "pipeline-batched"),
+        "engine-concurrent / engine-batched": ("engine-concurrent", "engine-batched"),
+        "pipeline-batched / pipeline-serial": ("pipeline-batched", "pipeline-serial"),
+        "engine-concurrent / pipeline-serial": ("engine-concurrent", "pipeline-serial"),
+        "engine-batched-compiled / engine-batched": ("engine-batched-compiled", "engine-batched"),
+        "engine-concurrent-compiled / engine-batched-compiled": ("engine-concurrent-compiled", "engine-batched-compiled"),
+        "engine-batched-compiled / pipeline-batched": ("engine-batched-compiled", "pipeline-batched"),
+        "pipeline-batched-compiled / pipeline-batched": ("pipeline-batched-compiled", "pipeline-batched"),
+    }
+    return {label: ips(a) / ips(b) for label, (a, b) in pairs.items() if ips(a) and ips(b)}
+
+
+def run_rollout(args) -> int:
+    quiet_libraries()
+    modes = resolve_modes(args.modes, args.compile)
+    t_build = time.perf_counter()
+    bench = RolloutBench(args)
+    build_s = time.perf_counter() - t_build
+    device, a = bench.device, args
+    params_b = sum(p.numel() for p in bench.bench.adapter.transformer.parameters()) / 1e9
+    report = JsonReport(args.json, {
+        "benchmark": "rollout", "environment": environment(device),
+        "settings": {"model": a.model, "family": bench.bench.family, "transformer_params_billion": params_b,
+                     "dtype": str(bench.dtype).replace("torch.", ""), "num_samples": a.num_samples, "steps": a.steps,
+                     "size": a.size, "guidance_scale": a.guidance_scale, "noise_level": a.noise_level,
+                     "repeats": a.repeats, "warmup_steps": a.warmup_steps, "serial_samples": a.serial_samples or a.num_samples,
+                     "max_batch_rows": bench.max_batch_rows, "decode_chunk_size": a.decode_chunk_size,
+                     "compile_backend": a.compile_backend, "num_layers": a.num_layers, "modes": modes},
+        "build_seconds": build_s, "modes": {},
+    })
+    print(f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s", flush=True)
+    # 1. Peak and FLOPs, once (before any compilation).
+    peak = flop_count.measure_matmul_peak(device, bench.dtype, sustain_seconds=a.peak_seconds)
+    row_flops = flop_count.transformer_flops_per_row(bench.bench.adapter, a.size, a.size)
+    decode_flops = flop_count.decode_flops_per_image(bench.bench.adapter, a.size, a.size)
+    image_flops = a.steps * bench.rows_per_image * row_flops + decode_flops
+    report.data.update(peak=peak, flops={
+        "transformer_per_row": row_flops, "decode_per_image": decode_flops, "per_image": image_flops,
+        "limit_images_per_second_sustained": peak["sustained_flops"] / image_flops,
+        "limit_images_per_second_burst": peak["burst_flops"] / image_flops,
+    })
+    report.save()
+    print(f"[bench] matmul peak {peak['burst_flops'] / 1e12:.1f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.1f} sustained; "
+          f"{row_flops / 1e12:.3f} TFLOP per row, {decode_flops / 1e12:.3f} per decode; "
+          f"limit {report.data['flops']['limit_images_per_second_sustained']:.3f} img/s", flush=True)
+    # 2. The modes, eager first.
+    for mode in modes:
+        try:
+            result = bench.run_mode(mode)
+            result["mfu"] = result["images_per_second"] * image_flops / peak["sustained_flops"]
+        except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        report.data["modes"][mode] = result
+        report.data["ratios"] = _ratios(report.data["modes"])
+        report.save()
+        shown = f"{result['images_per_second']:.3f} img/s, MFU {result['mfu']:.1%}" if "mfu" in result else result["error"]
+        print(f"[bench] {mode}: {shown}", flush=True)
+    # 3. Optional profile of one mode (where the time goes).
+    if a.profile:
+        target = a.profile if a.profile in modes else modes[-1]
+        try:
+            report.data["profile"] = {"mode": target, "steps": a.profile_steps, **bench.profile(target)}
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            report.data["profile"] = {"mode": target, "error": f"{type(exc).__name__}: {exc}"}
+        report.save()
+    bench.shutdown()
+    _print_summary(report.data)
+    return 0 if all("error" not in m for m in report.data["modes"].values()) else 1
+
+
+def _print_summary(data: dict) -> None:
+    rows = []
+    for mode, m in data["modes"].items():
+        if "error" in m:
+            rows.append([mode, "ERROR", None, None, None, None, m["error"][:60]])
+            continue
+        hist = m.get("rows_per_forward_hist")
+        rows.append([mode, m["images_per_second"], m["seconds_median"], f"{m['mfu']:.1%}", m["peak_memory_gb"],
+                     m.get("mean_rows_per_forward"), str(hist) if hist else ""])
+    flops = data["flops"]
+    print()
+    print(f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
+          f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
+          f"{data['environment'].get('gpu') or data['environment']['device']}")
+    print(f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
+          f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})")
+    print(format_table(["mode", "img/s", "s/run", "MFU", "peak GB", "rows/fwd", "rows/forward histogram"], rows))
+    for label, value in data.get("ratios", {}).items():
+        print(f"   {label}: {value:.3f}")
+    profile = data.get("profile")
+    if profile and profile.get("total_ms", 0) < 0.01:
+        print(f"   profile of {profile['mode']}: no kernels recorded (on a CPU the engine thread's ops are not captured)")
+    elif profile and "share_by_category" in profile:
+        shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
+        print(f"   profile of {profile['mode']} ({profile['steps']} steps, {profile['clock']} time {profile['total_ms']:.0f} ms): {shares}")
+        for k in profile["top_kernels"][:8]:
+            print(f"     {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")

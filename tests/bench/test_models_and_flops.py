@@ -1,0 +1,62 @@
+"""Published architecture sizes, random-weight building, and FLOP counting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.bench import flops
+from flowrl.bench.models import (
+    QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER, build_bench_model, build_random_module,
+)
+
+
+@pytest.mark.parametrize("cls_name, config, billions", [
+    ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),   # stable-diffusion-3.5-medium
+    ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
+])
+def test_published_configs_have_published_sizes(cls_name, config, billions):
+    import diffusers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = getattr(diffusers, cls_name)(**config)
+    count = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(count - billions) / billions < 0.01
+
+
+def test_random_module_is_built_in_place_with_default_scale():
+    linear = build_random_module(torch.nn.Linear, {"in_features": 64, "out_features": 32}, torch.device("cpu"), torch.bfloat16)
+    assert linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
+    assert not linear.weight.requires_grad
+    assert 0 < linear.weight.float().abs().max() <= 1 / 8  # U(-1/sqrt(64), 1/sqrt(64))
+    assert float(linear.bias.abs().max()) == 0.0
+
+
+def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
+    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
+    a, b, a_again = bench.adapter.encode_prompts(["a", "b", "a"])
+    assert a.embeds.shape == (77 + 32, 64) and a.pooled.shape == (64,) and bool(a.mask.all())
+    assert torch.equal(a.embeds, a_again.embeds) and not torch.equal(a.embeds, b.embeds)
+    assert bench.pipeline.transformer is bench.adapter.transformer and bench.pipeline.vae is bench.adapter.vae
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen"])
+def test_flops_count_attention_and_scale_with_rows(name):
+    bench = build_bench_model(name, "cpu", torch.float32)
+    adapter = bench.adapter
+    per_row = flops.transformer_flops_per_row(adapter, 64, 64)
+    enc = adapter.encode_prompts(["x", "y"])
+    latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    with torch.no_grad():
+        two_rows = flops.count_flops(lambda: adapter.velocity(latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64))
+        q = torch.randn(1, 2, 128, 16)
+        attention = flops.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert two_rows == 2 * per_row
+    assert attention == 2 * 2 * 128 * 128 * (16 + 16)  # counted on CPU too
+    assert flops.decode_flops_per_image(adapter, 64, 64) > 0
+
+
+def test_matmul_peak_is_positive_and_sustained_runs_longer():
+    peak = flops.measure_matmul_peak(torch.device("cpu"), torch.float32, size=128, sustain_seconds=0.02)
+    assert peak["burst_flops"] > 0 and peak["sustained_flops"] > 0 and peak["sustained_products"] >= 10
