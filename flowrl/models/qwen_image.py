@@ -18,6 +18,54 @@ from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inp
 from flowrl.models.schedule import schedule_sigmas
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, S, H, D) with adjacent pairs (x[2k], x[2k+1]) as (re, im): the
+    complex product (re + i im)(cos + i sin), written in real arithmetic, in float32."""
+    re, im = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None], sin[:, None]  # (S, D/2) -> (S, 1, D/2): broadcast over heads
+    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(3).type_as(x)
+
+
+def _real_rope_tables(module, args, output):
+    """Forward hook of the transformer's RoPE module: complex tables -> (cos, sin) pairs, once per
+    forward and outside the compiled blocks (inductor generates no code for complex tensors)."""
+    return tuple((f.real.float().contiguous(), f.imag.float().contiguous()) for f in output)
+
+
+class RealRopeQwenAttention:
+    """Qwen-Image's joint text-image attention (the math of diffusers' QwenDoubleStreamAttnProcessor2_0)
+    with rotary embeddings in real arithmetic, so torch.compile fuses them into the kernels around
+    them instead of running complex ops eagerly (several extra float32 passes over q and k per
+    block). Takes the (cos, sin) tables made by `_real_rope_tables`."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None):
+        assert encoder_hidden_states is not None and attention_mask is None
+        if encoder_hidden_states_mask is not None:  # text mask + all-true image mask, (B, 1, 1, L)
+            image_mask = encoder_hidden_states_mask.new_ones(hidden_states.shape[:2])
+            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
+        head_dim = attn.inner_dim // attn.heads
+        split = lambda t: t.unflatten(-1, (-1, head_dim))  # noqa: E731
+        img_q, img_k, img_v = split(attn.to_q(hidden_states)), split(attn.to_k(hidden_states)), split(attn.to_v(hidden_states))
+        txt_q, txt_k, txt_v = (split(attn.add_q_proj(encoder_hidden_states)), split(attn.add_k_proj(encoder_hidden_states)),
+                               split(attn.add_v_proj(encoder_hidden_states)))
+        img_q, img_k = attn.norm_q(img_q), attn.norm_k(img_k)
+        txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
+        if image_rotary_emb is not None:
+            (img_cos, img_sin), (txt_cos, txt_sin) = image_rotary_emb
+            img_q, img_k = _rotate(img_q, img_cos, img_sin), _rotate(img_k, img_cos, img_sin)
+            txt_q, txt_k = _rotate(txt_q, txt_cos, txt_sin), _rotate(txt_k, txt_cos, txt_sin)
+        # Joint sequence [text, image]; SDPA wants (B, H, L, D).
+        q, k, v = (torch.cat(pair, dim=1).transpose(1, 2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        seq_txt = encoder_hidden_states.shape[1]
+        img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)  # dropout
+        return img_out, attn.to_add_out(out[:, :seq_txt].contiguous())
+
+
 class QwenImageAdapter(FlowModelAdapter):
     family = "qwen_image"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
@@ -116,6 +164,15 @@ class QwenImageAdapter(FlowModelAdapter):
             return_dict=False,
         )[0].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
+
+    def compile_modules(self, backend: str = "inductor") -> list[str]:
+        """Regional compile, after switching attention to real-arithmetic RoPE (see
+        RealRopeQwenAttention); the switch happens once and changes no parameter."""
+        if not getattr(self.transformer, "_flowrl_real_rope", False):
+            self.transformer.set_attn_processor(RealRopeQwenAttention())
+            self.transformer.pos_embed.register_forward_hook(_real_rope_tables)
+            self.transformer._flowrl_real_rope = True
+        return super().compile_modules(backend)
 
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,85 @@
+"""Summarize benchmark JSON files as markdown (the rows docs/benchmarks.md holds).
+
+    python -m flowrl.bench.summary OUT/*.json
+
+Prints, per rollout file, one row per mode (img/s, MFU, s/run, rows per forward, peak memory) with
+the limit and ratios, and per logprob file the gap per micro-batch and the training step. Missing
+or partial files (a run cut short) are summarized as far as they go.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _gpu(data: dict) -> str:
+    env = data.get("environment", {})
+    return env.get("gpu") or env.get("device", "?")
+
+
+def rollout_markdown(name: str, data: dict) -> list[str]:
+    s = data.get("settings", {})
+    lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
+             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}, {_gpu(data)}", ""]
+    flops, peak = data.get("flops"), data.get("peak")
+    if flops and peak:
+        lines.append(f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "
+                     f"{flops['transformer_per_row'] / 1e12:.3f} TFLOP per row-forward, {flops['decode_per_image'] / 1e12:.3f} per decode; "
+                     f"limit {flops['limit_images_per_second_sustained']:.3f} img/s (sustained) / "
+                     f"{flops['limit_images_per_second_burst']:.3f} (burst).")
+        lines.append("")
+    lines += ["| mode | img/s | MFU | s/run | rows/forward | peak GB |", "|---|---|---|---|---|---|"]
+    for mode, m in data.get("modes", {}).items():
+        if "error" in m:
+            lines.append(f"| {mode} | error: {m['error'][:80]} | | | | |")
+            continue
+        mem = f"{m['peak_memory_gb']:.1f}" if m.get("peak_memory_gb") is not None else "-"
+        lines.append(f"| {mode} | {m['images_per_second']:.3f} | {m.get('mfu', 0):.1%} | {m['seconds_median']:.2f} | "
+                     f"{m.get('mean_rows_per_forward', 0):.1f} | {mem} |")
+    for label, value in data.get("ratios", {}).items():
+        lines.append(f"- {label}: {value:.3f}")
+    profile = data.get("profile")
+    if profile and profile.get("share_by_category"):
+        shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
+        lines.append(f"- profile of {profile['mode']} ({profile['clock']} time): {shares}")
+        for k in profile.get("top_kernels", [])[:5]:
+            lines.append(f"  - {k['share']:.1%} {k['name']}")
+    return lines + [""]
+
+
+def logprob_markdown(name: str, data: dict) -> list[str]:
+    s = data.get("settings", {})
+    lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
+             f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, {_gpu(data)}", "",
+             "| trainer micro-batch | mean abs gap | max abs gap |", "|---|---|---|"]
+    for g in data.get("gaps", []):
+        if "error" in g:
+            lines.append(f"| {g['micro_batch']} | {g['error']} | |")
+        else:
+            lines.append(f"| {g['micro_batch']} | {g['mean_abs_diff']:.2e} | {g['max_abs_diff']:.2e} |")
+    t = data.get("training_step")
+    if t and "error" not in t:
+        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms, "
+                     f"{t['flops_forward_backward'] / 1e12:.1f} TFLOP fwd+bwd, MFU {t['mfu']:.1%}, peak {t['peak_memory_gb'] or 0:.0f} GB")
+    elif t:
+        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"### {path.name}: unreadable ({exc})\n")
+            continue
+        lines = rollout_markdown(path.stem, data) if data.get("benchmark") == "rollout" else logprob_markdown(path.stem, data)
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# GPU benchmarks of flowrl on the device machine (one H200; see docs/benchmarks.md).
+#
+#   bash scripts/gpu_bench.sh SUITE [SUITE ...]          (run from the repo root, `.whl` carried)
+#
+# Suites (each fits one 10-minute device command on its own; estimates for one H200):
+#   tests     GPU tests of tests/bench (no host sync inside the engine step loop)        ~1 min
+#   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
+#             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
+#   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
+#   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen gap      ~5-7 min
+#   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
+#   cpu-smoke tiny models, to check this script on any machine
+#
+# Writes $OUT/<suite>-rollout.json, $OUT/<suite>-logprob.json (rewritten after every
+# measurement, so a run cut short keeps what it measured), $OUT/log.txt, and prints a markdown
+# summary of every JSON last. Each bench gets a `timeout` inside the overall budget
+# (BENCH_BUDGET_S, default 570 s) so the script always ends, and summarizes, on its own.
+# With GPUS=2 (machine kind nvidia-h200-x2) the suites are spread over the two GPUs and run
+# at the same time, one log per GPU.
+set -u
+START=$SECONDS
+BUDGET=${BENCH_BUDGET_S:-570}
+OUT=${OUT:-/tmp/flowrl-bench}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed: is .whl carried?"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=index,name,power.limit,clocks.max.sm,memory.total --format=csv | tee -a "$OUT/log.txt"
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/log.txt"
+
+# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
+run() {
+  local name=$1 cap=$2 log=$3; shift 3
+  local left=$(( BUDGET - (SECONDS - START) - 20 ))
+  local limit=$(( cap < left ? cap : left ))
+  if (( limit < 30 )); then echo "[gpu_bench] skip $name: ${left}s left in the budget" | tee -a "$log"; return 0; fi
+  echo "[gpu_bench] $name (limit ${limit}s): flowrl bench $*" | tee -a "$log"
+  timeout -k 10 "$limit" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
+  echo "[gpu_bench] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
+}
+
+suite() {
+  local log=$1 s=$2
+  case $s in
+    tests)
+      echo "[gpu_bench] pytest -m gpu tests/bench" | tee -a "$log"
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bench >>"$log" 2>&1
+      echo "[gpu_bench] tests exit $?" | tee -a "$log" ;;
+    sd35)
+      run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
+        --profile engine-batched-compiled --profile-steps 2
+      run sd35-logprob 200 "$log" logprob --model sd35-medium -n 32 --steps 10 --size 512 --micro-batches 1,8,32 ;;
+    qwen)
+      run qwen-rollout 540 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile --serial-samples 2 \
+        --repeats 1 --profile engine-batched-compiled --profile-steps 1 ;;
+    qwen-cfg)
+      run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
+        --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
+      run qwen-logprob 150 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 --guidance-scale 4.0 \
+        --micro-batches 1,8 --sde-window-size 2 --train-micro-batch 2 ;;
+    sd35-quick)
+      run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
+    qwen-quick)
+      run qwen-quick-rollout 200 "$log" rollout --model qwen-image -n 8 --steps 20 --size 512 --serial-samples 1 ;;
+    cpu-smoke)  # checks this script itself anywhere (tiny models, seconds)
+      run smoke-rollout 120 "$log" rollout --model tiny-sd3 -n 3 --steps 3 --size 64 --compile --compile-backend aot_eager \
+        --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
+      run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 ;;
+    *) echo "[gpu_bench] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;
+  esac
+}
+
+if [[ "${GPUS:-1}" == 2 ]]; then
+  # Two GPUs: alternate suites between them, both queues at once.
+  queue0=(); queue1=(); i=0
+  for s in "$@"; do if (( i % 2 == 0 )); then queue0+=("$s"); else queue1+=("$s"); fi; i=$((i + 1)); done
+  ( export CUDA_VISIBLE_DEVICES=0; for s in "${queue0[@]}"; do suite "$OUT/log-gpu0.txt" "$s"; done ) &
+  ( export CUDA_VISIBLE_DEVICES=1; for s in "${queue1[@]}"; do suite "$OUT/log-gpu1.txt" "$s"; done ) &
+  wait
+  tail -n 25 "$OUT"/log-gpu*.txt
+else
+  for s in "$@"; do suite "$OUT/log.txt" "$s"; done
+  grep -E "^\[bench\]|Error|error|Traceback|passed|failed" "$OUT/log.txt" | tail -n 40
+fi
+echo
+echo "== summary ($(( SECONDS - START ))s)"
+python3 -m flowrl.bench.summary "$OUT"/*.json | tee "$OUT/summary.md"
