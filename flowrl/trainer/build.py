@@ -1,0 +1,97 @@
+"""Everything the trainer checks and builds before training, cheapest and most error-prone first.
+
+`check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
+a group advantage with n=1, unknown reward, a KL reference without LoRA) before any model is
+loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
+model when `model.path` is unset.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowrl.trainer.data import load_prompt_rows
+
+TINY_MODEL_DIRNAME = "tiny-sd3"
+
+
+def tiny_model_cache_dir() -> Path:
+    """Where the embedded tiny SD3 checkpoint lives: $FLOWRL_CACHE/tiny-sd3, else ./outputs/tiny-sd3."""
+    return Path(os.environ.get("FLOWRL_CACHE", "outputs")) / TINY_MODEL_DIRNAME
+
+
+def check_model_path(model_cfg) -> Path | None:
+    """The model folder (None: the embedded tiny model); ValueError when it is unusable."""
+    from flowrl.models.base import read_model_family
+
+    if model_cfg.path is None:
+        return None
+    path = Path(model_cfg.path)
+    if not path.exists():
+        raise ValueError(
+            f"model.path={model_cfg.path!r} does not exist; pass a local diffusers folder (written by "
+            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), or leave model.path unset for the tiny model"
+        )
+    family = read_model_family(path)  # raises for a folder that is not a supported pipeline
+    if model_cfg.family not in ("auto", family):
+        raise ValueError(f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; "
+                         f"set model.family=auto or {family}")
+    return path
+
+
+def resolve_model_path(model_cfg) -> Path:
+    """model.path, or the embedded tiny SD3 model (built offline on first use)."""
+    path = check_model_path(model_cfg)
+    if path is not None:
+        return path
+    from flowrl.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
+
+
+@dataclass
+class Prepared:
+    """What the cheap checks produced: prompt rows, validation rows and the reward."""
+
+    train_rows: list[dict]
+    val_rows: list[dict]
+    reward: object
+
+
+def check_before_loading(cfg, reward=None) -> Prepared:
+    """Validate the config and everything that needs no model; see the module docstring."""
+    cfg.validate()
+    if cfg.rollout.n < 2:  # also in config.validate; repeated so a hand-built config cannot skip it
+        raise ValueError(f"rollout.n={cfg.rollout.n} gives groups of one sample, whose advantage is always 0; "
+                         "use rollout.n >= 2")
+    if cfg.algorithm.kl_beta > 0 and not cfg.trainer.lora.enabled:
+        raise ValueError(
+            f"algorithm.kl_beta={cfg.algorithm.kl_beta} needs a reference model, which is the LoRA-disabled "
+            "transformer; set trainer.lora.enabled=true or algorithm.kl_beta=0"
+        )
+    if cfg.engine.num_replicas != 1:
+        raise ValueError(f"engine.num_replicas={cfg.engine.num_replicas}: the colocated trainer drives one "
+                         "in-process engine; set engine.num_replicas=1")
+    if not cfg.rollout.sampling.logprobs and cfg.algorithm.old_log_prob == "rollout":
+        raise ValueError("rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
+                         "rollout log-prob to use; set logprobs=true or old_log_prob=recompute")
+    if cfg.rollout.sampling.noise_level <= 0:
+        raise ValueError(f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
+                         "stochastic (SDE) rollouts; use e.g. 0.7")
+    data = cfg.data
+    train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
+    if data.val_path is not None:
+        val_rows = load_prompt_rows(data.val_path, data.prompt_field, None, "data.val_path")
+    else:
+        val_rows = train_rows
+    val_rows = val_rows[: cfg.trainer.num_val_images]
+    if reward is None:
+        from flowrl.rewards import build_reward_from_config
+        from flowrl.trainer.image_stats import ensure_registered
+
+        ensure_registered()
+        reward = build_reward_from_config(cfg.reward)
+    check_model_path(cfg.model)
+    return Prepared(train_rows, val_rows, reward)

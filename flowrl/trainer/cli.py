@@ -1,0 +1,68 @@
+"""`flowrl train`: FlowGRPO training from a YAML recipe plus dotted key=value overrides.
+
+    flowrl train                                   # the embedded tiny CPU run (a few minutes)
+    flowrl train --config recipes/sd35_medium_ocr_lora.yaml model.path=/models/sd35m
+    flowrl train --config F trainer.total_steps=5 rollout.n=8
+
+Without --config the embedded tiny run is used: the tiny random SD3 model (built offline on
+first use), full fine-tuning on CPU with the weight-free `image_contrast` reward; it prints the
+mean reward of the first and last 5 steps. recipes/tiny_cpu.yaml spells out the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# The embedded tiny run on top of the config defaults (recipes/tiny_cpu.yaml says the same; a test
+# keeps the two equal). Tuned on 2 CPU cores: ~2 s per step, the reward rises within ~15 steps.
+TINY_RUN_OVERRIDES = (
+    "trainer.output_dir=outputs/tiny-run",
+    "trainer.total_steps=40",
+    "trainer.prompts_per_step=4",
+    "trainer.micro_batch_size=16",
+    "trainer.lr=0.01",
+    "trainer.lora.enabled=false",
+    "trainer.val_every=10",
+    "trainer.save_every=20",
+    "rollout.n=8",
+    "reward.name=image_contrast",
+)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="F",
+                        help="YAML recipe (see recipes/); omitted: the embedded tiny CPU run")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides applied last, e.g. rollout.n=16 trainer.lr=3e-4")
+
+
+def load_train_config(config_path: str | None, overrides: list[str]):
+    """The config of a `flowrl train` invocation (embedded tiny run when config_path is None)."""
+    from flowrl.config import load_config
+
+    layers = list(overrides) if config_path is not None else [*TINY_RUN_OVERRIDES, *overrides]
+    return load_config(config_path, layers)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = load_train_config(args.config, list(args.overrides))
+        from flowrl.trainer.trainer import FlowGRPOTrainer
+
+        trainer = FlowGRPOTrainer(cfg)
+    except ValueError as error:
+        print(f"flowrl train: error: {error}", file=sys.stderr)
+        return 2
+    if args.config is None:
+        print(f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
+              f"outputs in {cfg.trainer.output_dir}")
+    summary = trainer.fit()
+    print(f"steps trained: {summary['steps']}")
+    print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
+    print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
+    print(f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}")
+    return 0

@@ -1,0 +1,146 @@
+"""Where training metrics and pictures go.
+
+- `<output_dir>/metrics.jsonl`: one JSON object per step (always written). On resume the lines of
+  steps after the checkpoint are dropped first, so the file reads like one uninterrupted run.
+- tensorboard event files under `<output_dir>/tensorboard` (logging.tensorboard), wandb when
+  logging.wandb is on (imported only then).
+- `save_image_grid`: validation images with their rewards as captions (PNG).
+- `plot_reward_curve`: reward mean per step from metrics.jsonl (PNG), written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def _json_number(value):
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    value = float(value)
+    return value if math.isfinite(value) else None  # JSON has no NaN
+
+
+class MetricsLogger:
+    """Appends step metrics to metrics.jsonl and mirrors scalars to tensorboard / wandb."""
+
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "flowrl", run_config: dict | None = None, resume_step: int = 0):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / "metrics.jsonl"
+        self._truncate_after(resume_step)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise ValueError("logging.wandb=true but wandb is not installed; `pip install wandb` or set logging.wandb=false") from None
+            self._wandb = wandb_module.init(project=wandb_project, config=run_config, dir=str(self.output_dir))
+
+    def _truncate_after(self, step: int) -> None:
+        """A fresh run (step 0) starts an empty file; a resumed one keeps the lines up to `step`."""
+        if not self.path.is_file():
+            return
+        if step == 0:
+            self.path.unlink()
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step}
+        for key, value in metrics.items():
+            record[key] = _json_number(value) if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) else value
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def log_image(self, step: int, tag: str, png_path: str | Path) -> None:
+        if self._tb is not None:
+            from PIL import Image
+
+            self._tb.add_image(tag, np.asarray(Image.open(png_path).convert("RGB")), step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb as wandb_module
+
+            self._wandb.log({tag: wandb_module.Image(str(png_path))}, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def save_image_grid(images, captions: list[str], path: str | Path, columns: int = 4, min_cell: int = 128) -> Path:
+    """images (B, 3, H, W) uint8 (numpy or torch) -> one PNG grid, each cell captioned below
+    (e.g. "r=0.42"). Small images are upscaled (nearest) to at least `min_cell` pixels wide."""
+    from PIL import Image, ImageDraw
+
+    images = np.asarray(images.cpu() if hasattr(images, "cpu") else images)
+    if images.ndim != 4 or images.shape[1] != 3 or images.dtype != np.uint8:
+        raise ValueError(f"images must be (B, 3, H, W) uint8, got {images.shape} {images.dtype}")
+    count, _, height, width = images.shape
+    scale = max(1, math.ceil(min_cell / width))
+    cell_w, cell_h, caption_h = width * scale, height * scale, 14
+    columns = max(1, min(columns, count))
+    rows = math.ceil(count / columns)
+    grid = Image.new("RGB", (columns * cell_w, rows * (cell_h + caption_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for index in range(count):
+        tile = Image.fromarray(images[index].transpose(1, 2, 0)).resize((cell_w, cell_h), Image.NEAREST)
+        x, y = (index % columns) * cell_w, (index // columns) * (cell_h + caption_h)
+        grid.paste(tile, (x, y))
+        draw.text((x + 2, y + cell_h + 1), captions[index] if index < len(captions) else "", fill="black")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+def plot_reward_curve(metrics_path: str | Path, out_path: str | Path, key: str = "reward/mean") -> Path | None:
+    """Plot `key` per step (and validation reward when present) from metrics.jsonl; None if empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    if not points:
+        return None
+    figure, axis = plt.subplots(figsize=(6, 4))
+    steps, values = zip(*points)
+    axis.plot(steps, values, marker=".", label=f"train {key}")
+    val = [(r["step"], r["val/reward_mean"]) for r in records if r.get("val/reward_mean") is not None]
+    if val:
+        axis.plot(*zip(*val), marker="o", label="validation reward (ODE, fixed seeds)")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("reward")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out_path)
+    plt.close(figure)
+    return Path(out_path)

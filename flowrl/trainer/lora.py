@@ -1,0 +1,136 @@
+"""Which transformer parameters train: a peft LoRA adapter injected in place, or all of them.
+
+In place matters: the engine holds the same transformer object, so after `apply_trainable` the
+next rollout already samples from the adapted model, with no weight copy. The reference policy of
+the KL term is the same module with the adapter switched off (`adapter_disabled`), never a second
+copy of the model.
+
+Saved LoRA weights use the diffusers LoRA format (`pytorch_lora_weights.safetensors` with
+`transformer.`-prefixed keys plus the adapter config as metadata), so `pipe.load_lora_weights(dir)`
+of the model family's diffusers pipeline loads them with the trained alpha/rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+_PEFT_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora", "orthogonal": "orthogonal"}
+
+
+def _all_module_names(module: torch.nn.Module) -> list[str]:
+    return [name for name, _ in module.named_modules() if name]
+
+
+def _check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
+    """Fail loudly when a target matches no module (LoRA on nothing would train nothing)."""
+    names = _all_module_names(transformer)
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear_leaves = sorted({n.split(".")[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"trainer.lora.target_modules={list(targets)} has entries that match no module of the "
+            f"transformer: {missing}; linear layers it has include {linear_leaves[:24]}"
+        )
+
+
+def apply_trainable(transformer: torch.nn.Module, lora_cfg) -> list[torch.nn.Parameter]:
+    """Make the transformer trainable per `lora_cfg` (trainer.lora) and return the parameters
+    to optimize. LoRA: peft adapter "default" injected in place, base weights frozen, LoRA weights
+    kept in float32 whatever the model dtype. Full fine-tuning (lora.enabled=false): every
+    transformer parameter trains."""
+    transformer.requires_grad_(False)
+    if not getattr(lora_cfg, "enabled", True):
+        transformer.requires_grad_(True)
+        return [p for p in transformer.parameters() if p.requires_grad]
+    from peft import LoraConfig
+
+    targets = list(getattr(lora_cfg, "target_modules"))
+    _check_targets(transformer, targets)
+    init = getattr(lora_cfg, "init", "gaussian")
+    if init not in _PEFT_INITS:
+        raise ValueError(f"trainer.lora.init={init!r} is unknown; use one of {sorted(_PEFT_INITS)}")
+    config = LoraConfig(
+        r=int(lora_cfg.rank),
+        lora_alpha=float(lora_cfg.alpha),
+        target_modules=targets,
+        init_lora_weights=_PEFT_INITS[init],
+        lora_dropout=float(getattr(lora_cfg, "dropout", 0.0)),
+    )
+    transformer.add_adapter(config)
+    params = []
+    for name, param in transformer.named_parameters():
+        if "lora_" in name:
+            # float32 master weights: Adam updates in bf16 would mostly round away.
+            param.data = param.data.float()
+            param.requires_grad_(True)
+            params.append(param)
+        else:
+            param.requires_grad_(False)
+    if not params:
+        raise ValueError(f"trainer.lora.target_modules={targets} produced no LoRA parameters")
+    return params
+
+
+def has_lora(transformer: torch.nn.Module) -> bool:
+    return bool(getattr(transformer, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def adapter_disabled(transformer: torch.nn.Module):
+    """Run the base model (the KL reference): LoRA switched off inside the block."""
+    if not has_lora(transformer):
+        raise ValueError(
+            "the KL reference is the model with its LoRA adapter disabled, but this transformer has "
+            "no LoRA adapter; set trainer.lora.enabled=true or algorithm.kl_beta=0"
+        )
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def trainable_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tensor of every parameter that trains (LoRA weights, or the full model)."""
+    return {name: p.detach() for name, p in transformer.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable weights back; names and shapes must match exactly."""
+    params = dict(transformer.named_parameters())
+    expected = {name for name, p in params.items() if p.requires_grad}
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state))[:5], sorted(set(state) - expected)[:5]
+        raise ValueError(
+            f"checkpoint weights do not match the trainable parameters (missing {missing}, unexpected "
+            f"{extra}); resume with the same trainer.lora settings the checkpoint was written with"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"checkpoint weight {name} has shape {tuple(tensor.shape)}, the model "
+                                 f"{tuple(params[name].shape)}; resume with the same trainer.lora settings")
+            params[name].copy_(tensor)
+
+
+def save_lora_for_diffusers(adapter, directory: str | Path) -> Path:
+    """Write the LoRA in the diffusers format of the adapter's pipeline (loadable with
+    `pipe.load_lora_weights(directory)`). Returns the directory."""
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = adapter.transformer
+    if not has_lora(transformer):
+        raise ValueError("save_lora_for_diffusers: the transformer has no LoRA adapter (full fine-tuning?)")
+    pipeline_cls = type(adapter.pipeline)
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = transformer.peft_config["default"].to_dict()
+    pipeline_cls.save_lora_weights(
+        directory, transformer_lora_layers=state, safe_serialization=True,
+        transformer_lora_adapter_metadata=metadata,
+    )
+    return directory

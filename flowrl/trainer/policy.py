@@ -1,0 +1,99 @@
+"""Re-scoring stored SDE transitions with the current policy.
+
+For the rows of a micro-batch and one trained window step per row, rebuild exactly what the engine
+computed: the guided velocity (cond and uncond rows through `adapter.velocity`, from the stored
+prompt embeddings) at the stored latent and sigma, then `sampler.sde_step(..., next_latents=)` on
+the stored next latent. Same function, same inputs: on CPU float32 the result equals the rollout's
+log-prob up to batch-shape rounding.
+
+The reference policy (for the KL term) is the same transformer with its LoRA adapter disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from flowrl import sampler
+from flowrl.models.base import FlowModelAdapter, PromptEncoding
+
+
+@dataclass
+class TransitionSpec:
+    """What the trainer must know about how the rollouts were sampled (one value per batch)."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    noise_level: float
+    sde_type: str
+    guidance_scale: float
+
+
+def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
+    """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
+    its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
+    engine padded its forward."""
+    embeds = tensors[f"{prefix}prompt_embeds"]
+    mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
+    pooled = tensors.get(f"{prefix}pooled_prompt_embeds")
+    encodings = []
+    for row in range(embeds.shape[0]):
+        true_positions = torch.nonzero(mask[row]).flatten()
+        length = int(true_positions[-1]) + 1 if true_positions.numel() else embeds.shape[1]
+        encodings.append(PromptEncoding(
+            embeds[row, :length].to(device),
+            mask[row, :length].to(device),
+            None if pooled is None else pooled[row].to(device),
+        ))
+    return encodings
+
+
+def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, device):
+    """(latents, next_latents, sigma, sigma_next) of window step step_index[row] for each row."""
+    rows = torch.arange(step_index.shape[0])
+    latents = tensors["all_latents"][rows, step_index].to(device, torch.float32)
+    next_latents = tensors["all_latents"][rows, step_index + 1].to(device, torch.float32)
+    sigma = tensors["all_timesteps"][rows, step_index].to(device, torch.float32)
+    sigma_next = tensors["all_next_timesteps"][rows, step_index].to(device, torch.float32)
+    return latents, next_latents, sigma, sigma_next
+
+
+def guided_velocity(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], latents, sigma, spec: TransitionSpec):
+    """The guided velocity the engine used for these rows (CFG rows in the same forward)."""
+    device = latents.device
+    cond = _encodings(tensors, "", device)
+    uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
+    uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
+    guidance = torch.full((latents.shape[0],), float(spec.guidance_scale), device=device)
+    return adapter.velocity(latents, sigma, cond, uncond, guidance, spec.height, spec.width)
+
+
+def score_transitions(
+    adapter: FlowModelAdapter,
+    tensors: dict[str, torch.Tensor],
+    step_index: torch.Tensor,
+    spec: TransitionSpec,
+    autocast_dtype: torch.dtype | None = None,
+) -> sampler.StepResult:
+    """Log-prob (B,) of the stored next latents under the current policy, plus the step's mean
+    and std (for the KL). Gradients flow when called with grad enabled."""
+    device = adapter.device
+    latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    with autocast:
+        velocity = guided_velocity(adapter, tensors, latents, sigma, spec)
+    schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
+    sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]
+    return sampler.sde_step(
+        latents, velocity.float(), sigma, sigma_next,
+        noise_level=torch.full_like(sigma, float(spec.noise_level)),
+        sde_type=spec.sde_type,
+        next_latents=next_latents,
+        sigma_first_step=torch.full_like(sigma, float(sigma_first)),
+    )

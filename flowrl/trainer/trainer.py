@@ -1,0 +1,250 @@
+"""FlowGRPOTrainer: the colocated online-RL loop.
+
+One training step:
+1. take `prompts_per_step` dataset rows, give each a uid, draw ONE SDE window for the whole step
+   (per-row windows collapsed training elsewhere) and repeat every row n times (interleaved);
+2. roll them out through the AgentLoop; each finished sample is scored at once by the async
+   reward scorer while the others are still denoising;
+3. group advantages by uid; drop rows with NaN rewards (and zero-std groups with
+   zero_std_policy=drop);
+4. PPO update (flowrl.trainer.update); the engine is idle here, since the rollout has returned;
+5. bump the policy version: the engine's transformer IS the trained module (LoRA injected in
+   place), so the next rollout samples from the new weights with no copy, and every output
+   records the version that produced it;
+6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds) and checkpoints every k steps.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowrl import sampler as sde
+from flowrl.trainer import checkpoint as ckpt
+from flowrl.trainer.advantages import compute_group_advantages
+from flowrl.trainer.build import check_before_loading, resolve_model_path
+from flowrl.trainer.data import PromptSampler
+from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
+from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.policy import TransitionSpec
+from flowrl.trainer.update import PolicyUpdater
+
+_NON_METADATA = ("sampling_overrides", "raw_prompt")
+
+
+def _row_metadata(batch, row: int) -> dict:
+    return {k: v[row] for k, v in batch.non_tensor_batch.items() if k not in _NON_METADATA}
+
+
+class FlowGRPOTrainer:
+    """Colocated FlowGRPO training of one model (see the module docstring).
+
+    engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
+    """
+
+    def __init__(self, cfg, engine=None, reward=None):
+        from flowrl.config import config_to_dict
+        from flowrl.rewards import AsyncRewardScorer
+        from flowrl.rollout.agent_loop import AgentLoop
+
+        self.cfg = cfg
+        prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        self.reward = prepared.reward
+        self.val_rows = prepared.val_rows
+        tcfg = cfg.trainer
+        self.output_dir = Path(tcfg.output_dir)
+        if engine is None:
+            from flowrl.engine.engine import DiffusionEngine
+
+            engine = DiffusionEngine.from_pretrained(
+                resolve_model_path(cfg.model), device=cfg.model.resolve_device(), dtype=cfg.model.torch_dtype,
+                max_batch_rows=cfg.engine.max_batch_rows, decode_chunk_size=cfg.engine.decode_chunk_size,
+            )
+        self.engine = engine
+        self.adapter = engine.adapter
+        transformer = self.adapter.transformer
+        params = apply_trainable(transformer, tcfg.lora)
+        if tcfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
+        s = cfg.rollout.sampling
+        self.spec = TransitionSpec(s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale)
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
+        self.agent_loop = AgentLoop(engine, cfg.rollout)
+        self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
+        self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
+        self.step = 0
+        self.policy_version = 0
+        self.config_dict = config_to_dict(cfg)
+        resume_from = ckpt.resolve_resume(tcfg.resume, self.output_dir)
+        if resume_from is not None:
+            self._restore(resume_from)
+        log = cfg.logging
+        self.logger = MetricsLogger(self.output_dir, log.tensorboard, log.wandb, log.wandb_project,
+                                    self.config_dict, resume_step=self.step)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def _sde_window(self, step: int) -> tuple[int, int] | None:
+        """The step's shared SDE window: explicit, drawn from (seed, step), or the engine default."""
+        s = self.cfg.rollout.sampling
+        if s.sde_window is not None or s.sde_window_size is None:
+            return None if s.sde_window is None else tuple(s.sde_window)
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([self.cfg.trainer.seed, step, 7]).generate_state(1)[0]))
+        return sde.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
+
+    def train_step(self) -> dict:
+        """Run training step self.step + 1; returns its metrics."""
+        from flowrl.rollout.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        step = self.step + 1
+        rows = self.prompts.next_rows()
+        window = self._sde_window(step)
+        for i, row in enumerate(rows):
+            row["uid"] = f"step{step}-prompt{i}"
+            if window is not None:
+                row["sampling_overrides"] = {"sde_window": window}
+        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
+        if hasattr(self.engine, "reset_stats"):
+            self.engine.reset_stats()
+
+        # 1. rollout, each sample scored as soon as it is done
+        submit = lambda row, out: self.scorer.submit(row, out.image, out.prompt, _row_metadata(batch, row))  # noqa: E731
+        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+        t_rollout = time.perf_counter()
+        rewards, components = self.scorer.results_with_components(len(rollout))
+        t_reward = time.perf_counter()
+
+        # 2. advantages
+        algo = self.cfg.algorithm
+        adv = compute_group_advantages(rewards, list(rollout.non_tensor_batch["uid"]), algo.std_mode, algo.std_eps,
+                                       algo.adv_clip_max, algo.zero_std_threshold)
+        keep = adv.is_valid & ~(adv.is_zero_std if algo.zero_std_policy == "drop" else False)
+        metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
+
+        # 3. update (the engine is idle: generate_sequences returned every sample)
+        if keep.any():
+            rows_kept = np.flatnonzero(keep)
+            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "responses"}
+            metrics.update(self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]),
+                                               torch.ones(len(rows_kept)), step))
+            self.policy_version = self.updater.num_optimizer_steps
+            self.engine.set_policy_version(self.policy_version)
+        metrics["timing/rollout_s"] = t_rollout - t0
+        metrics["timing/reward_wait_s"] = t_reward - t_rollout
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        self.step = step
+        return metrics
+
+    def _rollout_metrics(self, rollout, rewards, components, adv, keep) -> dict:
+        finite = rewards[np.isfinite(rewards)]
+        versions = np.asarray(rollout.non_tensor_batch["policy_version"], dtype=np.int64)
+        metrics = {
+            "reward/mean": float(finite.mean()) if finite.size else float("nan"),
+            "reward/std": float(finite.std()) if finite.size else float("nan"),
+            "reward/nan_ratio": float(1.0 - finite.size / max(len(rewards), 1)),
+            "adv/zero_std_ratio": adv.zero_std_ratio,
+            "adv/mean_group_std": adv.mean_group_std,
+            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
+            "adv/num_rows_trained": int(keep.sum()),
+            "rollout/policy_version": int(versions.min()),
+            "rollout/policy_lag": int(self.policy_version - versions.min()),
+        }
+        for name, scores in components.items():
+            if len(components) > 1:
+                metrics[f"reward/{name}/mean"] = float(np.nanmean(scores))
+        if hasattr(self.engine, "stats"):
+            stats = self.engine.stats()
+            metrics["rollout/mean_rows_per_forward"] = stats.get("mean_rows_per_forward", 0.0)
+            metrics["rollout/images_per_second"] = stats.get("images_per_second", 0.0)
+        metrics["rollout/num_batched_groups"] = rollout.meta_info.get("num_batched_groups", 0)
+        return metrics
+
+    # --- validation -------------------------------------------------------------------------------
+    def validate(self) -> dict:
+        """ODE samples of the validation prompts with fixed seeds; a captioned grid PNG."""
+        from flowrl.rollout.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
+        out = self.agent_loop.generate_sequences(batch, validation=True)
+        images = out.batch["responses"]
+        prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+        scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
+        grid = save_image_grid(images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png")
+        if self.cfg.logging.log_images:
+            self.logger.log_image(self.step, "val/images", grid)
+        return {"val/reward_mean": float(np.nanmean(scores)), "val/reward_std": float(np.nanstd(scores)),
+                "timing/val_s": time.perf_counter() - t0}
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self) -> Path:
+        state = {"policy_version": self.policy_version, "data": self.prompts.state_dict(),
+                 "rows_generated": self.agent_loop.rows_generated,
+                 "num_optimizer_steps": self.updater.num_optimizer_steps}
+        return ckpt.save_checkpoint(self.output_dir, self.step, self.adapter, self.updater.optimizer,
+                                    self.param_names, state, self.config_dict)
+
+    def _restore(self, path: Path) -> None:
+        restored = ckpt.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
+        state = restored["trainer"]
+        self.step = restored["step"]
+        self.prompts.load_state_dict(state["data"])
+        self.agent_loop.rows_generated = state["rows_generated"]
+        self.updater.num_optimizer_steps = state["num_optimizer_steps"]
+        self.policy_version = state["policy_version"]
+        self.engine.set_policy_version(self.policy_version)
+        print(f"resumed from {path} at step {self.step}")
+
+    def save_final(self) -> Path:
+        """The trained weights for use outside flowrl: a diffusers LoRA folder, or the transformer."""
+        final = self.output_dir / "final"
+        if has_lora(self.adapter.transformer):
+            return save_lora_for_diffusers(self.adapter, final / "lora")
+        self.adapter.transformer.save_pretrained(final / "transformer")
+        return final / "transformer"
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train until trainer.total_steps (or trainer.epochs) and return a summary."""
+        from tqdm.auto import tqdm
+
+        tcfg = self.cfg.trainer
+        if tcfg.val_every and self.step == 0:
+            self.logger.log(0, self.validate())
+        bar = tqdm(total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar)
+        try:
+            while self.step < tcfg.total_steps:
+                if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
+                    break
+                metrics = self.train_step()
+                if tcfg.val_every and self.step % tcfg.val_every == 0:
+                    metrics.update(self.validate())
+                if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
+                    self.logger.log(self.step, metrics)
+                if tcfg.save_every and self.step % tcfg.save_every == 0:
+                    self.save()
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", clip=f"{metrics.get('actor/clipfrac', 0):.2f}")
+        finally:
+            bar.close()
+            self.scorer.close()
+            self.logger.close()
+        return self.summary()
+
+    def summary(self) -> dict:
+        records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
+        means = [r["reward/mean"] for r in records]
+        curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
+        final = self.save_final()
+        return {
+            "steps": self.step,
+            "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),
+            "last5_reward_mean": float(np.mean(means[-5:])) if means else float("nan"),
+            "reward_curve": str(curve) if curve else None,
+            "final_weights": str(final),
+            "metrics": str(self.logger.path),
+        }

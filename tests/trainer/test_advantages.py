@@ -1,0 +1,62 @@
+"""Group advantages against hand-computed values (global and per-group std, clamping, zero-std
+groups, NaN rewards)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from flowrl.trainer.advantages import compute_group_advantages
+
+
+def test_global_std_matches_hand_computation():
+    rewards = [1.0, 3.0, 10.0, 14.0]
+    uids = ["a", "a", "b", "b"]
+    # group means 2 and 12; global population std of [1, 3, 10, 14]: mean 7, var (36+16+9+49)/4 = 27.5
+    std = math.sqrt(27.5)
+    out = compute_group_advantages(rewards, uids, std_mode="global", std_eps=1e-4, adv_clip_max=5.0)
+    expected = np.array([-1, 1, -2, 2]) / (std + 1e-4)
+    np.testing.assert_allclose(out.values, expected, rtol=1e-6)
+    assert out.zero_std_ratio == 0.0 and out.num_groups == 2
+
+
+def test_group_std_and_clamp():
+    rewards = [0.0, 1.0, 0.0, 0.0, 0.0, 100.0]
+    uids = [0, 0, 1, 1, 1, 1]
+    out = compute_group_advantages(rewards, uids, std_mode="group", std_eps=1e-4, adv_clip_max=1.5)
+    # group 0: mean 0.5, std 0.5 -> +-0.5 / 0.5001
+    np.testing.assert_allclose(out.values[:2], [-0.5 / 0.5001, 0.5 / 0.5001], rtol=1e-6)
+    # group 1: mean 25, std sqrt(3*625 + 75^2)/2 = 43.30...; the 100 row: 75/43.30 = 1.73 -> clamped to 1.5
+    std1 = np.std([0, 0, 0, 100.0])
+    assert out.values[5] == pytest.approx(1.5)
+    np.testing.assert_allclose(out.values[2:5], -25 / (std1 + 1e-4), rtol=1e-6)
+    assert np.all(np.abs(out.values) <= 1.5)
+
+
+def test_zero_std_groups_get_exact_zero_and_are_counted():
+    rewards = [0.1, 0.1, 0.1, 0.3, 0.7, 0.9]
+    uids = ["x", "x", "x", "y", "y", "y"]
+    for mode in ("global", "group"):
+        out = compute_group_advantages(rewards, uids, std_mode=mode)
+        assert np.all(out.values[:3] == 0.0)
+        assert out.is_zero_std.tolist() == [True] * 3 + [False] * 3
+        assert out.zero_std_ratio == 0.5
+        assert np.all(out.values[3:] != 0.0)
+
+
+def test_nan_rewards_are_excluded():
+    rewards = [1.0, float("nan"), 3.0, 2.0]
+    uids = ["a", "a", "a", "b"]
+    out = compute_group_advantages(rewards, uids, std_mode="group")
+    assert out.is_valid.tolist() == [True, False, True, True]
+    assert out.values[1] == 0.0
+    # group a without the NaN row: [1, 3], mean 2, std 1
+    np.testing.assert_allclose(out.values[[0, 2]], [-1 / 1.0001, 1 / 1.0001], rtol=1e-6)
+    assert out.values[3] == 0.0 and out.zero_std_ratio == 0.5  # group b has one row: no spread
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="one uid per row"):
+        compute_group_advantages([1.0, 2.0], ["a"])
+    with pytest.raises(ValueError, match="std_mode"):
+        compute_group_advantages([1.0, 2.0], ["a", "a"], std_mode="batch")

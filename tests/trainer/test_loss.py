@@ -1,0 +1,54 @@
+"""Clipped PPO loss against hand-computed values, including both clipping sides and weights."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.trainer.loss import clipped_policy_loss
+
+
+def test_unclipped_ratio_one_gives_minus_mean_advantage():
+    logp = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    out = clipped_policy_loss(logp, logp.detach().clone(), adv, clip_range=0.2)
+    assert out.policy_loss == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
+    assert out.ratio_mean == 1.0 and out.ratio_max == 1.0 and out.clipfrac == 0.0 and out.approx_kl == 0.0
+    out.loss.backward()
+    # d/dlogp of mean(-A * exp(logp - old)) at ratio 1 = -A / B
+    torch.testing.assert_close(logp.grad, -adv / 3)
+
+
+def test_clipping_hand_computed():
+    eps = 0.1
+    old = torch.zeros(4)
+    # ratios: 1.5 (A>0: clipped to 1.1), 0.5 (A>0: unclipped wins, 0.5), 1.5 (A<0: unclipped wins), 0.5 (A<0: clipped 0.9)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5])).requires_grad_(True)
+    adv = torch.tensor([2.0, 2.0, -1.0, -1.0])
+    out = clipped_policy_loss(logp, old, adv, clip_range=eps)
+    per_row = [-2.0 * 1.1, -2.0 * 0.5, 1.0 * 1.5, 1.0 * 0.9]
+    assert out.policy_loss == pytest.approx(sum(per_row) / 4, rel=1e-6)
+    assert out.clipfrac == 1.0
+    assert out.ratio_max == pytest.approx(1.5) and out.ratio_mean == pytest.approx(1.0)
+    expected_kl = 0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4
+    assert out.approx_kl == pytest.approx(expected_kl, rel=1e-6)
+    out.loss.backward()
+    # clipped rows have no gradient; unclipped ones get -A * ratio / B
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -2.0 * 0.5 / 4, 1.0 * 1.5 / 4, 0.0]))
+
+
+def test_weights_exclude_rows_and_kl_adds_beta_times_mean():
+    logp = torch.tensor([0.0, 0.0, 0.0])
+    adv = torch.tensor([1.0, 3.0, 100.0])
+    weights = torch.tensor([1.0, 1.0, 0.0])
+    kl = torch.tensor([0.2, 0.4, 50.0])
+    out = clipped_policy_loss(logp, logp, adv, clip_range=1e-4, kl=kl, kl_beta=0.5, weights=weights)
+    assert out.policy_loss == pytest.approx(-2.0)
+    assert out.kl == pytest.approx(0.3)
+    assert float(out.loss) == pytest.approx(-2.0 + 0.5 * 0.3)
+    assert out.num_rows == 2
+
+
+def test_clip_range_must_be_positive():
+    with pytest.raises(ValueError, match="clip_range"):
+        clipped_policy_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), clip_range=0.0)
