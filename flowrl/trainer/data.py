@@ -82,7 +82,8 @@ def load_prompt_rows(path: str | Path | None, prompt_field: str = "prompt", max_
             )
         row = {k: v for k, v in item.items() if k != prompt_field}
         row["raw_prompt"] = prompt
-        row.setdefault("data_source", "default")
+        if row.get("data_source") is None:  # parquet gives None for a missing column value
+            row["data_source"] = "default"
         for name in ("negative_prompt", "ground_truth"):
             row.setdefault(name, None)
         rows.append(row)

@@ -16,6 +16,7 @@ One training step:
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -66,7 +67,9 @@ class FlowGRPOTrainer:
         self.engine = engine
         self.adapter = engine.adapter
         transformer = self.adapter.transformer
-        params = apply_trainable(transformer, tcfg.lora)
+        with torch.random.fork_rng(devices=[]):  # LoRA init from trainer.seed: runs repeat exactly
+            torch.manual_seed(tcfg.seed)
+            params = apply_trainable(transformer, tcfg.lora)
         if tcfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
@@ -112,8 +115,20 @@ class FlowGRPOTrainer:
             self.engine.reset_stats()
 
         # 1. rollout, each sample scored as soon as it is done
-        submit = lambda row, out: self.scorer.submit(row, out.image, out.prompt, _row_metadata(batch, row))  # noqa: E731
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+        submitted: set[int] = set()
+        lock = threading.Lock()
+
+        def submit(row: int, image, prompt: str) -> None:
+            # Once per row, and under the lock: a done-callback may still be running when the
+            # rollout returns, so the loop below waits for it or submits the row itself.
+            with lock:
+                if row not in submitted:
+                    submitted.add(row)
+                    self.scorer.submit(row, image, prompt, _row_metadata(batch, row))
+
+        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=lambda row, out: submit(row, out.image, out.prompt))
+        for row in range(len(rollout)):
+            submit(row, rollout.batch["responses"][row], str(rollout.non_tensor_batch["raw_prompt"][row]))
         t_rollout = time.perf_counter()
         rewards, components = self.scorer.results_with_components(len(rollout))
         t_reward = time.perf_counter()

@@ -1,0 +1,62 @@
+"""The embedded tiny run, shortened: the reward really rises, and the loop writes what it promises.
+Plus the one CLI smoke test of `flowrl train` (a subprocess running the real entry point)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from flowrl.config import config_to_dict, load_config
+from flowrl.trainer.cli import load_train_config
+from flowrl.trainer.trainer import FlowGRPOTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED_KEYS = ("step", "reward/mean", "reward/std", "actor/policy_loss", "actor/clipfrac", "actor/ratio_mean",
+                 "actor/ratio_max", "actor/approx_kl", "actor/kl", "actor/grad_norm", "actor/logprob_gap_mean",
+                 "actor/logprob_gap_max", "adv/zero_std_ratio", "timing/rollout_s", "timing/update_s", "timing/step_s")
+
+
+def test_tiny_run_reward_rises(make_cfg):
+    # The embedded default with fewer steps (the full run has 60) and one validation at the end.
+    cfg = make_cfg("trainer.total_steps=12", "trainer.val_every=12", "trainer.save_every=12")
+    summary = FlowGRPOTrainer(cfg).fit()
+    records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for key in REQUIRED_KEYS:
+        assert key in steps[-1], key
+    # Within-step reward std is ~0.003 and a control run with shuffled advantages drifts by <0.002
+    # in 30 steps (docs/training.md); the trained run gains ~0.008 in 12 steps.
+    gain = summary["last5_reward_mean"] - summary["first5_reward_mean"]
+    assert gain > 0.004, summary
+    assert all(r["rollout/policy_lag"] == 0 for r in steps)  # colocated: rollouts use the latest weights
+    assert [r["rollout/policy_version"] for r in steps] == list(range(12))
+    assert Path(summary["reward_curve"]).is_file()
+    out = Path(cfg.trainer.output_dir)
+    assert (out / "val" / "step_000000.png").is_file() and (out / "val" / "step_000012.png").is_file()
+    assert (out / "final" / "transformer" / "config.json").is_file()
+
+
+def test_tiny_recipe_is_the_embedded_default():
+    assert config_to_dict(load_config(str(REPO / "recipes" / "tiny_cpu.yaml"))) == config_to_dict(load_train_config(None, []))
+
+
+def test_real_recipes_load_with_group_size_16():
+    for name in ("sd35_medium_ocr_lora", "qwen_image_ocr_lora"):
+        cfg = load_config(str(REPO / "recipes" / f"{name}.yaml"))
+        assert cfg.rollout.n == 16 and cfg.rollout.enable_batched_diffusion
+        assert cfg.trainer.lora.enabled and cfg.reward.name == "ocr"
+
+
+def test_cli_smoke(tiny_sd3_path, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "train", f"model.path={tiny_sd3_path}", f"trainer.output_dir={tmp_path / 'out'}",
+         "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=2", "logging.progress_bar=false"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mean reward, first 5 steps:" in result.stdout and "mean reward, last 5 steps:" in result.stdout
+    assert (tmp_path / "out" / "checkpoints" / "step_000002" / "state.json").is_file()
+    assert (tmp_path / "out" / "tensorboard").is_dir()
