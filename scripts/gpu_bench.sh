@@ -8,7 +8,8 @@
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
-#   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen gap      ~5-7 min
+#   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
+#             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
 #   cpu-smoke tiny models, to check this script on any machine
 #
@@ -58,8 +59,10 @@ suite() {
     qwen-cfg)
       run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
-      run qwen-logprob 150 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 --guidance-scale 4.0 \
-        --micro-batches 1,8 --sde-window-size 2 --train-micro-batch 2 ;;
+      # No CFG here: with grad enabled a Qwen-Image row keeps ~9 GB of activations, so 8 rows
+      # (+ 41 GB of weights) is the largest micro-batch that fits.
+      run qwen-logprob 150 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
+        --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)

@@ -118,9 +118,9 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 
 # Kernel-name fragments -> category, checked in order (first match wins).
 _KERNEL_CATEGORIES = (
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated", "sm90_flash")),
-    ("matmul", ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("convolution", ("conv", "implicit_gemm", "winograd")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "sm90_flash")),
+    ("convolution", ("conv", "fprop", "dgrad", "wgrad", "implicit_gemm", "winograd")),
+    ("matmul", ("gemm", "cutlass", "xmma", "cublas", "nvjet", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
     ("compiled (triton)", ("triton",)),
     ("norm/elementwise", ("norm", "elementwise", "vectorized", "reduce", "softmax", "silu", "gelu", "copy", "cat", "mul", "add")),
 )

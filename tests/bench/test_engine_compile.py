@@ -89,3 +89,21 @@ def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert all(torch.isfinite(s.latents).all() for s in samples)
+
+
+def test_real_rope_attention_equals_diffusers_processor():
+    """The compile-friendly Qwen-Image attention computes the same function as diffusers' own
+    processor, padded text (mask) included."""
+    from flowrl.models.qwen_image import RealRopeQwenAttention, _real_rope_tables
+
+    adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
+    enc = adapter.encode_prompts(["long prompt", "short"])
+    enc[1].embeds, enc[1].mask = enc[1].embeds[:5], enc[1].mask[:5]  # rows of different lengths
+    latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    args = (latents, torch.tensor([0.9, 0.3]), enc, [None, None], torch.ones(2), 64, 64)
+    with torch.no_grad():
+        reference = adapter.velocity(*args)
+        adapter.transformer.set_attn_processor(RealRopeQwenAttention())
+        adapter.transformer.pos_embed.register_forward_hook(_real_rope_tables)
+        real = adapter.velocity(*args)
+    torch.testing.assert_close(real, reference, atol=1e-6, rtol=1e-6)
