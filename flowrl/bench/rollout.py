@@ -208,30 +208,35 @@ def run_rollout(args) -> int:
     print(f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s", flush=True)
     # 1. Peak and FLOPs, once (before any compilation).
     peak = flop_count.measure_matmul_peak(device, bench.dtype, sustain_seconds=a.peak_seconds)
-    row_flops = flop_count.transformer_flops_per_row(bench.bench.adapter, a.size, a.size)
-    decode_flops = flop_count.decode_flops_per_image(bench.bench.adapter, a.size, a.size)
-    image_flops = a.steps * bench.rows_per_image * row_flops + decode_flops
+    try:
+        row_flops = flop_count.transformer_flops_per_row(bench.bench.adapter, a.size, a.size)
+        decode_flops = flop_count.decode_flops_per_image(bench.bench.adapter, a.size, a.size)
+        image_flops = a.steps * bench.rows_per_image * row_flops + decode_flops
+    except Exception:  # noqa: BLE001 - timings without MFU beat no timings
+        traceback.print_exc()
+        row_flops = decode_flops = image_flops = None
     report.data.update(peak=peak, flops={
         "transformer_per_row": row_flops, "decode_per_image": decode_flops, "per_image": image_flops,
-        "limit_images_per_second_sustained": peak["sustained_flops"] / image_flops,
-        "limit_images_per_second_burst": peak["burst_flops"] / image_flops,
+        "limit_images_per_second_sustained": peak["sustained_flops"] / image_flops if image_flops else None,
+        "limit_images_per_second_burst": peak["burst_flops"] / image_flops if image_flops else None,
     })
     report.save()
-    print(f"[bench] matmul peak {peak['burst_flops'] / 1e12:.1f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.1f} sustained; "
-          f"{row_flops / 1e12:.3f} TFLOP per row, {decode_flops / 1e12:.3f} per decode; "
-          f"limit {report.data['flops']['limit_images_per_second_sustained']:.3f} img/s", flush=True)
+    if image_flops:
+        print(f"[bench] matmul peak {peak['burst_flops'] / 1e12:.1f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.1f} sustained; "
+              f"{row_flops / 1e12:.3f} TFLOP per row, {decode_flops / 1e12:.3f} per decode; "
+              f"limit {report.data['flops']['limit_images_per_second_sustained']:.3f} img/s", flush=True)
     # 2. The modes, eager first.
     for mode in modes:
         try:
             result = bench.run_mode(mode)
-            result["mfu"] = result["images_per_second"] * image_flops / peak["sustained_flops"]
+            result["mfu"] = result["images_per_second"] * image_flops / peak["sustained_flops"] if image_flops else None
         except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}
         report.data["modes"][mode] = result
         report.data["ratios"] = _ratios(report.data["modes"])
         report.save()
-        shown = f"{result['images_per_second']:.3f} img/s, MFU {result['mfu']:.1%}" if "mfu" in result else result["error"]
+        shown = result.get("error") or f"{result['images_per_second']:.3f} img/s, MFU {_percent(result['mfu'])}"
         print(f"[bench] {mode}: {shown}", flush=True)
     # 3. Optional profile of one mode (where the time goes).
     if a.profile:
@@ -247,6 +252,10 @@ def run_rollout(args) -> int:
     return 0 if all("error" not in m for m in report.data["modes"].values()) else 1
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def _print_summary(data: dict) -> None:
     rows = []
     for mode, m in data["modes"].items():
@@ -254,15 +263,16 @@ def _print_summary(data: dict) -> None:
             rows.append([mode, "ERROR", None, None, None, None, m["error"][:60]])
             continue
         hist = m.get("rows_per_forward_hist")
-        rows.append([mode, m["images_per_second"], m["seconds_median"], f"{m['mfu']:.1%}", m["peak_memory_gb"],
+        rows.append([mode, m["images_per_second"], m["seconds_median"], _percent(m["mfu"]), m["peak_memory_gb"],
                      m.get("mean_rows_per_forward"), str(hist) if hist else ""])
     flops = data["flops"]
     print()
     print(f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
           f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
           f"{data['environment'].get('gpu') or data['environment']['device']}")
-    print(f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
-          f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})")
+    if flops["limit_images_per_second_sustained"]:
+        print(f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
+              f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})")
     print(format_table(["mode", "img/s", "s/run", "MFU", "peak GB", "rows/fwd", "rows/forward histogram"], rows))
     for label, value in data.get("ratios", {}).items():
         print(f"   {label}: {value:.3f}")

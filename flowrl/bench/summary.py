@@ -24,7 +24,7 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
              f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}, {_gpu(data)}", ""]
     flops, peak = data.get("flops"), data.get("peak")
-    if flops and peak:
+    if flops and peak and flops.get("per_image"):
         lines.append(f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "
                      f"{flops['transformer_per_row'] / 1e12:.3f} TFLOP per row-forward, {flops['decode_per_image'] / 1e12:.3f} per decode; "
                      f"limit {flops['limit_images_per_second_sustained']:.3f} img/s (sustained) / "
@@ -36,7 +36,8 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
             lines.append(f"| {mode} | error: {m['error'][:80]} | | | | |")
             continue
         mem = f"{m['peak_memory_gb']:.1f}" if m.get("peak_memory_gb") is not None else "-"
-        lines.append(f"| {mode} | {m['images_per_second']:.3f} | {m.get('mfu', 0):.1%} | {m['seconds_median']:.2f} | "
+        mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "-"
+        lines.append(f"| {mode} | {m['images_per_second']:.3f} | {mfu} | {m['seconds_median']:.2f} | "
                      f"{m.get('mean_rows_per_forward', 0):.1f} | {mem} |")
     for label, value in data.get("ratios", {}).items():
         lines.append(f"- {label}: {value:.3f}")
@@ -62,7 +63,8 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
     t = data.get("training_step")
     if t and "error" not in t:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms, "
-                     f"{t['flops_forward_backward'] / 1e12:.1f} TFLOP fwd+bwd, MFU {t['mfu']:.1%}, peak {t['peak_memory_gb'] or 0:.0f} GB")
+                     f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
+                     f"peak {t['peak_memory_gb'] or 0:.0f} GB")
     elif t:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
     return lines + [""]
