@@ -16,12 +16,12 @@
 # Writes $OUT/<suite>-rollout.json, $OUT/<suite>-logprob.json (rewritten after every
 # measurement, so a run cut short keeps what it measured), $OUT/log.txt, and prints a markdown
 # summary of every JSON last. Each bench gets a `timeout` inside the overall budget
-# (BENCH_BUDGET_S, default 570 s) so the script always ends, and summarizes, on its own.
+# (BENCH_BUDGET_S, default 540 s) so the script always ends, and summarizes, on its own.
 # With GPUS=2 (machine kind nvidia-h200-x2) the suites are spread over the two GPUs and run
 # at the same time, one log per GPU.
 set -u
 START=$SECONDS
-BUDGET=${BENCH_BUDGET_S:-570}
+BUDGET=${BENCH_BUDGET_S:-540}
 OUT=${OUT:-/tmp/flowrl-bench}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
