@@ -55,7 +55,7 @@ suite() {
       run sd35-logprob 200 "$log" logprob --model sd35-medium -n 32 --steps 10 --size 512 --micro-batches 1,8,32 ;;
     qwen)
       run qwen-rollout 540 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile --serial-samples 2 \
-        --repeats 1 --profile engine-batched-compiled --profile-steps 1 ;;
+        --repeats 1 --profile engine-batched-compiled --profile-steps 2 ;;
     qwen-cfg)
       run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
@@ -77,8 +77,10 @@ suite() {
 
 if [[ "${GPUS:-1}" == 2 ]]; then
   # Two GPUs: alternate suites between them, both queues at once.
+  # SUITE0 / SUITE1 (space-separated) pin suites to a GPU; otherwise the arguments alternate.
   queue0=(); queue1=(); i=0
   for s in "$@"; do if (( i % 2 == 0 )); then queue0+=("$s"); else queue1+=("$s"); fi; i=$((i + 1)); done
+  if [[ -n "${SUITE0:-}${SUITE1:-}" ]]; then read -ra queue0 <<<"${SUITE0:-}"; read -ra queue1 <<<"${SUITE1:-}"; fi
   ( export CUDA_VISIBLE_DEVICES=0; for s in "${queue0[@]}"; do suite "$OUT/log-gpu0.txt" "$s"; done ) &
   ( export CUDA_VISIBLE_DEVICES=1; for s in "${queue1[@]}"; do suite "$OUT/log-gpu1.txt" "$s"; done ) &
   wait

@@ -177,6 +177,8 @@ class DiffusionEngine:
             raise ValueError(f"prompt={prompt!r} must be a string")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate(self.adapter.size_multiple)
+        # The model's schedule for these settings (cached): raises here, before anything is queued.
+        self.adapter.sigmas(params.num_inference_steps, params.height, params.width)
         if params.uses_cfg and self.max_batch_rows < 2:
             raise ValueError(
                 f"guidance_scale={params.guidance_scale} needs 2 rows per sample but the engine's "

@@ -35,6 +35,10 @@ class SD3Adapter(FlowModelAdapter):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         self._sigma_cache: dict[int, torch.Tensor] = {}
+        # cuDNN's convolutions run NHWC on the GPU; an NCHW VAE makes every conv transpose its
+        # input and output (measured: ~9% of a 2-step SD3.5 rollout's device time on an H200).
+        self.vae_memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
+        self.vae.to(memory_format=self.vae_memory_format)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
@@ -92,6 +96,7 @@ class SD3Adapter(FlowModelAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         config = self.vae.config
         scaled = latents / config.scaling_factor + config.shift_factor
-        image = self.vae.decode(scaled.to(self.vae.dtype), return_dict=False)[0]
+        scaled = scaled.to(self.vae.dtype).contiguous(memory_format=self.vae_memory_format)
+        image = self.vae.decode(scaled, return_dict=False)[0]
         return to_uint8(image)
 

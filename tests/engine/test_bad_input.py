@@ -66,3 +66,12 @@ def test_a_failing_step_fails_only_its_samples(tiny_sd3_path, params):
         assert engine.stats()["num_samples_failed"] == 1
     finally:
         engine.shutdown()
+
+
+def test_degenerate_schedule_is_a_clear_error_before_queueing(qwen_engine, params):
+    # Qwen-Image's shift_terminal stretch divides by zero for a 1-step schedule (diffusers gives NaN).
+    before = qwen_engine.stats()["num_forwards"]
+    with pytest.raises(ValueError, match="num_inference_steps=1"):
+        qwen_engine.generate("a cat", params.replace(num_inference_steps=1, logprobs=False))
+    assert qwen_engine.stats()["num_forwards"] == before
+    assert qwen_engine.generate("a cat", params).image.shape == (3, 64, 64)
