@@ -1,13 +1,17 @@
-"""`image_contrast`: a weight-free image-statistic reward for the embedded tiny CPU run.
+"""Weight-free pixel-contrast rewards for the embedded tiny CPU run.
 
-Score = standard deviation of all pixel values of the image, in [0, 1] units (higher = more
-contrast). Why this one: the tiny random VAE barely reacts to the mean of its latents (its group
-norms remove it), so brightness- or JPEG-based rewards give the tiny model almost no signal it
-can follow in a few minutes, while pixel contrast rises clearly and far above a control run with
-shuffled advantages (see docs/training.md). On real models any registered reward works.
+`image_flatness` = -(standard deviation of all pixel values), in [0, 1] units: flatter, lower-
+contrast (and so more JPEG-compressible) images score higher. `image_contrast` is its opposite.
 
-It is registered into the reward registry on first use (`ensure_registered`) under the name
-"image_contrast" unless the rewards package already provides that name.
+Why these: the tiny random VAE barely reacts to the mean of its latents (its group norms remove
+it), so brightness- or JPEG-size rewards give the tiny model almost no signal it can follow in a
+few minutes, while pixel contrast responds. The tiny run uses `image_flatness` on purpose: random
+weight drift (a control run with shuffled advantages) RAISES contrast, so a rising flatness
+reward cannot come from drift, only from learning (see docs/training.md). On real models any
+registered reward works.
+
+`ensure_registered()` adds both names to the reward registry unless the rewards package already
+provides them.
 """
 
 from __future__ import annotations
@@ -16,17 +20,22 @@ import numpy as np
 
 from flowrl.rewards.base import Reward, register_reward, registered_rewards
 
-NAME = "image_contrast"
-
 
 class ImageContrast(Reward):
-    name = NAME
+    name = "image_contrast"
+    sign = 1.0
 
     def score_batch(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         pixels = images.reshape(images.shape[0], -1).astype(np.float64) / 255.0
-        return pixels.std(axis=1)
+        return self.sign * pixels.std(axis=1)
+
+
+class ImageFlatness(ImageContrast):
+    name = "image_flatness"
+    sign = -1.0
 
 
 def ensure_registered() -> None:
-    if NAME not in registered_rewards():
-        register_reward(NAME, ImageContrast)
+    for reward_cls in (ImageContrast, ImageFlatness):
+        if reward_cls.name not in registered_rewards():
+            register_reward(reward_cls.name, reward_cls)

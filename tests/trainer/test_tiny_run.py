@@ -26,10 +26,10 @@ def test_tiny_run_reward_rises(make_cfg):
     assert [r["step"] for r in steps] == list(range(1, 13))
     for key in REQUIRED_KEYS:
         assert key in steps[-1], key
-    # Within-step reward std is ~0.003 and a control run with shuffled advantages drifts by <0.002
-    # in 30 steps (docs/training.md); the trained run gains ~0.008 in 12 steps.
+    # The within-step reward std is ~0.0025 and a control run with shuffled advantages moves the
+    # other way (-0.0035 in 60 steps, docs/training.md); the trained run gains ~0.035 in 12 steps.
     gain = summary["last5_reward_mean"] - summary["first5_reward_mean"]
-    assert gain > 0.004, summary
+    assert gain > 0.01, summary
     assert all(r["rollout/policy_lag"] == 0 for r in steps)  # colocated: rollouts use the latest weights
     assert [r["rollout/policy_version"] for r in steps] == list(range(12))
     assert Path(summary["reward_curve"]).is_file()
