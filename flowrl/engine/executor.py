@@ -26,6 +26,10 @@ class Executor:
         self.adapter = adapter
         self.device = adapter.device
         self.decode_chunk_size = decode_chunk_size
+        if self.device.type == "cuda":
+            # The VAE's convolutions see a handful of fixed shapes (one per chunk size and image
+            # size); letting cuDNN time its algorithms once per shape pays from the second decode.
+            torch.backends.cudnn.benchmark = True
 
     def _host_to_device(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-row scalars (one list per quantity) as ONE (len(rows), B) float32 device tensor:
