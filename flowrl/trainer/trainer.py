@@ -183,6 +183,8 @@ class FlowGRPOTrainer:
         """ODE samples of the validation prompts with fixed seeds; a captioned grid PNG."""
         from flowrl.rollout.batch import RolloutBatch
 
+        if not self.val_rows:  # trainer.num_val_images=0
+            return {}
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
         out = self.agent_loop.generate_sequences(batch, validation=True)
