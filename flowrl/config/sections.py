@@ -89,7 +89,7 @@ class EngineConfig:
 
     max_batch_rows: most transformer rows per forward (a CFG sample counts two rows).
     decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
-    compile: torch.compile the transformer. enable_cuda_graphs: capture CUDA graphs (GPU only).
+    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder).
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 
@@ -97,7 +97,6 @@ class EngineConfig:
     decode_chunk_size: int = 8
     compile: bool = False
     num_replicas: int = 1
-    enable_cuda_graphs: bool = False
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
