@@ -137,7 +137,9 @@ class FlowGRPOTrainer:
         algo = self.cfg.algorithm
         adv = compute_group_advantages(rewards, list(rollout.non_tensor_batch["uid"]), algo.std_mode, algo.std_eps,
                                        algo.adv_clip_max, algo.zero_std_threshold)
-        keep = adv.is_valid & ~(adv.is_zero_std if algo.zero_std_policy == "drop" else False)
+        keep = adv.is_valid.copy()
+        if algo.zero_std_policy == "drop":
+            keep &= ~adv.is_zero_std
         metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
 
         # 3. update (the engine is idle: generate_sequences returned every sample)
