@@ -164,6 +164,8 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "ocr": "flowrl.rewards.ocr:OcrReward",
     "jpeg_compressibility": "flowrl.rewards.compression:JpegCompressibility",
     "jpeg_incompressibility": "flowrl.rewards.compression:JpegIncompressibility",
+    "image_flatness": "flowrl.rewards.image_stats:ImageFlatness",
+    "image_contrast": "flowrl.rewards.image_stats:ImageContrast",
     "clip_score": "flowrl.rewards.clip_scores:ClipScoreReward",
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",

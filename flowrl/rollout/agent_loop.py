@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import Future
 from typing import Callable
@@ -132,20 +133,27 @@ class AgentLoop:
             for start in range(0, len(batch), n):
                 futures += self.balancer.submit_batched(prompts[start], n, params[start])
         else:
-            if reason not in self._logged_reasons:
+            # Validation batches hold one row per prompt, so the fallback is expected there.
+            if not validation and reason not in self._logged_reasons:
                 self._logged_reasons.add(reason)
                 logger.warning("agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch))
             for i in range(len(batch)):
                 futures += self.balancer.submit(prompts[i], params[i])
+        callbacks_done = []
         if on_sample_done is not None:
             for i, f in enumerate(futures):
-                f.add_done_callback(_notify(on_sample_done, i))
+                callbacks_done.append(threading.Event())
+                f.add_done_callback(_notify(on_sample_done, i, callbacks_done[-1]))
         outputs = []
         for i, f in enumerate(futures):
             try:
                 outputs.append(f.result())
             except Exception as exc:
                 raise RuntimeError(f"rollout of row {i} (prompt {prompts[i]!r}) failed: {exc}") from exc
+        # A Future wakes its waiter before it runs its done-callbacks: wait for them, so every
+        # on_sample_done call has returned when generate_sequences does.
+        for event in callbacks_done:
+            event.wait()
         if not validation:
             self.rows_generated += len(batch)
         return self._assemble(batch, outputs, reason, time.perf_counter() - t0)
@@ -176,12 +184,15 @@ class AgentLoop:
         return result
 
 
-def _notify(callback: Callable[[int, object], None], row: int) -> Callable[[Future], None]:
-    """A done-callback that hands a finished sample to `callback`; failed samples are reported by
-    generate_sequences itself, so they are skipped here."""
+def _notify(callback: Callable[[int, object], None], row: int, finished: threading.Event) -> Callable[[Future], None]:
+    """A done-callback that hands a finished sample to `callback`, then sets `finished`; failed
+    samples are reported by generate_sequences itself, so they are skipped here."""
 
     def done(future: Future) -> None:
-        if future.exception() is None:
-            callback(row, future.result())
+        try:
+            if future.exception() is None:
+                callback(row, future.result())
+        finally:
+            finished.set()
 
     return done

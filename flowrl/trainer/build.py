@@ -89,9 +89,7 @@ def check_before_loading(cfg, reward=None) -> Prepared:
     val_rows = val_rows[: cfg.trainer.num_val_images]
     if reward is None:
         from flowrl.rewards import build_reward_from_config
-        from flowrl.trainer.image_stats import ensure_registered
 
-        ensure_registered()
         reward = build_reward_from_config(cfg.reward)
     check_model_path(cfg.model)
     return Prepared(train_rows, val_rows, reward)

@@ -16,7 +16,6 @@ One training step:
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -114,21 +113,12 @@ class FlowGRPOTrainer:
         if hasattr(self.engine, "reset_stats"):
             self.engine.reset_stats()
 
-        # 1. rollout, each sample scored as soon as it is done
-        submitted: set[int] = set()
-        lock = threading.Lock()
+        # 1. rollout, each sample scored as soon as it is done (generate_sequences returns after
+        # every on_sample_done call has returned, so every row has been submitted)
+        def submit(row: int, output) -> None:
+            self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
 
-        def submit(row: int, image, prompt: str) -> None:
-            # Once per row, and under the lock: a done-callback may still be running when the
-            # rollout returns, so the loop below waits for it or submits the row itself.
-            with lock:
-                if row not in submitted:
-                    submitted.add(row)
-                    self.scorer.submit(row, image, prompt, _row_metadata(batch, row))
-
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=lambda row, out: submit(row, out.image, out.prompt))
-        for row in range(len(rollout)):
-            submit(row, rollout.batch["responses"][row], str(rollout.non_tensor_batch["raw_prompt"][row]))
+        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
         t_rollout = time.perf_counter()
         rewards, components = self.scorer.results_with_components(len(rollout))
         t_reward = time.perf_counter()

@@ -179,3 +179,25 @@ def test_unknown_agent_is_a_clear_error(engine):
     batch.non_tensor_batch["agent_name"][0] = "chat"
     with pytest.raises(ValueError, match="agent_name='chat'"):
         AgentLoop(engine, make_config()).generate_sequences(batch)
+
+
+def test_every_callback_has_returned_when_generate_sequences_returns(engine):
+    import time as _time
+
+    finished = []
+
+    def slow(row, output):
+        _time.sleep(0.01)  # a slow callback must still be complete when the rollout returns
+        finished.append(row)
+
+    out = AgentLoop(engine, make_config()).generate_sequences(make_batch(), on_sample_done=slow)
+    assert sorted(finished) == list(range(len(out)))
+
+
+def test_validation_fallback_is_not_logged_as_a_warning(engine, caplog):
+    batch = RolloutBatch.from_rows([{"raw_prompt": "a cat"}, {"raw_prompt": "a dog"}])
+    loop = AgentLoop(engine, make_config(val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False)))
+    with caplog.at_level("WARNING"):
+        out = loop.generate_sequences(batch, validation=True)
+    assert "not a multiple" in out.meta_info["fallback_reason"]
+    assert not [r for r in caplog.records if "batched diffusion not used" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Weight-free pixel-contrast rewards for the embedded tiny CPU run.
+"""Weight-free pixel-contrast rewards (used by the embedded tiny CPU run).
 
 `image_flatness` = -(standard deviation of all pixel values), in [0, 1] units: flatter, lower-
 contrast (and so more JPEG-compressible) images score higher. `image_contrast` is its opposite.
@@ -9,16 +9,13 @@ few minutes, while pixel contrast responds. The tiny run uses `image_flatness` o
 weight drift (a control run with shuffled advantages) RAISES contrast, so a rising flatness
 reward cannot come from drift, only from learning (see docs/training.md). On real models any
 registered reward works.
-
-`ensure_registered()` adds both names to the reward registry unless the rewards package already
-provides them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flowrl.rewards.base import Reward, register_reward, registered_rewards
+from flowrl.rewards.base import Reward
 
 
 class ImageContrast(Reward):
@@ -34,8 +31,3 @@ class ImageFlatness(ImageContrast):
     name = "image_flatness"
     sign = -1.0
 
-
-def ensure_registered() -> None:
-    for reward_cls in (ImageContrast, ImageFlatness):
-        if reward_cls.name not in registered_rewards():
-            register_reward(reward_cls.name, reward_cls)
