@@ -1,7 +1,7 @@
 """`flowrl train`: FlowGRPO training from a YAML recipe plus dotted key=value overrides.
 
     flowrl train                                   # the embedded tiny CPU run (a few minutes)
-    flowrl train --config recipes/sd35_medium_ocr_lora.yaml model.path=/models/sd35m
+    flowrl train --config recipes/sd35_medium_ocr_lora.yaml model.path=/path/to/sd35m
     flowrl train --config F trainer.total_steps=5 rollout.n=8
 
 Without --config the embedded tiny run is used: the tiny random SD3 model (built offline on
