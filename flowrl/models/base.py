@@ -74,15 +74,20 @@ def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-def cfg_forward_inputs(latents: torch.Tensor, sigmas: torch.Tensor, cfg_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of one CFG forward: every row's cond input, then the uncond inputs of `cfg_rows`.
-    When every row uses CFG (the usual case) this is a plain concatenation, no index tensor."""
+def cfg_forward_inputs(latents: torch.Tensor, sigmas: torch.Tensor, cond: list[PromptEncoding],
+                       uncond: list[PromptEncoding | None]):
+    """Rows of one CFG forward: every row's cond input, then the uncond inputs of the rows that
+    have an uncond encoding. Returns (latents, sigmas, encodings, cfg_rows). When every row uses
+    CFG (the usual case) this is a plain concatenation, no index tensor."""
+    cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
+    encodings = list(cond) + [uncond[i] for i in cfg_rows]
     if not cfg_rows:
-        return latents, sigmas
+        return latents, sigmas, encodings, cfg_rows
     if len(cfg_rows) == latents.shape[0]:
-        return torch.cat([latents, latents]), torch.cat([sigmas, sigmas])
+        return torch.cat([latents, latents]), torch.cat([sigmas, sigmas]), encodings, cfg_rows
     index = rows_to_device(cfg_rows, latents.device)
-    return torch.cat([latents, latents.index_select(0, index)]), torch.cat([sigmas, sigmas.index_select(0, index)])
+    hidden = torch.cat([latents, latents.index_select(0, index)])
+    return hidden, torch.cat([sigmas, sigmas.index_select(0, index)]), encodings, cfg_rows
 
 
 def combine_cfg(out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_scale: torch.Tensor, renormalize: bool) -> torch.Tensor:

@@ -147,9 +147,7 @@ class QwenImageAdapter(FlowModelAdapter):
 
     # --- transformer ---------------------------------------------------------------------------
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
-        cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
-        encodings = list(cond) + [uncond[i] for i in cfg_rows]
-        hidden, timestep = cfg_forward_inputs(latents, sigmas, cfg_rows)
+        hidden, timestep, encodings, cfg_rows = cfg_forward_inputs(latents, sigmas, cond, uncond)
         embeds, mask, _ = pad_encodings(encodings)
         # Lengths are known on the host, so deciding whether a mask is needed costs no sync;
         # without padding we pass no mask (the pipeline does the same, and fast kernels apply).

@@ -73,9 +73,7 @@ class SD3Adapter(FlowModelAdapter):
 
     # --- transformer ---------------------------------------------------------------------------
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
-        cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
-        encodings = list(cond) + [uncond[i] for i in cfg_rows]
-        hidden, timestep = cfg_forward_inputs(latents, sigmas, cfg_rows)
+        hidden, timestep, encodings, cfg_rows = cfg_forward_inputs(latents, sigmas, cond, uncond)
         embeds, _, pooled = pad_encodings(encodings)
         out = self.transformer(
             hidden_states=hidden.to(self.dtype),
