@@ -1,0 +1,24 @@
+"""Engine settings of the config reach the engine the trainer builds (none is accepted and ignored)."""
+
+from flowrl.models.sd3 import SD3Adapter
+from flowrl.trainer.trainer import FlowGRPOTrainer
+
+
+def test_engine_compile_compiles_the_trained_modules(make_cfg, monkeypatch):
+    calls = []
+
+    def fake_compile(self, backend="inductor"):
+        # Called after LoRA injection: the blocks hold the trained LoRA layers.
+        calls.append(any("lora_A" in name for name, _ in self.transformer.named_parameters()))
+        return ["transformer.transformer_blocks.0"]
+
+    monkeypatch.setattr(SD3Adapter, "compile_modules", fake_compile)
+    trainer = FlowGRPOTrainer(make_cfg("engine.compile=true", "trainer.lora.enabled=true"))
+    assert calls == [True]
+    assert trainer.engine.compiled_modules == ["transformer.transformer_blocks.0"]
+
+
+def test_engine_limits_reach_the_engine(make_cfg):
+    trainer = FlowGRPOTrainer(make_cfg("engine.max_batch_rows=6", "engine.decode_chunk_size=3"))
+    assert trainer.engine.max_batch_rows == 6 and trainer.engine.executor.decode_chunk_size == 3
+    assert trainer.engine.compiled_modules == []
