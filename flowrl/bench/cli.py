@@ -48,7 +48,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--repeats", type=_positive, default=1, help="timed runs per mode; the median is reported")
     rollout.add_argument("--warmup-steps", type=_positive, default=2, help="steps of each mode's warm-up run")
     rollout.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
-    rollout.add_argument("--decode-chunk-size", type=_positive, default=8)
+    rollout.add_argument("--decode-chunk-size", type=_positive, default=16)
     rollout.add_argument("--profile", nargs="?", const="last", default=None,
                          help="profile one mode after timing (default: the last mode run) and print where the time goes")
     rollout.add_argument("--profile-steps", type=_positive, default=2, help="denoising steps of the profiled run")

@@ -94,7 +94,7 @@ class EngineConfig:
     """
 
     max_batch_rows: int = 32
-    decode_chunk_size: int = 8
+    decode_chunk_size: int = 16
     compile: bool = False
     num_replicas: int = 1
 

@@ -54,7 +54,7 @@ class DiffusionEngine:
 
     supports_batched_generation = True
 
-    def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 8, prompt_cache_size: int = 4096,
+    def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 16, prompt_cache_size: int = 4096,
                  compile: bool | str = False):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
@@ -76,7 +76,7 @@ class DiffusionEngine:
 
     @classmethod
     def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-                        max_batch_rows: int = 32, decode_chunk_size: int = 8, compile: bool | str = False,
+                        max_batch_rows: int = 32, decode_chunk_size: int = 16, compile: bool | str = False,
                         **adapter_kwargs) -> "DiffusionEngine":
         from flowrl.models.base import load_adapter
 

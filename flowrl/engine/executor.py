@@ -20,7 +20,7 @@ from flowrl.models.base import FlowModelAdapter, rows_to_device
 
 
 class Executor:
-    def __init__(self, adapter: FlowModelAdapter, decode_chunk_size: int = 8):
+    def __init__(self, adapter: FlowModelAdapter, decode_chunk_size: int = 16):
         if decode_chunk_size < 1:
             raise ValueError(f"decode_chunk_size={decode_chunk_size} must be >= 1")
         self.adapter = adapter
