@@ -15,8 +15,8 @@ import platform
 import time
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
 
+from flowrl.data.render_text import render_text_image
 from flowrl.rewards.ocr import OcrReward
 
 TEXTS = (
@@ -29,22 +29,6 @@ TEXTS = (
     "quiet forest",
     "ROCKET",
 )
-
-
-def render(text: str, size: int, font_px: int, noise_sigma: float, seed: int) -> np.ndarray:
-    image = Image.new("RGB", (size, size), "white")
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.truetype("DejaVuSans-Bold.ttf", font_px)
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text(
-        ((size - (right - left)) // 2 - left, (size - (bottom - top)) // 2 - top),
-        text,
-        fill="black",
-        font=font,
-    )
-    pixels = np.asarray(image).astype(np.float64)
-    pixels += np.random.default_rng(seed).normal(0, noise_sigma, pixels.shape)
-    return np.clip(pixels, 0, 255).astype(np.uint8).transpose(2, 0, 1)
 
 
 def cpu_name() -> str:
@@ -76,7 +60,7 @@ def main() -> None:
 
     size = 512
     texts = [TEXTS[i % len(TEXTS)] for i in range(args.num_images)]
-    text_images = [render(text, size, 40 + 8 * (i % 3), 20.0 * (i % 2), i) for i, text in enumerate(texts)]
+    text_images = [render_text_image(text, size, 40 + 8 * (i % 3), 20.0 * (i % 2), i) for i, text in enumerate(texts)]
     blank_images = [np.full((3, size, size), 255, np.uint8)] * min(4, args.num_images)
 
     start = time.perf_counter()

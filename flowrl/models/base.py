@@ -203,6 +203,16 @@ class FlowModelAdapter:
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
 
+    def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
+        """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.scheduler = pipeline.scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+
     def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
         raise NotImplementedError
 

@@ -75,13 +75,7 @@ class QwenImageAdapter(FlowModelAdapter):
     )
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):
-        self.pipeline = pipeline
-        self.transformer = pipeline.transformer
-        self.vae = pipeline.vae
-        self.scheduler = pipeline.scheduler
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipeline, device, dtype, max_sequence_length)
         self.true_cfg_renorm = true_cfg_renorm
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.latent_channels = self.vae.config.z_dim

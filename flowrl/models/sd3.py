@@ -25,13 +25,7 @@ class SD3Adapter(FlowModelAdapter):
     )
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 256):
-        self.pipeline = pipeline
-        self.transformer = pipeline.transformer
-        self.vae = pipeline.vae
-        self.scheduler = pipeline.scheduler
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         self._sigma_cache: dict[int, torch.Tensor] = {}

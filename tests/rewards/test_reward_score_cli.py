@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from PIL import Image
-from reward_test_utils import render_text_image
+from flowrl.data.render_text import render_text_image
 
 from flowrl.cli import main
 
