@@ -10,6 +10,13 @@
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
 #   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
 #             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
+#   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
+#   qwen-cfg-compiled  the CFG rollout, compiled engine only                                 ~4 min
+#   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
+#                      against the eager and compiled forward                                ~3 min
+#   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
+#   qwen-logprob-compiled  the Qwen-Image log-prob gap with rollout and trainer compiled   ~3 min
+#   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats ~2 min
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
 #   cpu-smoke tiny models, to check this script on any machine
 #
@@ -63,6 +70,22 @@ suite() {
       # (+ 41 GB of weights) is the largest micro-batch that fits.
       run qwen-logprob 150 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 ;;
+    qwen-compiled)
+      run qwen-compiled-rollout 330 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
+        --modes engine-batched-compiled,engine-concurrent-compiled --repeats 3 --profile engine-batched-compiled --profile-steps 2 ;;
+    qwen-cfg-compiled)
+      run qwen-cfg-compiled-rollout 330 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
+        --compile --modes engine-batched-compiled --repeats 1 ;;
+    qwen-floor)
+      run qwen-floor 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
+    qwen-floor-autotune)
+      TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 run qwen-floor-autotune 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
+    qwen-logprob-compiled)
+      run qwen-logprob-compiled 240 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
+        --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 --compile ;;
+    sd35-compiled)
+      run sd35-compiled-rollout 240 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
+        --modes pipeline-batched,engine-batched-compiled,engine-concurrent-compiled ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)
@@ -70,7 +93,9 @@ suite() {
     cpu-smoke)  # checks this script itself anywhere (tiny models, seconds)
       run smoke-rollout 120 "$log" rollout --model tiny-sd3 -n 3 --steps 3 --size 64 --compile --compile-backend aot_eager \
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
-      run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 ;;
+      run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1
+      run smoke-floor 120 "$log" floor --model tiny-qwen -n 4 --steps 3 --size 64 --compile --compile-backend aot_eager \
+        --seconds 0.1 --peak-seconds 0.1 ;;
     *) echo "[gpu_bench] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;
   esac
 }

@@ -1,4 +1,4 @@
-"""`flowrl bench rollout ...` and `flowrl bench logprob ...` (see flowrl.bench.rollout / .logprob).
+"""`flowrl bench rollout|logprob|floor ...` (see flowrl.bench.rollout / .logprob / .floor).
 
 --model takes a local diffusers folder or a named architecture with random weights:
 sd35-medium, qwen-image (published sizes, built on the device in the model dtype), tiny-sd3,
@@ -34,7 +34,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob,floor}", required=True)
     rollout = sub.add_parser("rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)")
     _common(rollout)
     rollout.add_argument("-n", "--num-samples", type=_positive, default=16, help="samples per mode (default 16)")
@@ -63,8 +63,17 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                          help="micro-batch of the timed training step (default: the largest of --micro-batches that fits)")
     logprob.add_argument("--train-repeats", type=_positive, default=3, help="timed training steps (median reported)")
     logprob.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
+    logprob.add_argument("--compile", action="store_true", help="regional torch.compile before the rollout (rollout and trainer run compiled)")
+    logprob.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
     logprob.add_argument("--sde-window-size", type=_positive, default=None,
                          help="SDE window length drawn per rollout (default: every step but the last is stochastic)")
+
+    floor = sub.add_parser("floor", help="time of one forward's matmuls and attention alone: the fastest a step could be")
+    _common(floor)
+    floor.add_argument("-n", "--num-samples", type=_positive, default=16, help="samples per forward (rows: 2x with CFG; default 16)")
+    floor.add_argument("--seconds", type=float, default=3.0, help="sustained timing per part (default 3 s)")
+    floor.add_argument("--compile", action="store_true", help="also time the forward after regional torch.compile")
+    floor.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
 
 
 def run(args) -> int:
@@ -72,6 +81,10 @@ def run(args) -> int:
         from flowrl.bench.rollout import run_rollout
 
         return run_rollout(args)
+    if args.bench_command == "floor":
+        from flowrl.bench.floor import run_floor
+
+        return run_floor(args)
     from flowrl.bench.logprob import run_logprob
 
     return run_logprob(args)

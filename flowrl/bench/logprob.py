@@ -3,7 +3,7 @@
 1. The transformer gets what training gives it (a LoRA adapter on the attention projections,
    B = 0 at init so the policy is unchanged, or full fine-tuning with --lora-rank 0), and the
    engine generates N samples of one prompt with generate_batched (log-probs recorded) in the model
-   dtype.
+   dtype; with --compile, after regional torch.compile (as `engine.compile: true` in training).
 2. Every stored window transition is re-scored the way the trainer does it
    (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent with grad
    enabled, then sampler.sde_step(next_latents=...)), in micro-batches of each size of
@@ -144,7 +144,8 @@ def run_logprob(args) -> int:
         "settings": {"model": args.model, "dtype": str(dtype).replace("torch.", ""), "num_samples": args.num_samples,
                      "steps": args.steps, "size": args.size, "guidance_scale": args.guidance_scale,
                      "noise_level": args.noise_level, "lora_rank": args.lora_rank, "autocast": args.autocast,
-                     "sde_window_size": args.sde_window_size, "micro_batches": sizes, "trainable_params": sum(p.numel() for p in params)},
+                     "sde_window_size": args.sde_window_size, "micro_batches": sizes,
+                     "compile": args.compile_backend if args.compile else False, "trainable_params": sum(p.numel() for p in params)},
         "gaps": [],
     })
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
@@ -154,7 +155,10 @@ def run_logprob(args) -> int:
     from flowrl.trainer.policy import TransitionSpec
 
     rows_per_sample = 2 if args.guidance_scale > 1.0 else 1
-    engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample))
+    # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout
+    # and trainer then both run compiled (the trainer's grad-mode graph is a second graph).
+    engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample),
+                             compile=args.compile_backend if args.compile else False)
     params_sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
                                      guidance_scale=args.guidance_scale, noise_level=args.noise_level, seed=args.seed,
                                      sde_window_size=args.sde_window_size)
@@ -206,6 +210,7 @@ def _print_summary(data: dict) -> None:
     print()
     print(f"== logprob: {s['model']}, {s['num_samples']} samples, {s['steps']} steps, {s['size']}px, guidance "
           f"{s['guidance_scale']}, {s['dtype']}, LoRA rank {s['lora_rank']}, autocast {s['autocast']}, "
+          f"{'compiled' if s.get('compile') else 'eager'}, "
           f"{data['environment'].get('gpu') or data['environment']['device']}")
     rows = []
     for g in data["gaps"]:

@@ -60,3 +60,31 @@ def test_bench_rollout_bad_input_names_the_flag(argv, fragment):
 def test_bench_logprob_bad_micro_batches():
     with pytest.raises(ValueError, match="--micro-batches"):
         main(["bench", "logprob", "--model", "tiny-sd3", "--micro-batches", "0,x"])
+
+
+@pytest.mark.parametrize("model, guidance", [("tiny-qwen", 1.0), ("tiny-sd3", 3.0)])
+def test_bench_floor_accounts_for_every_matmul(tmp_path, model, guidance):
+    """The recorded Linear calls and attention kernels must carry all of the forward's FLOPs (as
+    torch's flop counter sees them): a call the recorder missed would make the floor too low."""
+    import torch
+
+    from flowrl.bench.flops import transformer_flops_per_row
+    from flowrl.bench.models import build_bench_model
+
+    out = tmp_path / "floor.json"
+    code = main(["bench", "floor", "--model", model, "-n", "3", "--size", "64", "--guidance-scale", str(guidance),
+                 "--seconds", "0.05", "--peak-seconds", "0.05", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    parts = report["parts"]
+    rows = 6 if guidance > 1 else 3
+    assert report["settings"]["rows"] == rows
+    bench = build_bench_model(model, "cpu", torch.float32)
+    counted = rows * transformer_flops_per_row(bench.adapter, 64, 64)
+    recorded = parts["linears"]["flops"] + parts["attention"]["flops"]
+    # SD3's patch embedding is a convolution, not a Linear: the only FLOPs outside the record.
+    assert 0.97 * counted <= recorded <= counted
+    assert parts["linears-fused"]["gemms"] < parts["linears"]["gemms"]  # q, k, v merged per stream
+    assert parts["attention"]["calls"] >= 2
+    floor = report["floor"]["seconds_per_forward"]
+    assert floor == pytest.approx(min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"])
