@@ -89,7 +89,8 @@ class EngineConfig:
 
     max_batch_rows: most transformer rows per forward (a CFG sample counts two rows).
     decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
-    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder).
+    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder), with GELU
+        fused into the MLP's GEMM on CUDA (flowrl.models.fused_mlp).
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 

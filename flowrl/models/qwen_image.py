@@ -20,23 +20,32 @@ from flowrl.models.schedule import schedule_sigmas
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (B, S, H, D) with adjacent pairs (x[2k], x[2k+1]) as (re, im): the
-    complex product (re + i im)(cos + i sin), written in real arithmetic, in float32."""
-    re, im = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None], sin[:, None]  # (S, D/2) -> (S, 1, D/2): broadcast over heads
-    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(3).type_as(x)
+    complex product (re + i im)(cos_k + i sin_k), in real arithmetic, in float32. The tables are
+    expanded to the head width (see `_real_rope_tables`): cos = (c0, c0, c1, c1, ...),
+    sin = (-s0, s0, -s1, s1, ...), so out = x * cos + swap_pairs(x) * sin. This pair-swap form
+    compiles to a kernel 2.4x faster than unbinding and re-stacking the pairs (0.17 vs 0.41 ms
+    for q and k of a B=16 block with RMSNorm, H200; benchmarks/qwen_block_parts.py)."""
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos[:, None] + swapped * sin[:, None]).type_as(x)
 
 
 def _real_rope_tables(module, args, output):
-    """Forward hook of the transformer's RoPE module: complex tables -> (cos, sin) pairs, once per
-    forward and outside the compiled blocks (inductor generates no code for complex tensors)."""
-    return tuple((f.real.float().contiguous(), f.imag.float().contiguous()) for f in output)
+    """Forward hook of the transformer's RoPE module: complex tables (S, D/2) -> the expanded real
+    tables `_rotate` takes, (S, D) each, once per forward and outside the compiled blocks
+    (inductor generates no code for complex tensors)."""
+    tables = []
+    for freqs in output:
+        cos, sin = freqs.real.float(), freqs.imag.float()
+        tables.append((cos.repeat_interleave(2, dim=-1).contiguous(), torch.stack([-sin, sin], dim=-1).flatten(-2).contiguous()))
+    return tuple(tables)
 
 
 class RealRopeQwenAttention:
     """Qwen-Image's joint text-image attention (the math of diffusers' QwenDoubleStreamAttnProcessor2_0)
     with rotary embeddings in real arithmetic, so torch.compile fuses them into the kernels around
     them instead of running complex ops eagerly (several extra float32 passes over q and k per
-    block). Takes the (cos, sin) tables made by `_real_rope_tables`."""
+    block). Takes the expanded (cos, sin) tables made by `_real_rope_tables`."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                  attention_mask=None, image_rotary_emb=None):
