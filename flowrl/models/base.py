@@ -124,6 +124,21 @@ def to_uint8(image: torch.Tensor) -> torch.Tensor:
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
+# Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
+# whichever thread compiles (the engine thread compiles the rollout graph, the trainer's thread
+# the grad-mode graph; torch >= 2.12 keeps config overrides per thread).
+INDUCTOR_OPTIONS = {
+    # Tune each generated kernel's launch configuration by coordinate descent: +1.5% img/s on a
+    # compiled SD3.5-medium rollout on an H200 (docs/benchmarks.md), paid once at compile time.
+    "coordinate_descent_tuning": True,
+    # Round low-precision intermediates inside fused kernels exactly where eager rounds them.
+    # Otherwise the trainer's grad-mode graph, which inductor fuses differently (it keeps some
+    # activations for backward), rounds at other points than the rollout's no-grad graph and
+    # log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
+    # 3.4e-4 without this, exactly 0 with it (tests/bench/test_bench_cli.py).
+    "emulate_precision_casts": True,
+}
+
 
 def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
     """The batch size (dim 0 of the first tensor argument) and the top-level tensor arguments that
@@ -164,9 +179,11 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor") -> bool
         raise ValueError(f"compile backend={backend!r} is unknown; use one of {COMPILE_BACKENDS}")
     if getattr(module, "_flowrl_compile_backend", None) is not None:
         return False
-    compiled = torch.compile(module._call_impl, backend=backend, dynamic=None)
+    options = dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
+    compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
 
     def call_with_dynamic_batch(*args, **kwargs):
+        _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's
         batch, tensors = _batch_tensors(args, kwargs)
         padded = batch == 1
         if padded:
@@ -188,9 +205,11 @@ def _raise_recompile_limit(minimum: int = 64) -> None:
     # Regional compilation shares one code object (Module._call_impl) across every compiled
     # block; block variants x (batch 1, batch >= 2) x (no-grad, grad) x (LoRA on/off) can pass
     # torch's default limit of 8 graphs, after which blocks silently fall back to eager.
+    # torch >= 2.12 keeps config overrides per thread, so this runs in each calling thread.
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), minimum))
+    if getattr(config, name) < minimum:
+        setattr(config, name, minimum)
 
 
 class FlowModelAdapter:
@@ -252,11 +271,6 @@ class FlowModelAdapter:
         """torch.compile the hot modules in place (see `compile_in_place`); returns their names.
         Per-row timesteps are ordinary tensor inputs, and the batch dim is dynamic, so changing
         batch sizes reuse one graph (plus one for batch 1). Idempotent."""
-        _raise_recompile_limit()
-        # Inductor tunes each generated (fused elementwise / norm) kernel's launch configuration
-        # by coordinate descent: measured +1.5% img/s on a compiled SD3.5-medium rollout on an
-        # H200 (docs/benchmarks.md), paid once at compile time.
-        torch._inductor.config.coordinate_descent_tuning = True
         # GELU inside the MLP's first GEMM: -0.17 ms per Qwen-Image block at B=16 (H200).
         fuse_gelu_epilogues(self.transformer)
         names = []

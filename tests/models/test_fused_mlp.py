@@ -55,3 +55,25 @@ def test_switch_keeps_velocity_and_state_dict_and_falls_back_under_lora(monkeypa
         with_lora = adapter.velocity(*args)
     assert len(calls) == count - blocks
     assert (with_lora - reference).abs().max() > 1e-3
+
+
+def test_compiled_module_raises_the_recompile_limit_in_the_calling_thread():
+    """torch >= 2.12 keeps dynamo config overrides per thread; the engine thread must still get
+    the raised limit, or regional compilation silently falls back to eager after 8 graphs."""
+    import threading
+
+    from flowrl.models.base import compile_in_place
+
+    module = torch.nn.Linear(4, 4)
+    compile_in_place(module, "eager")
+    seen = []
+
+    def call():
+        module(torch.randn(3, 4))
+        config = torch._dynamo.config
+        seen.append(getattr(config, "recompile_limit", None) or config.cache_size_limit)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert seen and seen[0] >= 64
