@@ -16,8 +16,8 @@ the trainer relies on).
 
 `fuse_gelu_epilogues(module)` switches every diffusers FeedForward whose first layer is a tanh
 GELU to the op, per instance (parameter names and state_dict unchanged). A call falls back to
-the module's own forward when the projection is not a plain biased nn.Linear (LoRA wraps it)
-or autocast is on (the op does not cast).
+the module's own forward when the projection is not a plain biased nn.Linear (LoRA wraps it),
+its dtype differs from the input's, or autocast is on (the op does not cast).
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ linear_gelu_tanh.register_autograd(_backward, setup_context=_setup_context)
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     proj = self.net[0].proj
-    if type(proj) is not torch.nn.Linear or proj.bias is None or torch.is_autocast_enabled(hidden_states.device.type):
+    fusable = (type(proj) is torch.nn.Linear and proj.bias is not None and proj.weight.dtype == hidden_states.dtype
+               and not torch.is_autocast_enabled(hidden_states.device.type))
+    if not fusable:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     hidden_states = linear_gelu_tanh(hidden_states, proj.weight, proj.bias)
     for layer in self.net[1:]:

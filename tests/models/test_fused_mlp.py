@@ -77,3 +77,24 @@ def test_compiled_module_raises_the_recompile_limit_in_the_calling_thread():
     thread.start()
     thread.join()
     assert seen and seen[0] >= 64
+
+
+def test_mixed_dtypes_and_autocast_take_the_module_path(monkeypatch):
+    import pytest
+    from diffusers.models.attention import FeedForward
+
+    import flowrl.models.fused_mlp as fused_mlp
+
+    ff = FeedForward(8, activation_fn="gelu-approximate")
+    assert fuse_gelu_epilogues(ff) == 1
+    calls = []
+    monkeypatch.setattr(fused_mlp, "linear_gelu_tanh", lambda *a: calls.append(1) or linear_gelu_tanh(*a))
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(ff(x), FeedForward.forward(ff, x), rtol=0, atol=0)
+    assert len(calls) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(ff(x), FeedForward.forward(ff, x), rtol=0, atol=0)
+    assert len(calls) == 1  # autocast: the module's own (casting) path
+    with pytest.raises(RuntimeError, match="dtype"):  # the module's own error, not the op's
+        ff(x.double())
+    assert len(calls) == 1
