@@ -3,7 +3,8 @@
 1. The transformer gets what training gives it (a LoRA adapter on the attention projections,
    B = 0 at init so the policy is unchanged, or full fine-tuning with --lora-rank 0), and the
    engine generates N samples of one prompt with generate_batched (log-probs recorded) in the model
-   dtype; with --compile, after regional torch.compile (as `engine.compile: true` in training).
+   dtype, under the trainer's --autocast as the colocated trainer sets it; with --compile, after
+   regional torch.compile (as `engine.compile: true` in training).
 2. Every stored window transition is re-scored the way the trainer does it
    (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent with grad
    enabled, then sampler.sde_step(next_latents=...)), in micro-batches of each size of
@@ -29,9 +30,9 @@ from flowrl.bench.report import (
     resolve_device_dtype, time_runs,
 )
 from flowrl.engine.request import SamplingParams
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
 
 PROMPT = "a photo of a red bicycle leaning on a white wall"
-_AUTOCAST = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_micro_batches(text: str) -> list[int]:
@@ -138,7 +139,7 @@ def run_logprob(args) -> int:
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
     params = _make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
-    autocast_dtype = _AUTOCAST[args.autocast]
+    autocast_dtype = MIXED_PRECISION_DTYPES[args.autocast]
     report = JsonReport(args.json, {
         "benchmark": "logprob", "environment": environment(device),
         "settings": {"model": args.model, "dtype": str(dtype).replace("torch.", ""), "num_samples": args.num_samples,
@@ -158,7 +159,7 @@ def run_logprob(args) -> int:
     # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout
     # and trainer then both run compiled (the trainer's grad-mode graph is a second graph).
     engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample),
-                             compile=args.compile_backend if args.compile else False)
+                             compile=args.compile_backend if args.compile else False, autocast_dtype=autocast_dtype)
     params_sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
                                      guidance_scale=args.guidance_scale, noise_level=args.noise_level, seed=args.seed,
                                      sde_window_size=args.sde_window_size)

@@ -55,13 +55,14 @@ class DiffusionEngine:
     supports_batched_generation = True
 
     def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 16, prompt_cache_size: int = 4096,
-                 compile: bool | str = False):
+                 compile: bool | str = False, autocast_dtype: torch.dtype | None = None):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
         # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
         self.compiled_modules = adapter.compile_modules(_compile_backend(compile)) if compile else []
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)
+        self.set_mixed_precision(autocast_dtype)  # the transformer under torch.autocast, or not
         self.max_batch_rows = max_batch_rows
         self.prompt_cache_size = prompt_cache_size
         self._prompt_cache: OrderedDict[str, PromptEncoding] = OrderedDict()
@@ -155,6 +156,14 @@ class DiffusionEngine:
     def set_policy_version(self, version: int) -> None:
         """Tag samples admitted from now on with `version` (called after a weight update)."""
         self.policy_version = int(version)
+
+    def set_mixed_precision(self, dtype: torch.dtype | None) -> None:
+        """Run the transformer under torch.autocast(dtype) from the next step on (None: off). A
+        colocated trainer sets its own mixed precision here, so rollout log-probs are computed
+        with the arithmetic the trainer's forward uses."""
+        if dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"mixed precision dtype={dtype!r} is not supported; use torch.bfloat16, torch.float16 or None")
+        self.executor.autocast_dtype = dtype
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
         return self._idle.wait(timeout)

@@ -4,11 +4,14 @@ decodes finished samples in bounded chunks and packages them as DiffusionOutputs
 A step packs every row (CFG rows inside the adapter), calls the shared `sampler.sde_step` once for
 the batch with per-row sigmas, noise levels and noise drawn from each sample's own generator, and
 unpacks the results back into the samples. Nothing in `step` reads a device value back to the
-host, so on a GPU the loop never waits for the device between steps.
+host, so on a GPU the loop never waits for the device between steps. With `autocast_dtype` set
+(the trainer's mixed precision), the transformer runs under the same torch.autocast as the
+trainer's forward, so rollout and trainer log-probs agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -24,6 +27,7 @@ class Executor:
         if decode_chunk_size < 1:
             raise ValueError(f"decode_chunk_size={decode_chunk_size} must be >= 1")
         self.adapter = adapter
+        self.autocast_dtype: torch.dtype | None = None  # set through DiffusionEngine.set_mixed_precision
         self.device = adapter.device
         self.decode_chunk_size = decode_chunk_size
         if self.device.type == "cuda":
@@ -59,9 +63,12 @@ class Executor:
             [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
             [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
         ]).unbind(0)
-        velocity = self.adapter.velocity(
-            latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width
-        )
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            velocity = self.adapter.velocity(
+                latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width
+            )
         if any(in_window):
             noise = torch.stack([
                 torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)

@@ -19,6 +19,10 @@ import torch
 from flowrl import sampler
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
 
+# trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
+# of the rollout engine's: DiffusionEngine.set_mixed_precision).
+MIXED_PRECISION_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class TransitionSpec:

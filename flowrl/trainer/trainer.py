@@ -79,6 +79,8 @@ class FlowGRPOTrainer:
         s = cfg.rollout.sampling
         self.spec = TransitionSpec(s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale)
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
+        # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
+        self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.agent_loop = AgentLoop(engine, cfg.rollout)
         self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)

@@ -26,10 +26,9 @@ import torch
 
 from flowrl.trainer.loss import clipped_policy_loss
 from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.policy import TransitionSpec, score_transitions
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions
 from flowrl.sampler import kl_to_reference
 
-_AUTOCAST = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PolicyUpdater:
@@ -45,7 +44,7 @@ class PolicyUpdater:
             params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay
         )
         mixed = getattr(trainer_cfg, "mixed_precision", "no")
-        self.autocast_dtype = _AUTOCAST[mixed]
+        self.autocast_dtype = MIXED_PRECISION_DTYPES[mixed]
         self.scaler = torch.amp.GradScaler(adapter.device.type) if mixed == "fp16" else None
         self.num_optimizer_steps = 0
 

@@ -75,3 +75,11 @@ def test_degenerate_schedule_is_a_clear_error_before_queueing(qwen_engine, param
         qwen_engine.generate("a cat", params.replace(num_inference_steps=1, logprobs=False))
     assert qwen_engine.stats()["num_forwards"] == before
     assert qwen_engine.generate("a cat", params).image.shape == (3, 64, 64)
+
+
+def test_unsupported_mixed_precision_dtype_is_refused(sd3_engine):
+    import torch
+
+    with pytest.raises(ValueError, match="mixed precision dtype=torch.float64"):
+        sd3_engine.set_mixed_precision(torch.float64)
+    assert sd3_engine.executor.autocast_dtype is None

@@ -22,3 +22,12 @@ def test_engine_limits_reach_the_engine(make_cfg):
     trainer = FlowGRPOTrainer(make_cfg("engine.max_batch_rows=6", "engine.decode_chunk_size=3"))
     assert trainer.engine.max_batch_rows == 6 and trainer.engine.executor.decode_chunk_size == 3
     assert trainer.engine.compiled_modules == []
+
+
+def test_trainer_mixed_precision_reaches_the_engine(make_cfg):
+    """Rollouts run under the trainer's autocast, so rollout and trainer log-probs agree."""
+    import torch
+
+    trainer = FlowGRPOTrainer(make_cfg("trainer.mixed_precision=bf16"))
+    assert trainer.engine.executor.autocast_dtype is torch.bfloat16
+    assert FlowGRPOTrainer(make_cfg("trainer.mixed_precision=no", output="b")).engine.executor.autocast_dtype is None
