@@ -127,7 +127,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
 # whichever thread compiles (the engine thread compiles the rollout graph, the trainer's thread
-# the grad-mode graph; torch >= 2.12 keeps config overrides per thread).
+# the grad-mode graph; torch 2.13 keeps config overrides per thread).
 INDUCTOR_OPTIONS = {
     # Tune each generated kernel's launch configuration by coordinate descent: +1.5% img/s on a
     # compiled SD3.5-medium rollout on an H200 (docs/benchmarks.md), paid once at compile time.
@@ -206,7 +206,7 @@ def _raise_recompile_limit(minimum: int = 64) -> None:
     # Regional compilation shares one code object (Module._call_impl) across every compiled
     # block; block variants x (batch 1, batch >= 2) x (no-grad, grad) x (LoRA on/off) can pass
     # torch's default limit of 8 graphs, after which blocks silently fall back to eager.
-    # torch >= 2.12 keeps config overrides per thread, so this runs in each calling thread (a
+    # torch 2.13 keeps config overrides per thread, so this runs in each calling thread (a
     # thread-local flag keeps the per-call cost at a dict lookup: config reads cost ~3 us).
     if getattr(_THREAD_STATE, "recompile_limit", 0) >= minimum:
         return

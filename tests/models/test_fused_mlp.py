@@ -58,7 +58,7 @@ def test_switch_keeps_velocity_and_state_dict_and_falls_back_under_lora(monkeypa
 
 
 def test_compiled_module_raises_the_recompile_limit_in_the_calling_thread():
-    """torch >= 2.12 keeps dynamo config overrides per thread; the engine thread must still get
+    """torch 2.13 keeps dynamo config overrides per thread; the engine thread must still get
     the raised limit, or regional compilation silently falls back to eager after 8 graphs."""
     import threading
 
