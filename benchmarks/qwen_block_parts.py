@@ -11,8 +11,9 @@ inductor as the engine compiles them, next to an alternative:
 - MLP up-projection: GEMM + bias, then GELU(tanh) as inductor fuses it (a separate kernel that
   reads and writes the 12288-wide activation), against cuBLASLt's GELU epilogue
   (`torch._addmm_activation`), which applies GELU before the result leaves the GEMM;
-- q/k RMSNorm + RoPE: the engine's real-arithmetic rotation (pairs unbound, rotated, stacked)
-  against a pair-swap form (x * cos' + swap(x) * sin', tables expanded to the head width);
+- q/k RMSNorm + RoPE: the earlier real-arithmetic rotation (pairs unbound, rotated, stacked)
+  against the engine's pair-swap form (x * cos' + swap(x) * sin', tables expanded to the head
+  width; `flowrl.models.qwen_image._rotate`);
 - the bytes each piece must move, timed as a plain copy: the bandwidth floor.
 
 Prints ms per call, effective GB/s, and the largest difference between the alternatives' outputs.
@@ -21,18 +22,19 @@ Prints ms per call, effective GB/s, and the largest difference between the alter
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from flowrl.bench.floor import sustained_seconds
 from flowrl.models.qwen_image import _rotate
 
 
-def _rotate_swap(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """Same rotation as `_rotate`: cos2 = (c0, c0, c1, c1, ...), sin2 = (-s0, s0, -s1, s1, ...)."""
-    xf = x.float()
-    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return (xf * cos2[:, None] + swapped * sin2[:, None]).type_as(x)
+def _rotate_unbind(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation the engine used before the pair-swap form: pairs unbound, rotated, re-stacked
+    (cos, sin: (S, D/2) tables)."""
+    re, im = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(3).type_as(x)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -40,24 +42,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(weight.dtype) * weight
-
-
-def timed(fn, device: torch.device, seconds: float) -> float:
-    for _ in range(3):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    count = max(3, int(seconds / max(time.perf_counter() - t0, 1e-6)))
-    t0 = time.perf_counter()
-    for _ in range(count):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / count
 
 
 def main() -> int:
@@ -91,7 +75,7 @@ def main() -> int:
                              ("mlp-up linear + gelu, inductor", up_compiled, None),
                              ("mlp-up cuBLASLt gelu epilogue", up_epilogue, None),
                              ("gelu alone (inductor)", gelu_only, 2 * act.numel() * bytes_per)):
-        seconds = timed(fn, device, args.seconds)
+        seconds = sustained_seconds(fn, device, args.seconds)["seconds"]
         results.append((name, seconds, nbytes, None if nbytes else flops))
     diff = (up_compiled().float() - up_epilogue().float()).abs().max().item()
     print(f"mlp-up: max |inductor - epilogue| = {diff:.3g}")
@@ -105,16 +89,16 @@ def main() -> int:
     cos, sin = angles.cos(), angles.sin()
     cos2 = cos.repeat_interleave(2, dim=-1)
     sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)
-    current = torch.compile(lambda: (_rotate(_rms(q, wq), cos, sin), _rotate(_rms(k, wk), cos, sin)))
-    swap = torch.compile(lambda: (_rotate_swap(_rms(q, wq), cos2, sin2), _rotate_swap(_rms(k, wk), cos2, sin2)))
+    current = torch.compile(lambda: (_rotate_unbind(_rms(q, wq), cos, sin), _rotate_unbind(_rms(k, wk), cos, sin)))
+    swap = torch.compile(lambda: (_rotate(_rms(q, wq), cos2, sin2), _rotate(_rms(k, wk), cos2, sin2)))  # the engine's
     norm_only = torch.compile(lambda: (_rms(q, wq), _rms(k, wk)))
     copy = lambda: (q.clone(), k.clone())  # noqa: E731
     qk_bytes = 4 * q.numel() * bytes_per  # read q, k; write both
-    for name, fn in (("q/k norm + rope, current", current), ("q/k norm + rope, pair swap", swap),
+    for name, fn in (("q/k norm + rope, unbind/stack", current), ("q/k norm + rope, pair swap", swap),
                      ("q/k norm only", norm_only), ("q/k copy (bandwidth floor)", copy)):
-        results.append((name, timed(fn, device, args.seconds), qk_bytes, None))
+        results.append((name, sustained_seconds(fn, device, args.seconds)["seconds"], qk_bytes, None))
     a, b = current(), swap()
-    print(f"rope: max |current - swap| = {max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b)):.3g}")
+    print(f"rope: max |unbind/stack - pair swap| = {max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b)):.3g}")
 
     print(f"\n{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
           f"{args.rows} rows x {args.tokens} tokens")

@@ -115,3 +115,18 @@ def test_mixed_precision_rollout_matches_the_trainer(tmp_path):
     assert code == 0
     for gap in json.loads(out.read_text())["gaps"]:
         assert gap["max_abs_diff"] <= 1e-6, gap
+
+
+def test_qwen_block_parts_script_runs_and_rotations_agree():
+    """benchmarks/qwen_block_parts.py on the CPU (small widths): it runs, and the two RoPE
+    formulations it times are the same function (exactly equal in float32)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen_block_parts.py"
+    done = subprocess.run([sys.executable, str(script), "--rows", "1", "--seconds", "0.01", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rope: max |unbind/stack - pair swap| = 0\n" in done.stdout
+    assert "q/k norm + rope, pair swap" in done.stdout
