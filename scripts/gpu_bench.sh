@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh SUITE [SUITE ...]          (run from the repo root, `.whl` carried)
 #
 # Suites (each fits one 10-minute device command on its own; estimates for one H200):
-#   tests     GPU tests of tests/bench (no host sync inside the engine step loop)        ~1 min
+#   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
+#             tests/trainer: a bf16 training run on CUDA and its log-prob gap)            ~2 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -17,6 +18,7 @@
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
 #   qwen-logprob-compiled  the Qwen-Image log-prob gap with rollout and trainer compiled   ~3 min
 #   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats ~2 min
+#   qwen-vae-decode    benchmarks/qwen_vae_decode.py: one B=16 512 px decode, stock 3D vs 2D   ~1 min
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
 #   cpu-smoke tiny models, to check this script on any machine
 #
@@ -53,8 +55,8 @@ suite() {
   local log=$1 s=$2
   case $s in
     tests)
-      echo "[gpu_bench] pytest -m gpu tests/bench" | tee -a "$log"
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bench >>"$log" 2>&1
+      echo "[gpu_bench] pytest -m gpu tests/bench tests/trainer" | tee -a "$log"
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer >>"$log" 2>&1
       echo "[gpu_bench] tests exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
@@ -86,6 +88,10 @@ suite() {
     sd35-compiled)
       run sd35-compiled-rollout 240 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
         --modes pipeline-batched,engine-batched-compiled,engine-concurrent-compiled ;;
+    qwen-vae-decode)
+      echo "[gpu_bench] python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512" | tee -a "$log"
+      timeout 150 python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512 >>"$log" 2>&1
+      echo "[gpu_bench] qwen-vae-decode exit $?" | tee -a "$log" ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)

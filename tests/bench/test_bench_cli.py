@@ -130,3 +130,21 @@ def test_qwen_block_parts_script_runs_and_rotations_agree():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rope: max |unbind/stack - pair swap| = 0\n" in done.stdout
     assert "q/k norm + rope, pair swap" in done.stdout
+
+
+def test_qwen_vae_decode_script_runs_and_saves_flops():
+    """benchmarks/qwen_vae_decode.py on the CPU (small VAE): it runs, the 2D path counts well under
+    half the stock FLOPs, and the two paths' uint8 images differ by at most one level."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen_vae_decode.py"
+    done = subprocess.run([sys.executable, str(script), "--rows", "1", "--size", "64", "--base-dim", "8",
+                           "--seconds", "0.01", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flops = {name: float(value) for name, value in re.findall(r"^(\S+)\s+[\d.]+ ms per decode of 1\s+([\d.]+) GFLOP", done.stdout, re.M)}
+    assert set(flops) == {"stock-3d", "2d-channels-last"}, done.stdout
+    assert flops["2d-channels-last"] < 0.45 * flops["stock-3d"], flops
+    assert re.search(r"largest pixel difference [01] \(of 255\)", done.stdout), done.stdout
