@@ -17,8 +17,13 @@
 #                      against the eager and compiled forward                                ~3 min
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
 #   qwen-logprob-compiled  the Qwen-Image log-prob gap with rollout and trainer compiled   ~3 min
-#   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats ~2 min
+#   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats
+#                      (its VAE decoder compile alone took 196-250 s)                       ~5-6 min
 #   qwen-vae-decode    benchmarks/qwen_vae_decode.py: one B=16 512 px decode, stock 3D vs 2D   ~1 min
+#   qwen-rounding-ab   the compiled Qwen-Image rollout with compile rounding eager, then
+#                      fused, one after the other on one GPU                                 ~5 min
+#   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
+#                      --compile-rounding fused                                              ~3 min each
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
 #   cpu-smoke tiny models, to check this script on any machine
 #
@@ -86,12 +91,23 @@ suite() {
       run qwen-logprob-compiled 240 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 --compile ;;
     sd35-compiled)
-      run sd35-compiled-rollout 240 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
+      run sd35-compiled-rollout 420 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
         --modes pipeline-batched,engine-batched-compiled,engine-concurrent-compiled ;;
     qwen-vae-decode)
       echo "[gpu_bench] python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512" | tee -a "$log"
       timeout 150 python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512 >>"$log" 2>&1
       echo "[gpu_bench] qwen-vae-decode exit $?" | tee -a "$log" ;;
+    qwen-rounding-ab)  # the compiled no-CFG rollout with each compile rounding, one after the other on one GPU
+      for r in eager fused; do
+        run qwen-rounding-$r-rollout 200 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
+          --compile-rounding $r --modes engine-batched-compiled --repeats 2 --peak-seconds 2
+      done ;;
+    qwen-compiled-fused)
+      run qwen-compiled-fused-rollout 240 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
+        --compile-rounding fused --modes engine-batched-compiled,engine-concurrent-compiled --repeats 2 ;;
+    qwen-cfg-compiled-fused)
+      run qwen-cfg-compiled-fused-rollout 240 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 \
+        --guidance-scale 4.0 --compile --compile-rounding fused --modes engine-batched-compiled --repeats 1 ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from flowrl.models.base import COMPILE_ROUNDINGS
+
 
 def _positive(value: str) -> int:
     number = int(value)
@@ -33,6 +35,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
 
 
+def _compile_options(parser: argparse.ArgumentParser, compile_help: str) -> None:
+    parser.add_argument("--compile", action="store_true", help=compile_help)
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
+    parser.add_argument("--compile-rounding", default="eager", choices=tuple(COMPILE_ROUNDINGS),
+                        help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)")
+
+
 def build_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob,floor}", required=True)
     rollout = sub.add_parser("rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)")
@@ -42,8 +51,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                          help="comma list of pipeline-serial, pipeline-batched, engine-batched, engine-concurrent, "
                               "engine-batched-compiled, engine-concurrent-compiled, pipeline-batched-compiled "
                               "(default: the four eager modes, plus the compiled engine modes with --compile)")
-    rollout.add_argument("--compile", action="store_true", help="also run the engine modes with regional torch.compile")
-    rollout.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
+    _compile_options(rollout, "also run the engine modes with regional torch.compile")
     rollout.add_argument("--serial-samples", type=_positive, default=None, help="images of pipeline-serial (default: -n)")
     rollout.add_argument("--repeats", type=_positive, default=1, help="timed runs per mode; the median is reported")
     rollout.add_argument("--warmup-steps", type=_positive, default=2, help="steps of each mode's warm-up run")
@@ -63,8 +71,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                          help="micro-batch of the timed training step (default: the largest of --micro-batches that fits)")
     logprob.add_argument("--train-repeats", type=_positive, default=3, help="timed training steps (median reported)")
     logprob.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
-    logprob.add_argument("--compile", action="store_true", help="regional torch.compile before the rollout (rollout and trainer run compiled)")
-    logprob.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
+    _compile_options(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
     logprob.add_argument("--sde-window-size", type=_positive, default=None,
                          help="SDE window length drawn per rollout (default: every step but the last is stochastic)")
 
@@ -72,8 +79,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     _common(floor)
     floor.add_argument("-n", "--num-samples", type=_positive, default=16, help="samples per forward (rows: 2x with CFG; default 16)")
     floor.add_argument("--seconds", type=float, default=3.0, help="sustained timing per part (default 3 s)")
-    floor.add_argument("--compile", action="store_true", help="also time the forward after regional torch.compile")
-    floor.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
+    _compile_options(floor, "also time the forward after regional torch.compile")
 
 
 def run(args) -> int:

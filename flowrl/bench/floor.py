@@ -193,7 +193,8 @@ def run_floor(args) -> int:
         "benchmark": "floor", "environment": environment(device),
         "settings": {"model": args.model, "family": bench.family, "dtype": str(dtype).replace("torch.", ""),
                      "num_samples": args.num_samples, "rows": rows, "size": args.size, "steps": args.steps,
-                     "guidance_scale": args.guidance_scale, "seconds": args.seconds, "compile": args.compile},
+                     "guidance_scale": args.guidance_scale, "seconds": args.seconds, "compile": args.compile,
+                     "compile_rounding": args.compile_rounding},
         "parts": {},
     })
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
@@ -221,7 +222,7 @@ def run_floor(args) -> int:
             kernel=str(record.attention[0].op) if record.attention else None)
     measure("forward", forward, None)
     if args.compile:
-        adapter.compile_modules(args.compile_backend)
+        adapter.compile_modules(args.compile_backend, args.compile_rounding)
         measure("forward-compiled", forward, None)
     floor = min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"]
     per_image = args.steps * (rows / args.num_samples)  # forwards' worth of rows per image

@@ -146,7 +146,8 @@ def run_logprob(args) -> int:
                      "steps": args.steps, "size": args.size, "guidance_scale": args.guidance_scale,
                      "noise_level": args.noise_level, "lora_rank": args.lora_rank, "autocast": args.autocast,
                      "sde_window_size": args.sde_window_size, "micro_batches": sizes,
-                     "compile": args.compile_backend if args.compile else False, "trainable_params": sum(p.numel() for p in params)},
+                     "compile": args.compile_backend if args.compile else False,
+                     "compile_rounding": args.compile_rounding, "trainable_params": sum(p.numel() for p in params)},
         "gaps": [],
     })
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
@@ -159,7 +160,8 @@ def run_logprob(args) -> int:
     # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout
     # and trainer then both run compiled (the trainer's grad-mode graph is a second graph).
     engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample),
-                             compile=args.compile_backend if args.compile else False, autocast_dtype=autocast_dtype)
+                             compile=args.compile_backend if args.compile else False, autocast_dtype=autocast_dtype,
+                             compile_rounding=args.compile_rounding)
     params_sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
                                      guidance_scale=args.guidance_scale, noise_level=args.noise_level, seed=args.seed,
                                      sde_window_size=args.sde_window_size)

@@ -74,7 +74,7 @@ class RolloutBench:
             compile = self.args.compile_backend if compiled else False
             self.engines[compiled] = DiffusionEngine(
                 self.bench.adapter, max_batch_rows=self.max_batch_rows,
-                decode_chunk_size=self.args.decode_chunk_size, compile=compile,
+                decode_chunk_size=self.args.decode_chunk_size, compile=compile, compile_rounding=self.args.compile_rounding,
             )
         return self.engines[compiled]
 
@@ -202,7 +202,7 @@ def run_rollout(args) -> int:
                      "size": a.size, "guidance_scale": a.guidance_scale, "noise_level": a.noise_level,
                      "repeats": a.repeats, "warmup_steps": a.warmup_steps, "serial_samples": a.serial_samples or a.num_samples,
                      "max_batch_rows": bench.max_batch_rows, "decode_chunk_size": a.decode_chunk_size,
-                     "compile_backend": a.compile_backend, "num_layers": a.num_layers, "modes": modes},
+                     "compile_backend": a.compile_backend, "compile_rounding": a.compile_rounding, "num_layers": a.num_layers, "modes": modes},
         "build_seconds": build_s, "modes": {},
     })
     print(f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s", flush=True)

@@ -20,10 +20,18 @@ def _gpu(data: dict) -> str:
     return env.get("gpu") or env.get("device", "?")
 
 
+def _compiled_label(settings: dict) -> str:
+    if not settings.get("compile"):
+        return "eager"
+    return f"compiled (rounding {settings['compile_rounding']})" if settings.get("compile_rounding") else "compiled"
+
+
 def rollout_markdown(name: str, data: dict) -> list[str]:
     s = data.get("settings", {})
+    compiled = any(mode.endswith("-compiled") for mode in data.get("modes", {}))
+    rounding = f", compile rounding {s['compile_rounding']}" if compiled and s.get("compile_rounding") else ""
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
-             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}, {_gpu(data)}", ""]
+             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}{rounding}, {_gpu(data)}", ""]
     flops, peak = data.get("flops"), data.get("peak")
     if flops and peak and flops.get("per_image"):
         lines.append(f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "
@@ -55,7 +63,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
     s = data.get("settings", {})
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
              f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, "
-             f"{'compiled' if s.get('compile') else 'eager'}, {_gpu(data)}", "",
+             f"{_compiled_label(s)}, {_gpu(data)}", "",
              "| trainer micro-batch | mean abs gap | max abs gap |", "|---|---|---|"]
     for g in data.get("gaps", []):
         if "error" in g:

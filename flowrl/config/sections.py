@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 
 from flowrl.engine.request import SamplingParams
+from flowrl.models.base import check_compile_rounding
 
 DTYPES = ("float32", "bfloat16", "float16")
 MODEL_FAMILIES = ("auto", "sd3", "qwen_image")
@@ -91,17 +92,22 @@ class EngineConfig:
     decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
     compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder), with GELU
         fused into the MLP's GEMM on CUDA (flowrl.models.fused_mlp).
+    compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
+        PyTorch does, so rollout and trainer log-probs agree) or "fused" (faster, small log-prob
+        gap); see flowrl.models.base.COMPILE_ROUNDINGS.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 
     max_batch_rows: int = 32
     decode_chunk_size: int = 16
     compile: bool = False
+    compile_rounding: str = "eager"
     num_replicas: int = 1
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
+        check_compile_rounding(self.compile_rounding, "engine.compile_rounding")
         return self
 
 

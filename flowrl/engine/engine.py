@@ -33,7 +33,7 @@ from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.request import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
-from flowrl.models.base import COMPILE_BACKENDS, FlowModelAdapter, PromptEncoding
+from flowrl.models.base import COMPILE_BACKENDS, FlowModelAdapter, PromptEncoding, check_compile_rounding
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,13 @@ class DiffusionEngine:
     supports_batched_generation = True
 
     def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 16, prompt_cache_size: int = 4096,
-                 compile: bool | str = False, autocast_dtype: torch.dtype | None = None):
+                 compile: bool | str = False, autocast_dtype: torch.dtype | None = None, compile_rounding: str = "eager"):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
         # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
-        self.compiled_modules = adapter.compile_modules(_compile_backend(compile)) if compile else []
+        # compile_rounding: "eager" or "fused" (flowrl.models.base.COMPILE_ROUNDINGS).
+        check_compile_rounding(compile_rounding)
+        self.compiled_modules = adapter.compile_modules(_compile_backend(compile), compile_rounding) if compile else []
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)
         self.set_mixed_precision(autocast_dtype)  # the transformer under torch.autocast, or not
@@ -78,13 +80,14 @@ class DiffusionEngine:
     @classmethod
     def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                         max_batch_rows: int = 32, decode_chunk_size: int = 16, compile: bool | str = False,
-                        **adapter_kwargs) -> "DiffusionEngine":
+                        compile_rounding: str = "eager", **adapter_kwargs) -> "DiffusionEngine":
         from flowrl.models.base import load_adapter
 
         if isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         adapter = load_adapter(path, device=device, dtype=dtype, **adapter_kwargs)
-        return cls(adapter, max_batch_rows=max_batch_rows, decode_chunk_size=decode_chunk_size, compile=compile)
+        return cls(adapter, max_batch_rows=max_batch_rows, decode_chunk_size=decode_chunk_size, compile=compile,
+                   compile_rounding=compile_rounding)
 
     # --- public API ------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):

@@ -12,7 +12,7 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   a batch of rows that may sit at different sigmas and use different prompts; CFG rows (cond and
   uncond) run in the same transformer forward.
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
-- `compile_modules(backend)`: regional torch.compile of the hot modules in place (the engine's
+- `compile_modules(backend, rounding)`: regional torch.compile of the hot modules in place (the engine's
   `compile` option); results stay the same function of the inputs.
 
 The adapter knows nothing about requests, scheduling or rewards.
@@ -132,13 +132,25 @@ INDUCTOR_OPTIONS = {
     # Tune each generated kernel's launch configuration by coordinate descent: +1.5% img/s on a
     # compiled SD3.5-medium rollout on an H200 (docs/benchmarks.md), paid once at compile time.
     "coordinate_descent_tuning": True,
-    # Round low-precision intermediates inside fused kernels exactly where eager rounds them.
-    # Otherwise the trainer's grad-mode graph, which inductor fuses differently (it keeps some
-    # activations for backward), rounds at other points than the rollout's no-grad graph and
-    # log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
-    # 3.4e-4 without this, exactly 0 with it (tests/bench/test_bench_cli.py).
-    "emulate_precision_casts": True,
 }
+
+# compile rounding -> inductor's emulate_precision_casts.
+# - "eager": low-precision intermediates inside fused kernels are rounded exactly where eager
+#   rounds them. Otherwise the trainer's grad-mode graph, which inductor fuses differently (it
+#   keeps some activations for backward), rounds at other points than the rollout's no-grad graph
+#   and log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
+#   3.4e-4 without it, exactly 0 with it (tests/bench/test_bench_cli.py); Qwen-Image on an H200,
+#   mean 2.5e-5 / max 4.8e-5 without it, 3.4e-6 / 9.7e-6 with it.
+# - "fused": rounding only where a kernel writes its output; 3.6% more Qwen-Image rollout img/s
+#   on an H200 (0.731 vs 0.705, one GPU, one run; docs/benchmarks.md) for that log-prob gap.
+COMPILE_ROUNDINGS = {"eager": True, "fused": False}
+
+
+def check_compile_rounding(rounding: str, field: str = "compile_rounding") -> str:
+    if rounding not in COMPILE_ROUNDINGS:
+        raise ValueError(f"{field}={rounding!r} is unknown; use one of {tuple(COMPILE_ROUNDINGS)} "
+                         "(eager: rollout and trainer log-probs agree; fused: faster compiled kernels)")
+    return rounding
 
 
 def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
@@ -164,7 +176,7 @@ def _first_row(value):
     return value
 
 
-def compile_in_place(module: torch.nn.Module, backend: str = "inductor") -> bool:
+def compile_in_place(module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager") -> bool:
     """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
     Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
     and weight sync see the same module. Returns False when it was compiled already.
@@ -175,12 +187,20 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor") -> bool
     compilation of every block variant; instead a batch of 1 runs as 2 identical rows and keeps
     row 0 (the padding row only costs compute; the real row's result is the same function of its
     inputs, up to batch-shape rounding like any batch).
+
+    rounding: where inductor's kernels round low-precision intermediates (see COMPILE_ROUNDINGS).
+    A module compiled already with other settings is an error, not silently kept.
     """
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile backend={backend!r} is unknown; use one of {COMPILE_BACKENDS}")
-    if getattr(module, "_flowrl_compile_backend", None) is not None:
+    check_compile_rounding(rounding)
+    compiled_with = getattr(module, "_flowrl_compile_settings", None)
+    if compiled_with is not None:
+        if compiled_with != (backend, rounding):
+            raise ValueError(f"module is compiled already with (backend, rounding)={compiled_with}; "
+                             f"it cannot be recompiled with {(backend, rounding)} in this process")
         return False
-    options = dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
+    options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": COMPILE_ROUNDINGS[rounding]} if backend == "inductor" else None
     compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
 
     def call_with_dynamic_batch(*args, **kwargs):
@@ -198,7 +218,7 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor") -> bool
         return _first_row(out) if padded else out
 
     module._compiled_call_impl = call_with_dynamic_batch
-    module._flowrl_compile_backend = backend
+    module._flowrl_compile_settings = (backend, rounding)
     return True
 
 
@@ -275,7 +295,7 @@ class FlowModelAdapter:
         compilation: identical blocks share one compiled graph, so compile time stays short)."""
         return [(f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(self.transformer.transformer_blocks)]
 
-    def compile_modules(self, backend: str = "inductor") -> list[str]:
+    def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
         """torch.compile the hot modules in place (see `compile_in_place`); returns their names.
         Per-row timesteps are ordinary tensor inputs, and the batch dim is dynamic, so changing
         batch sizes reuse one graph (plus one for batch 1). Idempotent."""
@@ -283,7 +303,7 @@ class FlowModelAdapter:
         fuse_gelu_epilogues(self.transformer)
         names = []
         for name, module in self.modules_to_compile():
-            compile_in_place(module, backend)
+            compile_in_place(module, backend, rounding)
             names.append(name)
         return names
 

@@ -168,14 +168,14 @@ class QwenImageAdapter(FlowModelAdapter):
         )[0].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
 
-    def compile_modules(self, backend: str = "inductor") -> list[str]:
+    def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
         """Regional compile, after switching attention to real-arithmetic RoPE (see
         RealRopeQwenAttention); the switch happens once and changes no parameter."""
         if not getattr(self.transformer, "_flowrl_real_rope", False):
             self.transformer.set_attn_processor(RealRopeQwenAttention())
             self.transformer.pos_embed.register_forward_hook(_real_rope_tables)
             self.transformer._flowrl_real_rope = True
-        return super().compile_modules(backend)
+        return super().compile_modules(backend, rounding)
 
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()

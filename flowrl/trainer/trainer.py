@@ -74,7 +74,7 @@ class FlowGRPOTrainer:
         if cfg.engine.compile:
             # After LoRA injection, so the compiled blocks trace the modules that are trained; the
             # engine and the trainer share them (compilation is in place).
-            self.engine.compiled_modules = self.adapter.compile_modules()
+            self.engine.compiled_modules = self.adapter.compile_modules(rounding=cfg.engine.compile_rounding)
         self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
         s = cfg.rollout.sampling
         self.spec = TransitionSpec(s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale)

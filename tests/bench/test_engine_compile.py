@@ -107,3 +107,34 @@ def test_real_rope_attention_equals_diffusers_processor():
         adapter.transformer.pos_embed.register_forward_hook(_real_rope_tables)
         real = adapter.velocity(*args)
     torch.testing.assert_close(real, reference, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rounding, emulate", [("eager", True), ("fused", False)])
+def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
+    """engine compile_rounding -> inductor's emulate_precision_casts on every compiled module; the
+    other inductor options stay on."""
+    seen = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real_compile(fn, backend="eager"))
+    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
+    engine = DiffusionEngine(bench.adapter, compile=True, compile_rounding=rounding)
+    engine.shutdown()
+    assert len(seen) == len(engine.compiled_modules) > 0
+    for kwargs in seen:
+        assert kwargs["backend"] == "inductor"
+        assert kwargs["options"]["emulate_precision_casts"] is emulate
+        assert kwargs["options"]["coordinate_descent_tuning"] is True
+
+
+def test_compile_rounding_errors_name_the_field_and_the_choices():
+    from flowrl.config.sections import EngineConfig
+
+    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"compile_rounding='fast' is unknown; use one of \('eager', 'fused'\)"):
+        DiffusionEngine(bench.adapter, compile=True, compile_rounding="fast")
+    with pytest.raises(ValueError, match=r"engine.compile_rounding='exact'"):
+        EngineConfig(compile_rounding="exact").validate()
+    # Modules compiled once keep their settings: asking for others is an error, not ignored.
+    DiffusionEngine(bench.adapter, compile="eager").shutdown()
+    with pytest.raises(ValueError, match="compiled already"):
+        DiffusionEngine(bench.adapter, compile="eager", compile_rounding="fused")
