@@ -141,8 +141,9 @@ INDUCTOR_OPTIONS = {
 #   and log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
 #   3.4e-4 without it, exactly 0 with it (tests/bench/test_bench_cli.py); Qwen-Image on an H200,
 #   mean 2.5e-5 / max 4.8e-5 without it, 3.4e-6 / 9.7e-6 with it.
-# - "fused": rounding only where a kernel writes its output; 3.6% more Qwen-Image rollout img/s
-#   on an H200 (0.731 vs 0.705, one GPU, one run; docs/benchmarks.md) for that log-prob gap.
+# - "fused": rounding only where a kernel writes its output: that log-prob gap, for 2.8-3.6% more
+#   Qwen-Image rollout img/s on an H200 (0.731 vs 0.705, 0.734 vs 0.714: two A/B runs, each on
+#   one GPU; docs/benchmarks.md).
 COMPILE_ROUNDINGS = {"eager": True, "fused": False}
 
 
