@@ -82,7 +82,23 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     _compile_options(floor, "also time the forward after regional torch.compile")
 
 
+def _check_rounding_is_used(args) -> None:
+    """--compile-rounding other than the default with nothing compiled would be ignored: refuse."""
+    if args.compile_rounding == "eager":
+        return
+    if args.bench_command == "rollout":
+        from flowrl.bench.rollout import COMPILED_MODES, resolve_modes
+
+        used = any(mode in COMPILED_MODES for mode in resolve_modes(args.modes, args.compile))
+    else:
+        used = args.compile
+    if not used:
+        raise ValueError(f"--compile-rounding={args.compile_rounding} applies to compiled runs only; "
+                         "add --compile (or a *-compiled mode) or drop --compile-rounding")
+
+
 def run(args) -> int:
+    _check_rounding_is_used(args)
     if args.bench_command == "rollout":
         from flowrl.bench.rollout import run_rollout
 

@@ -74,7 +74,8 @@ class RolloutBench:
             compile = self.args.compile_backend if compiled else False
             self.engines[compiled] = DiffusionEngine(
                 self.bench.adapter, max_batch_rows=self.max_batch_rows,
-                decode_chunk_size=self.args.decode_chunk_size, compile=compile, compile_rounding=self.args.compile_rounding,
+                decode_chunk_size=self.args.decode_chunk_size, compile=compile,
+                compile_rounding=self.args.compile_rounding if compiled else "eager",
             )
         return self.engines[compiled]
 

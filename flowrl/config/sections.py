@@ -108,6 +108,9 @@ class EngineConfig:
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
         check_compile_rounding(self.compile_rounding, "engine.compile_rounding")
+        if self.compile_rounding != "eager" and not self.compile:
+            raise ValueError(f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
+                             "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'")
         return self
 
 

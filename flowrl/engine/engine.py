@@ -61,6 +61,9 @@ class DiffusionEngine:
         # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
         # compile_rounding: "eager" or "fused" (flowrl.models.base.COMPILE_ROUNDINGS).
         check_compile_rounding(compile_rounding)
+        if compile_rounding != "eager" and not compile:
+            raise ValueError(f"compile_rounding={compile_rounding!r} applies to compiled modules only; "
+                             "pass compile=True or leave compile_rounding at 'eager'")
         self.compiled_modules = adapter.compile_modules(_compile_backend(compile), compile_rounding) if compile else []
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)

@@ -3,9 +3,9 @@
 The Qwen-Image VAE is a causal video VAE: every convolution is a Conv3d with a kernel of 3 in
 time, padded with 2 zero frames in front. A text-to-image decode is one frame with no frame
 cache, so 2 of the 3 time taps of every 3x3x3 kernel multiply zeros: two thirds of the decoder's
-FLOPs are wasted, and Conv3d kernels are slower than Conv2d ones on top of that. On an H200 at
-B=16, 512 px, the stock decode was about a tenth of a Qwen-Image rollout's device time
-(run 8 profile: convolution 8%, NCHW->NHWC conversions 2.8%).
+FLOPs are wasted. On an H200, decoding 16 images at 512 px took 257 ms stock and 135 ms this way
+(45.5 vs 17.6 TFLOP; benchmarks/qwen_vae_decode.py, docs/benchmarks.md run 10): from 1.2% to 0.6%
+of a 50-step Qwen-Image rollout.
 
 `decode_single_frames_in_2d(vae)` switches every causal Conv3d of the VAE, per instance, to a
 forward that recognises that case (one frame, no cache, front padding of kernel-1 frames, time

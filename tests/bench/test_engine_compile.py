@@ -138,3 +138,24 @@ def test_compile_rounding_errors_name_the_field_and_the_choices():
     DiffusionEngine(bench.adapter, compile="eager").shutdown()
     with pytest.raises(ValueError, match="compiled already"):
         DiffusionEngine(bench.adapter, compile="eager", compile_rounding="fused")
+
+
+def test_compile_rounding_without_compile_is_refused_not_ignored():
+    import argparse
+
+    from flowrl.bench.cli import build_parser, run
+    from flowrl.config.sections import EngineConfig
+
+    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="applies to compiled modules only"):
+        DiffusionEngine(bench.adapter, compile_rounding="fused")
+    with pytest.raises(ValueError, match=r"engine.compile_rounding='fused' takes effect only with engine.compile=true"):
+        EngineConfig(compile_rounding="fused").validate()
+    EngineConfig(compile=True, compile_rounding="fused").validate()
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    for argv in (["rollout", "--model", "tiny-sd3", "--compile-rounding", "fused"],
+                 ["rollout", "--model", "tiny-sd3", "--modes", "engine-batched", "--compile-rounding", "fused"],
+                 ["floor", "--model", "tiny-qwen", "--compile-rounding", "fused"]):
+        with pytest.raises(ValueError, match="--compile-rounding=fused applies to compiled runs only"):
+            run(parser.parse_args(argv))
