@@ -13,7 +13,7 @@ inductor as the engine compiles them, next to an alternative:
   (`torch._addmm_activation`), which applies GELU before the result leaves the GEMM;
 - q/k RMSNorm + RoPE: the earlier real-arithmetic rotation (pairs unbound, rotated, stacked)
   against the engine's pair-swap form (x * cos' + swap(x) * sin', tables expanded to the head
-  width; `flowrl.models.qwen_image._rotate`);
+  width; `flowrl.models.qwen_block._rotate`);
 - the bytes each piece must move, timed as a plain copy: the bandwidth floor.
 
 Prints ms per call, effective GB/s, and the largest difference between the alternatives' outputs.
@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from flowrl.bench.floor import sustained_seconds
-from flowrl.models.qwen_image import _rotate
+from flowrl.models.qwen_block import _rotate
 
 
 def _rotate_unbind(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,8 +87,8 @@ def main() -> int:
     wk = 1 + 0.1 * torch.randn(head_dim, device=device, dtype=dtype)
     angles = torch.rand(args.tokens, head_dim // 2, device=device) * 6.28
     cos, sin = angles.cos(), angles.sin()
-    cos2 = cos.repeat_interleave(2, dim=-1)
-    sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)
+    cos2 = cos.repeat_interleave(2, dim=-1)[:, None]  # (S, 1, D) against (B, S, H, D)
+    sin2 = torch.stack([-sin, sin], dim=-1).flatten(-2)[:, None]
     current = torch.compile(lambda: (_rotate_unbind(_rms(q, wq), cos, sin), _rotate_unbind(_rms(k, wk), cos, sin)))
     swap = torch.compile(lambda: (_rotate(_rms(q, wq), cos2, sin2), _rotate(_rms(k, wk), cos2, sin2)))  # the engine's
     norm_only = torch.compile(lambda: (_rms(q, wq), _rms(k, wk)))

@@ -20,6 +20,10 @@
 #   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats
 #                      (its VAE decoder compile alone took 196-250 s)                       ~5-6 min
 #   qwen-vae-decode    benchmarks/qwen_vae_decode.py: one B=16 512 px decode, stock 3D vs 2D   ~1 min
+#   qwen-block-variants  benchmarks/qwen_block_variants.py: one compiled B=16 block per activation
+#                      layout and compile rounding, timed, with its top kernels                ~3 min
+#   qwen-forward-ab / qwen-forward-ab-fused   benchmarks/qwen_forward_ab.py: the compiled B=16
+#                      forward with batch-major and sequence-major blocks, alternating, one GPU ~3 min
 #   qwen-rounding-ab   the compiled Qwen-Image rollout with compile rounding eager, then
 #                      fused, one after the other on one GPU                                 ~5 min
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
@@ -97,6 +101,15 @@ suite() {
       echo "[gpu_bench] python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512" | tee -a "$log"
       timeout 150 python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512 >>"$log" 2>&1
       echo "[gpu_bench] qwen-vae-decode exit $?" | tee -a "$log" ;;
+    qwen-block-variants)
+      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2" | tee -a "$log"
+      timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 2>&1 | grep -v USDT >>"$log"
+      echo "[gpu_bench] qwen-block-variants exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+    qwen-forward-ab|qwen-forward-ab-fused)
+      local rounding=eager; [[ $s == *-fused ]] && rounding=fused
+      echo "[gpu_bench] python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding" | tee -a "$log"
+      timeout 300 python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding >>"$log" 2>&1
+      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
     qwen-rounding-ab)  # the compiled no-CFG rollout with each compile rounding, one after the other on one GPU
       for r in eager fused; do
         run qwen-rounding-$r-rollout 200 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \

@@ -141,9 +141,10 @@ INDUCTOR_OPTIONS = {
 #   and log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
 #   3.4e-4 without it, exactly 0 with it (tests/bench/test_bench_cli.py); Qwen-Image on an H200,
 #   mean 2.5e-5 / max 4.8e-5 without it, 3.4e-6 / 9.7e-6 with it.
-# - "fused": rounding only where a kernel writes its output: that log-prob gap, for 2.8-3.6% more
-#   Qwen-Image rollout img/s on an H200 (0.731 vs 0.705, 0.734 vs 0.714: two A/B runs, each on
-#   one GPU; docs/benchmarks.md).
+# - "fused": rounding only where a kernel writes its output: that log-prob gap. It was 2.1-3.6%
+#   faster on a Qwen-Image rollout on an H200 (three A/B runs, each on one GPU), until the
+#   Qwen-Image adapter's no-grad inductor option removed the kernels that eager rounding had
+#   added (QwenImageAdapter.no_grad_inductor_options; docs/benchmarks.md runs 14-18).
 COMPILE_ROUNDINGS = {"eager": True, "fused": False}
 
 
@@ -177,7 +178,8 @@ def _first_row(value):
     return value
 
 
-def compile_in_place(module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager") -> bool:
+def compile_in_place(module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager",
+                     no_grad_options: dict | None = None) -> bool:
     """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
     Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
     and weight sync see the same module. Returns False when it was compiled already.
@@ -190,6 +192,9 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
     inputs, up to batch-shape rounding like any batch).
 
     rounding: where inductor's kernels round low-precision intermediates (see COMPILE_ROUNDINGS).
+    no_grad_options: inductor settings, on top of INDUCTOR_OPTIONS, for calls without autograd
+    (the rollout, old-log-prob recompute): those calls run a second compiled function with
+    them, calls with grad the plain one (FlowModelAdapter.no_grad_inductor_options).
     A module compiled already with other settings is an error, not silently kept.
     """
     if backend not in COMPILE_BACKENDS:
@@ -203,6 +208,10 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
         return False
     options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": COMPILE_ROUNDINGS[rounding]} if backend == "inductor" else None
     compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
+    compiled_no_grad = compiled
+    if backend == "inductor" and no_grad_options:
+        # A separate torch.compile (dynamo guards entries on their backend, so the two never mix).
+        compiled_no_grad = torch.compile(module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options})
 
     def call_with_dynamic_batch(*args, **kwargs):
         _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's
@@ -215,7 +224,7 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
             _, tensors = _batch_tensors(args, kwargs)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        out = compiled(*args, **kwargs)
+        out = (compiled if torch.is_grad_enabled() else compiled_no_grad)(*args, **kwargs)
         return _first_row(out) if padded else out
 
     module._compiled_call_impl = call_with_dynamic_batch
@@ -252,6 +261,11 @@ class FlowModelAdapter:
 
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
+
+    # Inductor settings of this family's no-grad graphs (rollout), on top of INDUCTOR_OPTIONS
+    # (measured per family and mode: a setting that pays on one model's rollout kernels need not on
+    # another model's, nor on the training graphs; see compile_in_place).
+    no_grad_inductor_options: dict = {}
 
     def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
         """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
@@ -304,7 +318,7 @@ class FlowModelAdapter:
         fuse_gelu_epilogues(self.transformer)
         names = []
         for name, module in self.modules_to_compile():
-            compile_in_place(module, backend, rounding)
+            compile_in_place(module, backend, rounding, self.no_grad_inductor_options)
             names.append(name)
         return names
 

@@ -15,65 +15,9 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.qwen_block import prepare_for_compile
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 from flowrl.models.schedule import schedule_sigmas
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x (B, S, H, D) with adjacent pairs (x[2k], x[2k+1]) as (re, im): the
-    complex product (re + i im)(cos_k + i sin_k), in real arithmetic, in float32. The tables are
-    expanded to the head width (see `_real_rope_tables`): cos = (c0, c0, c1, c1, ...),
-    sin = (-s0, s0, -s1, s1, ...), so out = x * cos + swap_pairs(x) * sin. This pair-swap form
-    compiles to a kernel 2.4x faster than unbinding and re-stacking the pairs (0.17 vs 0.41 ms
-    for q and k of a B=16 block with RMSNorm, H200; benchmarks/qwen_block_parts.py)."""
-    xf = x.float()
-    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return (xf * cos[:, None] + swapped * sin[:, None]).type_as(x)
-
-
-def _real_rope_tables(module, args, output):
-    """Forward hook of the transformer's RoPE module: complex tables (S, D/2) -> the expanded real
-    tables `_rotate` takes, (S, D) each, once per forward and outside the compiled blocks
-    (inductor generates no code for complex tensors)."""
-    tables = []
-    for freqs in output:
-        cos, sin = freqs.real.float(), freqs.imag.float()
-        tables.append((cos.repeat_interleave(2, dim=-1).contiguous(), torch.stack([-sin, sin], dim=-1).flatten(-2).contiguous()))
-    return tuple(tables)
-
-
-class RealRopeQwenAttention:
-    """Qwen-Image's joint text-image attention (the math of diffusers' QwenDoubleStreamAttnProcessor2_0)
-    with rotary embeddings in real arithmetic, so torch.compile fuses them into the kernels around
-    them instead of running complex ops eagerly (several extra float32 passes over q and k per
-    block). Takes the expanded (cos, sin) tables made by `_real_rope_tables`."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
-                 attention_mask=None, image_rotary_emb=None):
-        assert encoder_hidden_states is not None and attention_mask is None
-        if encoder_hidden_states_mask is not None:  # text mask + all-true image mask, (B, 1, 1, L)
-            image_mask = encoder_hidden_states_mask.new_ones(hidden_states.shape[:2])
-            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
-        head_dim = attn.inner_dim // attn.heads
-        split = lambda t: t.unflatten(-1, (-1, head_dim))  # noqa: E731
-        img_q, img_k, img_v = split(attn.to_q(hidden_states)), split(attn.to_k(hidden_states)), split(attn.to_v(hidden_states))
-        txt_q, txt_k, txt_v = (split(attn.add_q_proj(encoder_hidden_states)), split(attn.add_k_proj(encoder_hidden_states)),
-                               split(attn.add_v_proj(encoder_hidden_states)))
-        img_q, img_k = attn.norm_q(img_q), attn.norm_k(img_k)
-        txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
-        if image_rotary_emb is not None:
-            (img_cos, img_sin), (txt_cos, txt_sin) = image_rotary_emb
-            img_q, img_k = _rotate(img_q, img_cos, img_sin), _rotate(img_k, img_cos, img_sin)
-            txt_q, txt_k = _rotate(txt_q, txt_cos, txt_sin), _rotate(txt_k, txt_cos, txt_sin)
-        # Joint sequence [text, image]; SDPA wants (B, H, L, D).
-        q, k, v = (torch.cat(pair, dim=1).transpose(1, 2) for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v)))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
-        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
-        seq_txt = encoder_hidden_states.shape[1]
-        img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
-        if len(attn.to_out) > 1:
-            img_out = attn.to_out[1](img_out)  # dropout
-        return img_out, attn.to_add_out(out[:, :seq_txt].contiguous())
 
 
 class QwenImageAdapter(FlowModelAdapter):
@@ -83,6 +27,15 @@ class QwenImageAdapter(FlowModelAdapter):
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     )
+    # Inductor stores a pointwise result in its own buffer once its expression passes
+    # `realize_opcount_threshold` operations (default 30). With compile_rounding "eager", the
+    # emulated bf16 casts push the q/k RMSNorm + RoPE expression past it: the rotated q and k were
+    # stored in float32 and rounded into the joint attention buffers by three more kernels.
+    # At 200 they are written in bf16 straight into those buffers, as with "fused" rounding: one
+    # B=16 block 7.285 -> 7.076 ms on an H200 (fused rounding: 7.099; docs/benchmarks.md run 17).
+    # No-grad graphs only: in the training graphs it doubled the compiled training step
+    # (256 -> 544 ms, run 18), where large expressions get recomputed in backward kernels.
+    no_grad_inductor_options = {"realize_opcount_threshold": 200}
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):
         super().__init__(pipeline, device, dtype, max_sequence_length)
@@ -158,23 +111,27 @@ class QwenImageAdapter(FlowModelAdapter):
         # without padding we pass no mask (the pipeline does the same, and fast kernels apply).
         lengths = {e.embeds.shape[0] for e in encodings}
         h, w = self._latent_hw(height, width)
+        rows = hidden.shape[0]
+        # Compiled blocks run a batch of 1 as 2 identical rows (see compile_in_place). Doing it here,
+        # before the input projections lay the rows out sequence-major, lets batch 1 reuse the
+        # blocks' batch >= 2 graph instead of compiling one for a batch-major layout.
+        padded = rows == 1 and getattr(self.transformer, "_flowrl_compile_ready", False)
+        repeat = (lambda t: torch.cat([t, t])) if padded else (lambda t: t)  # noqa: E731
         out = self.transformer(
-            hidden_states=hidden.to(self.dtype),
-            timestep=timestep.to(self.dtype),
-            encoder_hidden_states=embeds.to(self.dtype),
-            encoder_hidden_states_mask=mask if len(lengths) > 1 else None,
-            img_shapes=[[(1, h // 2, w // 2)]] * hidden.shape[0],
+            hidden_states=repeat(hidden.to(self.dtype)),
+            timestep=repeat(timestep.to(self.dtype)),
+            encoder_hidden_states=repeat(embeds.to(self.dtype)),
+            encoder_hidden_states_mask=repeat(mask) if len(lengths) > 1 else None,
+            img_shapes=[[(1, h // 2, w // 2)]] * (rows + padded),
             return_dict=False,
-        )[0].float()
+        )[0][:rows].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
 
     def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
-        """Regional compile, after switching attention to real-arithmetic RoPE (see
-        RealRopeQwenAttention); the switch happens once and changes no parameter."""
-        if not getattr(self.transformer, "_flowrl_real_rope", False):
-            self.transformer.set_attn_processor(RealRopeQwenAttention())
-            self.transformer.pos_embed.register_forward_hook(_real_rope_tables)
-            self.transformer._flowrl_real_rope = True
+        """Regional compile, after switching the transformer to real-arithmetic RoPE and
+        sequence-major blocks (flowrl/models/qwen_block.py); the switch happens once and changes
+        no parameter."""
+        prepare_for_compile(self.transformer)
         return super().compile_modules(backend, rounding)
 
     # --- VAE -----------------------------------------------------------------------------------

@@ -148,3 +148,33 @@ def test_qwen_vae_decode_script_runs_and_saves_flops():
     assert set(flops) == {"stock-3d", "2d-channels-last"}, done.stdout
     assert flops["2d-channels-last"] < 0.45 * flops["stock-3d"], flops
     assert re.search(r"largest pixel difference [01] \(of 255\)", done.stdout), done.stdout
+
+
+def _run_benchmark_script(name: str, *args: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    done = subprocess.run([sys.executable, str(script), *args, "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_qwen_block_variants_script_runs_and_layouts_agree():
+    """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
+    extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
+    out = _run_benchmark_script("qwen_block_variants.py", "--rows", "2", "--seconds", "0.01", "--profile-calls", "1",
+                                "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50")
+    lines = [line for line in out.splitlines() if "ms per block" in line]
+    assert [line.split()[0] for line in lines] == ["batch-major:eager", "sequence-major:eager",
+                                                   "sequence-major:fused:realize_opcount_threshold=50"]
+    assert all(line.endswith("max |out - first| 0") for line in lines)
+
+
+def test_qwen_forward_ab_script_runs_and_layouts_agree():
+    """benchmarks/qwen_forward_ab.py on the CPU (tiny model, float32): both layouts run and give
+    the same forward."""
+    out = _run_benchmark_script("qwen_forward_ab.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    assert "batch-major / sequence-major time:" in out
+    assert out.rstrip().endswith("max |output difference| 0")

@@ -94,7 +94,7 @@ def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
 def test_real_rope_attention_equals_diffusers_processor():
     """The compile-friendly Qwen-Image attention computes the same function as diffusers' own
     processor, padded text (mask) included."""
-    from flowrl.models.qwen_image import RealRopeQwenAttention, _real_rope_tables
+    from flowrl.models.qwen_block import RealRopeQwenAttention, _real_rope_tables
 
     adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
     enc = adapter.encode_prompts(["long prompt", "short"])
@@ -124,6 +124,40 @@ def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
         assert kwargs["backend"] == "inductor"
         assert kwargs["options"]["emulate_precision_casts"] is emulate
         assert kwargs["options"]["coordinate_descent_tuning"] is True
+
+
+def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkeypatch):
+    """Qwen-Image blocks: calls without autograd (rollout) run a compiled function with the
+    adapter's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
+    compiled = []
+    real_compile = torch.compile
+
+    def recording(fn, **kw):
+        inner, record = real_compile(fn, backend="eager"), {"options": kw["options"], "calls": 0}
+        compiled.append(record)
+
+        def call(*args, **kwargs):
+            record["calls"] += 1
+            return inner(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "compile", recording)
+    adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
+    blocks = len(adapter.compile_modules())
+    tuned = [r for r in compiled if r["options"].get("realize_opcount_threshold") == 200]
+    plain = [r for r in compiled if "realize_opcount_threshold" not in r["options"]]
+    assert len(tuned) == len(plain) == blocks == len(compiled) // 2
+    assert all(r["options"]["emulate_precision_casts"] is True for r in compiled)
+    latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    args = (latents, torch.tensor([0.9, 0.3]), adapter.encode_prompts(["a", "b"]), [None, None], torch.ones(2), 64, 64)
+    with torch.no_grad():
+        adapter.velocity(*args)
+    assert [r["calls"] for r in tuned + plain] == [1] * blocks + [0] * blocks
+    adapter.velocity(*args)  # grad mode
+    assert [r["calls"] for r in tuned + plain] == [1] * (2 * blocks)
+    compiled.clear()
+    build_bench_model("tiny-sd3", "cpu", torch.float32).adapter.compile_modules()
+    assert compiled and all("realize_opcount_threshold" not in r["options"] for r in compiled)
 
 
 def test_compile_rounding_errors_name_the_field_and_the_choices():

@@ -1,0 +1,155 @@
+"""One full-size Qwen-Image transformer block, compiled as the engine compiles it, in each
+activation layout and compile rounding: time per call and where the GPU time goes.
+
+    python benchmarks/qwen_block_variants.py [--rows 16] [--text-tokens 64] [--seconds 2]
+        [--variants LAYOUT:ROUNDING[:OPTION=INT...],...] [--code-dir DIR] [--device cuda]
+
+Variants (the same weights; inductor with the adapter's no-grad options, GELU epilogue, batch dim
+dynamic, as `compile_modules` compiles a rollout; by default every layout x rounding):
+- layout `batch-major`: diffusers' block forward with the real-RoPE processor (the engine before
+  sequence-major blocks); `sequence-major`: flowrl.models.qwen_block's forward, inputs stored
+  (L, B, D) as the transformer's input hooks store them;
+- rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
+- optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`.
+
+Prints ms per block call for each variant, the kernels that take the time (device time per block
+call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
+first (bf16 rounding differences; the layouts are equal in float32, tests/models/test_qwen_block.py).
+On a CPU it runs a small block as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import types
+from pathlib import Path
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from flowrl.bench.floor import sustained_seconds
+from flowrl.models.base import compile_in_place
+from flowrl.models.fused_mlp import fuse_gelu_epilogues
+from flowrl.models.qwen_block import RealRopeQwenAttention, _sequence_major_forward
+from flowrl.models.qwen_image import QwenImageAdapter
+
+LAYOUTS = ("batch-major", "sequence-major")
+ROUNDINGS = ("eager", "fused")
+
+
+def build_block(heads: int, head_dim: int, device, dtype):
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    block = QwenImageTransformerBlock(dim=heads * head_dim, num_attention_heads=heads, attention_head_dim=head_dim)
+    return block.to(device, dtype).requires_grad_(False).eval()
+
+
+def parse_variant(spec: str) -> tuple[str, str, dict]:
+    """'layout:rounding[:inductor_option=int ...]' -> (layout, rounding, extra inductor options)."""
+    layout, rounding, *options = spec.split(":")
+    if layout not in LAYOUTS or rounding not in ROUNDINGS:
+        raise SystemExit(f"--variants: {spec!r} is not layout:rounding with layout in {LAYOUTS}, rounding in {ROUNDINGS}")
+    extra = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        extra[key] = int(value)
+    return layout, rounding, extra
+
+
+def variant(base, layout: str, rounding: str, backend: str, extra: dict):
+    """A copy of `base` switched to `layout` and compiled as the engine compiles it (the Qwen-Image
+    adapter's inductor options, overridden by `extra`, for experiments)."""
+    block = copy.deepcopy(base)
+    block.attn.set_processor(RealRopeQwenAttention())
+    if layout == "sequence-major":
+        block.forward = types.MethodType(_sequence_major_forward, block)
+    fuse_gelu_epilogues(block)
+    compile_in_place(block, backend, rounding, {**QwenImageAdapter.no_grad_inductor_options, **extra})
+    return block
+
+
+def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim: int, layout: str, device, dtype):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    img, txt, temb = rand(rows, image_tokens, width), rand(rows, text_tokens, width), rand(rows, width)
+    if layout == "sequence-major":  # (B, L, D) tensors stored (L, B, D), as the input hooks make them
+        img, txt = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (img, txt))
+    tables = []
+    for tokens in (image_tokens, text_tokens):
+        angles = torch.rand(tokens, head_dim // 2, generator=gen).to(device) * 6.28
+        tables.append((angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2)))
+    return dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None, temb=temb,
+                image_rotary_emb=tuple(tables))
+
+
+def kernel_table(call, device, calls: int) -> list[tuple[str, float, int]]:
+    """(kernel, ms per block call, launches per block call) of `calls` profiled calls, largest
+    first: GPU kernels on a GPU, aten ops (CPU time) on a CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        for _ in range(calls):
+            call()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    rows = []
+    for e in prof.key_averages():
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            rows.append((e.key, e.self_device_time_total / 1e3 / calls, e.count // calls))
+        elif not on_gpu and e.key.startswith("aten::"):
+            rows.append((e.key, e.self_cpu_time_total / 1e3 / calls, e.count // calls))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=16, help="batch rows (default 16)")
+    parser.add_argument("--image-tokens", type=int, default=1024, help="512 px: 1024")
+    parser.add_argument("--text-tokens", type=int, default=64, help="flowrl bench's qwen-image prompts: 64")
+    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    parser.add_argument("--profile-calls", type=int, default=5, help="block calls profiled per variant")
+    parser.add_argument("--variants", default=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS),
+                        help="comma-separated layout:rounding[:inductor_option=int...] (default: every layout x rounding)")
+    parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype, backend = (torch.bfloat16, "inductor") if device.type == "cuda" else (torch.float32, "aot_eager")
+    heads, head_dim = 24, 128
+    if device.type == "cpu":  # a smoke run: small widths
+        heads, head_dim, args.image_tokens, args.text_tokens = 4, 32, 64, 8
+    torch.manual_seed(0)
+    base = build_block(heads, head_dim, device, dtype)
+    reference = None
+    print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
+          f"{args.rows} rows x ({args.text_tokens} text + {args.image_tokens} image) tokens, width {heads * head_dim}")
+    for spec in args.variants.split(","):
+        layout, rounding, extra = parse_variant(spec)
+        block = variant(base, layout, rounding, backend, extra)
+        kwargs = inputs(args.rows, args.image_tokens, args.text_tokens, heads * head_dim, head_dim, layout, device, dtype)
+        with torch.no_grad():
+            call = functools.partial(block, **kwargs)
+            first, code = run_and_get_code(call)  # the first call compiles
+            out = torch.cat([t.float().flatten() for t in first])
+            if args.code_dir:
+                Path(args.code_dir).mkdir(parents=True, exist_ok=True)
+                Path(args.code_dir, spec.replace(":", "-").replace("=", "") + ".py").write_text("\n\n".join(code))
+            seconds = sustained_seconds(call, device, args.seconds)["seconds"]
+            kernels = kernel_table(call, device, args.profile_calls)
+        reference = out if reference is None else reference
+        diff = (out - reference).abs().max().item()
+        print(f"\n{spec:40s} {seconds * 1e3:8.3f} ms per block   max |out - first| {diff:.3g}")
+        print(f"    {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels per call, of which:")
+        for name, ms, count in kernels[:args.top]:
+            print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
+        del block
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Qwen-Image blocks as the engine compiles them (flowrl.models.qwen_block): the same function and
+gradients as diffusers' blocks in float32, activations kept sequence-major from block to block,
+diffusers' forward where the sequence-major one does not apply, and a batch of one reusing the
+compiled batch >= 2 graph."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flowrl.bench.models import build_bench_model
+from flowrl.models.qwen_block import prepare_for_compile
+
+
+@pytest.fixture(scope="module")
+def stock():
+    torch.manual_seed(0)
+    return build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
+
+
+def _velocity_args(adapter, rows: int, ragged: bool):
+    """Inputs of adapter.velocity: rows of one 64 px batch, text of different lengths when ragged
+    (a padded, masked text batch)."""
+    enc = adapter.encode_prompts(["long prompt", "short", "x"][:rows])
+    if ragged:
+        enc[1].embeds, enc[1].mask = enc[1].embeds[:5], enc[1].mask[:5]
+    gen = torch.Generator().manual_seed(3)
+    latents = torch.randn((rows, *adapter.latent_shape(64, 64)), generator=gen)
+    return (latents, torch.tensor([0.9, 0.3, 0.5])[:rows], enc, [None] * rows, torch.ones(rows), 64, 64)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sequence_major_blocks_compute_diffusers_function(stock, ragged):
+    prepared = copy.deepcopy(stock)
+    assert prepare_for_compile(prepared.transformer) and not prepare_for_compile(prepared.transformer)
+    layouts = []
+    for block in prepared.transformer.transformer_blocks:
+        block.register_forward_pre_hook(
+            lambda m, a, kw: layouts.append([kw[k].transpose(0, 1).is_contiguous() for k in ("hidden_states", "encoder_hidden_states")]),
+            with_kwargs=True)
+    args = _velocity_args(stock, 3, ragged)
+    with torch.no_grad():
+        reference, result = stock.velocity(*args), prepared.velocity(*args)
+    torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-6)
+    # Every block, the first included, received (L, B, D) memory from the input hooks or the block before.
+    assert layouts == [[True, True]] * len(prepared.transformer.transformer_blocks)
+
+
+def test_sequence_major_blocks_have_diffusers_gradients(stock):
+    prepared = copy.deepcopy(stock)
+    prepare_for_compile(prepared.transformer)
+    args = _velocity_args(stock, 2, ragged=True)
+    grads = []
+    for adapter in (stock, prepared):
+        block = adapter.transformer.transformer_blocks[0]
+        params = [block.attn.to_q.weight, block.attn.add_v_proj.weight, block.img_mlp.net[2].weight, block.txt_mod[1].bias]
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            adapter.velocity(*args).square().mean().backward()
+            grads.append([p.grad.clone() for p in params])
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+                p.grad = None
+    for got, want in zip(*reversed(grads)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_blocks_sequence_major_cannot_serve_fall_back_to_diffusers_forward():
+    """zero_cond_t (the edit models' per-token modulation) is not implemented sequence-major: those
+    blocks run diffusers' forward (with the real-RoPE processor) and compute the same function."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                                        num_attention_heads=2, joint_attention_dim=8, axes_dims_rope=(4, 6, 6),
+                                        zero_cond_t=True).eval()
+    kwargs = dict(hidden_states=torch.randn(2, 16, 16), encoder_hidden_states=torch.randn(2, 5, 8),
+                  timestep=torch.tensor([0.7, 0.2]), img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)
+    with torch.no_grad():
+        reference = model(**kwargs)[0]
+        prepare_for_compile(model)
+        result = model(**kwargs)[0]
+    torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_batch_of_one_reuses_the_compiled_graph(stock, monkeypatch):
+    """A compiled block graph is specialised to its input layout; a batch of 1 padded per block
+    (batch-major) would compile a second graph. Padded at the model input it stays sequence-major."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counting_backend))
+    torch._dynamo.reset()
+    adapter = copy.deepcopy(stock)
+    adapter.compile_modules()
+    with torch.no_grad():
+        for rows in (3, 1, 2):
+            reference = stock.velocity(*_velocity_args(stock, rows, ragged=False))
+            torch.testing.assert_close(adapter.velocity(*_velocity_args(stock, rows, ragged=False)), reference, atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 1
