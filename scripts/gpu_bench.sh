@@ -5,7 +5,8 @@
 #
 # Suites (each fits one 10-minute device command on its own; estimates for one H200):
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
-#             tests/trainer: a bf16 training run on CUDA and its log-prob gap)            ~2 min
+#             tests/trainer: a bf16 training run on CUDA and its log-prob gap;
+#             tests/models: cuDNN attention output read in place by the projections)   ~2 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -64,8 +65,8 @@ suite() {
   local log=$1 s=$2
   case $s in
     tests)
-      echo "[gpu_bench] pytest -m gpu tests/bench tests/trainer" | tee -a "$log"
-      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer >>"$log" 2>&1
+      echo "[gpu_bench] pytest -m gpu tests/bench tests/trainer tests/models" | tee -a "$log"
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer tests/models >>"$log" 2>&1
       echo "[gpu_bench] tests exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \

@@ -106,3 +106,73 @@ def test_batch_of_one_reuses_the_compiled_graph(stock, monkeypatch):
             reference = stock.velocity(*_velocity_args(stock, rows, ragged=False))
             torch.testing.assert_close(adapter.velocity(*_velocity_args(stock, rows, ragged=False)), reference, atol=1e-5, rtol=1e-5)
     assert len(graphs) == 1
+
+
+def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock):
+    """The trainer's setting: a peft LoRA adapter on every attention projection of both streams
+    (B made non-zero, as after some training). Velocity and LoRA gradients equal those of
+    diffusers' blocks (None alike where a parameter does not reach the output: the last block's
+    text-stream output projection)."""
+    from flowrl.config.sections import LoraConfig
+    from flowrl.trainer.lora import apply_trainable
+
+    args = _velocity_args(stock, 2, ragged=True)
+    results = []
+    for sequence_major in (False, True):
+        adapter = copy.deepcopy(stock)
+        torch.manual_seed(1)  # the same LoRA initialisation in both copies
+        params = apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, target_modules=list(adapter.default_lora_targets)))
+        with torch.no_grad():
+            for name, param in adapter.transformer.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.05)
+        if sequence_major:
+            prepare_for_compile(adapter.transformer)
+        velocity = adapter.velocity(*args)
+        velocity.square().mean().backward()
+        results.append((velocity.detach(), [p.grad for p in params]))
+    (v_ref, g_ref), (v_seq, g_seq) = results
+    torch.testing.assert_close(v_seq, v_ref, atol=1e-6, rtol=1e-6)
+    assert len(g_seq) == len(g_ref) > 0 and sum(g is not None for g in g_ref) > len(g_ref) // 2
+    for got, want in zip(g_seq, g_ref):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_output_feeds_the_projections_without_a_copy():
+    """The layout's premise on CUDA: SDPA (cuDNN on Hopper) writes its output in the query's
+    (L, B, H, D) layout, so the sequence-major output is a view and each stream's rows are a
+    contiguous slice the output projections read in place."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from flowrl.models import qwen_block
+
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(0)  # Qwen-Image's head width (128), two heads
+    block = QwenImageTransformerBlock(dim=256, num_attention_heads=2, attention_head_dim=128).to("cuda", torch.bfloat16)
+    attn, width = block.attn, 256
+    img, txt = torch.randn(256, 4, width, device="cuda", dtype=torch.bfloat16), torch.randn(16, 4, width, device="cuda", dtype=torch.bfloat16)
+    seen = {}
+    real_linear = torch.nn.functional.linear
+
+    def recording_linear(x, weight, bias=None):
+        if weight is attn.to_out[0].weight:
+            seen["to_out_input"] = x
+        return real_linear(x, weight, bias)
+
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*a, **kw):
+        seen["sdpa_output"] = real_sdpa(*a, **kw)
+        return seen["sdpa_output"]
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qwen_block.F, "scaled_dot_product_attention", recording_sdpa)
+        patch.setattr(torch.nn.functional, "linear", recording_linear)
+        qwen_block._joint_attention(attn, img, txt, None, None)
+    x = seen["to_out_input"]
+    assert x.is_contiguous()
+    assert x.untyped_storage().data_ptr() == seen["sdpa_output"].untyped_storage().data_ptr()  # a view, not a copy
