@@ -10,7 +10,9 @@ dynamic, as `compile_modules` compiles a rollout; by default every layout x roun
   sequence-major blocks); `sequence-major`: flowrl.models.qwen_block's forward, inputs stored
   (L, B, D) as the transformer's input hooks store them;
 - rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
-- optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`.
+- optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
+  `joint_kernel=0` turns off the hand-written q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)
+  that sequence-major rollout graphs use, for an A/B against inductor's own kernel.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
@@ -60,8 +62,11 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
 
 def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     """A copy of `base` switched to `layout` and compiled as the engine compiles it (the Qwen-Image
-    adapter's inductor options, overridden by `extra`, for experiments)."""
+    adapter's inductor options, overridden by `extra`, for experiments; `joint_kernel` is not an
+    inductor option but the block's q/k kernel switch)."""
     block = copy.deepcopy(base)
+    extra = dict(extra)
+    block.attn._flowrl_joint_kernel = bool(extra.pop("joint_kernel", 1))
     block.attn.set_processor(RealRopeQwenAttention())
     if layout == "sequence-major":
         block.forward = types.MethodType(_sequence_major_forward, block)

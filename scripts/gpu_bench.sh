@@ -25,6 +25,11 @@
 #                      layout and compile rounding, timed, with its top kernels                ~3 min
 #   qwen-forward-ab / qwen-forward-ab-fused   benchmarks/qwen_forward_ab.py: the compiled B=16
 #                      forward with batch-major and sequence-major blocks, alternating, one GPU ~3 min
+#   qwen-joint-kernel-ab  qwen_block_variants.py: the B=16 block with and without the hand-written
+#                      q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)                    ~2 min
+#   cuda-graph-ab / cuda-graph-ab-sd35   benchmarks/cuda_graph_ab.py: the compiled Qwen-Image
+#                      (SD3.5-medium) forward at 1 and 16 rows, launched directly vs replayed
+#                      from a CUDA graph, alternating, one GPU                               ~2 min each
 #   qwen-rounding-ab   the compiled Qwen-Image rollout with compile rounding eager, then
 #                      fused, one after the other on one GPU                                 ~5 min
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
@@ -110,6 +115,16 @@ suite() {
       local rounding=eager; [[ $s == *-fused ]] && rounding=fused
       echo "[gpu_bench] python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding" | tee -a "$log"
       timeout 300 python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding >>"$log" 2>&1
+      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+    qwen-joint-kernel-ab)
+      local variants="sequence-major:eager,sequence-major:eager:joint_kernel=0,sequence-major:eager:realize_opcount_threshold=30"
+      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants $variants" | tee -a "$log"
+      timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
+      echo "[gpu_bench] qwen-joint-kernel-ab exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+    cuda-graph-ab|cuda-graph-ab-sd35)
+      local model=qwen-image; [[ $s == *-sd35 ]] && model=sd35-medium
+      echo "[gpu_bench] python3 benchmarks/cuda_graph_ab.py --model $model --rows 1,16" | tee -a "$log"
+      timeout 240 python3 benchmarks/cuda_graph_ab.py --model $model --rows 1,16 >>"$log" 2>&1
       echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
     qwen-rounding-ab)  # the compiled no-CFG rollout with each compile rounding, one after the other on one GPU
       for r in eager fused; do

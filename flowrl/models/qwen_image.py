@@ -29,10 +29,11 @@ class QwenImageAdapter(FlowModelAdapter):
     )
     # Inductor stores a pointwise result in its own buffer once its expression passes
     # `realize_opcount_threshold` operations (default 30). With compile_rounding "eager", the
-    # emulated bf16 casts push the q/k RMSNorm + RoPE expression past it: the rotated q and k were
-    # stored in float32 and rounded into the joint attention buffers by three more kernels.
-    # At 200 they are written in bf16 straight into those buffers, as with "fused" rounding: one
-    # B=16 block 7.285 -> 7.076 ms on an H200 (fused rounding: 7.099; docs/benchmarks.md run 17).
+    # emulated bf16 casts push expressions past it: first the q/k RMSNorm + RoPE one (its rotated
+    # q and k were stored in float32 and rounded by three more kernels; one B=16 block 7.285 ->
+    # 7.076 ms on an H200, docs/benchmarks.md run 17). Rollout graphs now build q and k with a
+    # hand-written kernel (flowrl.models.qk_norm_rope), and the threshold still keeps the first
+    # LayerNorm + modulation kernel at 0.072 ms instead of 0.105 (block 7.071 vs 7.085 ms, run 22).
     # No-grad graphs only: in the training graphs it doubled the compiled training step
     # (256 -> 544 ms, run 18), where large expressions get recomputed in backward kernels.
     no_grad_inductor_options = {"realize_opcount_threshold": 200}

@@ -165,10 +165,12 @@ def test_qwen_block_variants_script_runs_and_layouts_agree():
     """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
     extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
     out = _run_benchmark_script("qwen_block_variants.py", "--rows", "2", "--seconds", "0.01", "--profile-calls", "1",
-                                "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50")
+                                "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
+                                "sequence-major:eager:joint_kernel=0")
     lines = [line for line in out.splitlines() if "ms per block" in line]
     assert [line.split()[0] for line in lines] == ["batch-major:eager", "sequence-major:eager",
-                                                   "sequence-major:fused:realize_opcount_threshold=50"]
+                                                   "sequence-major:fused:realize_opcount_threshold=50",
+                                                   "sequence-major:eager:joint_kernel=0"]
     assert all(line.endswith("max |out - first| 0") for line in lines)
 
 
@@ -178,3 +180,13 @@ def test_qwen_forward_ab_script_runs_and_layouts_agree():
     out = _run_benchmark_script("qwen_forward_ab.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
     assert "batch-major / sequence-major time:" in out
     assert out.rstrip().endswith("max |output difference| 0")
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "sd35-medium"])
+def test_cuda_graph_ab_script_runs_on_cpu(model):
+    """benchmarks/cuda_graph_ab.py on the CPU (the tiny model of the family): the direct compiled
+    forward is timed for each row count (graph capture needs a GPU and is not attempted)."""
+    out = _run_benchmark_script("cuda_graph_ab.py", "--model", model, "--rows", "1,2", "--seconds", "0.01", "--rounds", "1")
+    timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
+    assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
+    assert "graph" not in out.split("\n", 1)[1]

@@ -176,3 +176,81 @@ def test_cudnn_attention_output_feeds_the_projections_without_a_copy():
     x = seen["to_out_input"]
     assert x.is_contiguous()
     assert x.untyped_storage().data_ptr() == seen["sdpa_output"].untyped_storage().data_ptr()  # a view, not a copy
+
+
+def _cuda_block(heads: int = 2):
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(0)  # Qwen-Image's head width (128)
+    block = QwenImageTransformerBlock(dim=heads * 128, num_attention_heads=heads, attention_head_dim=128)
+    block = block.to("cuda", torch.bfloat16).requires_grad_(False).eval()
+    with torch.no_grad():  # norm weights other than 1, so that a wrong weight would show
+        for norm in (block.attn.norm_q, block.attn.norm_k, block.attn.norm_added_q, block.attn.norm_added_k):
+            norm.weight.uniform_(0.5, 1.5)
+    return block
+
+
+def _tables(tokens: int, head_dim: int = 128):
+    angles = torch.rand(tokens, head_dim // 2, device="cuda") * 6.28
+    return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2).contiguous()
+
+
+@pytest.mark.gpu
+def test_joint_norm_rope_kernel_rounds_like_pytorch():
+    """flowrl.models.qk_norm_rope on CUDA against the PyTorch expression it replaces (RMSNorm +
+    rotation + join) in bf16: equal up to the mean's reduction order and rsqrt's last bit, which
+    move a small fraction of the elements by a bf16 step of the normed values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from flowrl.models import qk_norm_rope, qwen_block
+
+    attn = _cuda_block(heads=3).attn
+    rope = (_tables(200), _tables(13))  # 5 rows x 3 heads: a token's rows fill part of a program
+    img, txt = (torch.randn(n, 5, 3 * 128, device="cuda", dtype=torch.bfloat16) * 4 for n in (200, 13))
+    with torch.no_grad():
+        q_pair, k_pair, v_pair = qwen_block._projected_heads(attn, img, txt)
+        assert qk_norm_rope.applicable(q_pair[1], attn.norm_q, rope)
+        want = [torch.cat(p) for p in qwen_block._normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)[:2]]
+        got = [qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope),
+               qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (213, 5, 3, 128) and g.dtype == torch.bfloat16
+        diff = (g.float() - w.float()).abs()
+        assert (diff > 0).float().mean().item() < 2e-3
+        assert (diff <= 2 ** -6 * w.float().abs().amax(-1, keepdim=True)).all()  # a step of the head's values
+
+
+@pytest.mark.gpu
+def test_compiled_rollout_block_uses_the_kernel_and_agrees():
+    """A compiled sequence-major block without grad calls the kernel (in the generated code) and
+    gives the block's output as with inductor's own kernel, up to bf16 rounding; with grad (the
+    training graph) it keeps inductor's kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import types
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flowrl.models import qwen_block
+    from flowrl.models.base import compile_in_place
+
+    outputs = {}
+    for use_kernel in (True, False):
+        block = _cuda_block()
+        block.attn.set_processor(qwen_block.RealRopeQwenAttention())
+        block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
+        block.attn._flowrl_joint_kernel = use_kernel
+        compile_in_place(block, "inductor", "eager")
+        torch.manual_seed(1)
+        img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+        txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+        kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
+                      temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+        with torch.no_grad():
+            out, code = run_and_get_code(lambda: block(**kwargs))
+        assert ("joint_norm_rope" in "\n".join(code)) == use_kernel
+        outputs[use_kernel] = torch.cat([t.float().flatten() for t in out])
+        if use_kernel:
+            _, grad_code = run_and_get_code(lambda: block(**kwargs))  # grad enabled: the training graph
+            assert "joint_norm_rope" not in "\n".join(grad_code)
+    torch.testing.assert_close(outputs[True], outputs[False], atol=0.05, rtol=0.02)
