@@ -12,7 +12,8 @@ dynamic, as `compile_modules` compiles a rollout; by default every layout x roun
 - rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
 - optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
   `joint_kernel=0` turns off the hand-written q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)
-  that sequence-major rollout graphs use, for an A/B against inductor's own kernel.
+  and the joint v projection (flowrl.models.joint_linear) that sequence-major rollout graphs
+  use, `joint_v=0` only the latter: A/Bs against inductor's own kernels.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
@@ -67,6 +68,7 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     block = copy.deepcopy(base)
     extra = dict(extra)
     block.attn._flowrl_joint_kernel = bool(extra.pop("joint_kernel", 1))
+    block.attn._flowrl_joint_v = bool(extra.pop("joint_v", 1))
     block.attn.set_processor(RealRopeQwenAttention())
     if layout == "sequence-major":
         block.forward = types.MethodType(_sequence_major_forward, block)

@@ -25,8 +25,8 @@
 #                      layout and compile rounding, timed, with its top kernels                ~3 min
 #   qwen-forward-ab / qwen-forward-ab-fused   benchmarks/qwen_forward_ab.py: the compiled B=16
 #                      forward with batch-major and sequence-major blocks, alternating, one GPU ~3 min
-#   qwen-joint-kernel-ab  qwen_block_variants.py: the B=16 block with and without the hand-written
-#                      q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)                    ~2 min
+#   qwen-joint-kernel-ab  qwen_block_variants.py: the B=16 block as the rollout compiles it, without
+#                      the joint v projection, and without it and the q/k kernel               ~2 min
 #   cuda-graph-ab / cuda-graph-ab-sd35   benchmarks/cuda_graph_ab.py: the compiled Qwen-Image
 #                      (SD3.5-medium) forward at 1 and 16 rows, launched directly vs replayed
 #                      from a CUDA graph, alternating, one GPU                               ~2 min each
@@ -117,7 +117,7 @@ suite() {
       timeout 300 python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding >>"$log" 2>&1
       echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
     qwen-joint-kernel-ab)
-      local variants="sequence-major:eager,sequence-major:eager:joint_kernel=0,sequence-major:eager:realize_opcount_threshold=30"
+      local variants="sequence-major:eager,sequence-major:eager:joint_v=0,sequence-major:eager:joint_kernel=0"
       echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants $variants" | tee -a "$log"
       timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
       echo "[gpu_bench] qwen-joint-kernel-ab exit ${PIPESTATUS[0]}" | tee -a "$log" ;;

@@ -16,7 +16,8 @@ The first two change how the same math runs, both installed per instance by
    ((L, B, D) in memory; the tensors still have the (B, L, D) shape diffusers passes between
    blocks), each stream is a contiguous run of rows of the joint buffer: cuDNN attention writes
    its output in its query's layout, so the two output projections read their rows in place.
-   (The v join stays a copy: inductor writes a GEMM's output only into a buffer of its own.)
+   (Inductor writes a GEMM's output only into a buffer of its own, so the v join is a copy,
+   except in rollout graphs: item 3.)
    Measured on an H200, B=16: the compiled forward 0.5% (eager rounding) to 0.8% (fused)
    faster, and the compiled training step 286 -> 256 ms (docs/benchmarks.md runs 10, 14, 15).
    The transformer's input projections (`img_in`, `txt_in`) hand the first block sequence-major
@@ -26,7 +27,9 @@ The first two change how the same math runs, both installed per instance by
 3. In the rollout's compiled graphs (no grad), the joint q and k are built by a hand-written
    Triton kernel (flowrl.models.qk_norm_rope: RMSNorm, rotation and the text/image join, with
    eager's rounding points), 0.160 -> 0.113 ms per B=16 block on an H200 (run 22). Training
-   graphs and eager runs keep the PyTorch expression (`_normed_rotated`).
+   graphs and eager runs keep the PyTorch expression (`_normed_rotated`). There, too, the text
+   and image v projections write into one joint buffer (flowrl.models.joint_linear) instead of
+   being copied into it, unless LoRA wraps them.
 
 Blocks that need features this forward does not implement (per-token modulation of the edit
 models, `zero_cond_t`, attention kwargs) run diffusers' own forward with the real-RoPE processor.
@@ -39,7 +42,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flowrl.models import qk_norm_rope
+from flowrl.models import joint_linear, qk_norm_rope
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,12 +76,14 @@ def _joint_mask(text_mask: torch.Tensor | None, batch: int, image_tokens: int) -
     return torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
 
 
+def _split_heads(attn, x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (attn.heads, -1))
+
+
 def _projected_heads(attn, img: torch.Tensor, txt: torch.Tensor):
     """Both streams' q, k, v projections split into heads: three (text, image) pairs."""
-    head_dim = attn.inner_dim // attn.heads
-    split = lambda t: t.unflatten(-1, (-1, head_dim))  # noqa: E731
-    return ((split(attn.add_q_proj(txt)), split(attn.to_q(img))), (split(attn.add_k_proj(txt)), split(attn.to_k(img))),
-            (split(attn.add_v_proj(txt)), split(attn.to_v(img))))
+    projections = ((attn.add_q_proj, attn.to_q), (attn.add_k_proj, attn.to_k), (attn.add_v_proj, attn.to_v))
+    return tuple((_split_heads(attn, txt_proj(txt)), _split_heads(attn, img_proj(img))) for txt_proj, img_proj in projections)
 
 
 def _rotated_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, seq_dim: int):
@@ -105,7 +110,8 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
     """Whether a sequence-major block builds its joint q and k with the hand-written kernel
     (flowrl.models.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
     graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with norms the
-    kernel reproduces. `attn._flowrl_joint_kernel = False` turns it off (benchmark A/B)."""
+    kernel reproduces. `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v
+    projection; `attn._flowrl_joint_v = False` only the latter (benchmark A/B)."""
     return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
             and torch.compiler.is_compiling()
             and all(qk_norm_rope.applicable(img_q, norm, rope)
@@ -114,12 +120,16 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
 
 def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope):
     """The joint (L_txt + L_img, B, H, Dh) q, k, v of sequence-major streams, text rows first."""
-    q_pair, k_pair, v_pair = _projected_heads(attn, img, txt)
-    if _joint_kernel_applies(attn, q_pair[1], rope):
-        q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
-        k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-        return q, k, torch.cat(v_pair)
-    return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
+    q_pair = (_split_heads(attn, attn.add_q_proj(txt)), _split_heads(attn, attn.to_q(img)))
+    k_pair = (_split_heads(attn, attn.add_k_proj(txt)), _split_heads(attn, attn.to_k(img)))
+    if not _joint_kernel_applies(attn, q_pair[1], rope):
+        v_pair = (_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img)))
+        return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
+    q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
+    k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
+    if getattr(attn, "_flowrl_joint_v", True) and joint_linear.applies(attn.add_v_proj, attn.to_v):
+        return q, k, _split_heads(attn, joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v))
+    return q, k, torch.cat((_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img))))
 
 
 class RealRopeQwenAttention:

@@ -34,8 +34,10 @@ class QwenImageAdapter(FlowModelAdapter):
     # 7.076 ms on an H200, docs/benchmarks.md run 17). Rollout graphs now build q and k with a
     # hand-written kernel (flowrl.models.qk_norm_rope), and the threshold still keeps the first
     # LayerNorm + modulation kernel at 0.072 ms instead of 0.105 (block 7.071 vs 7.085 ms, run 22).
-    # No-grad graphs only: in the training graphs it doubled the compiled training step
-    # (256 -> 544 ms, run 18), where large expressions get recomputed in backward kernels.
+    # No-grad graphs only: the training graphs keep inductor's default, the configuration whose
+    # rollout-vs-trainer gap runs 20-23 measured. (Run 18 timed a 544 ms training step with the
+    # threshold in them too, against 256 ms without in run 14; later runs found that figure
+    # varying up to 1.7x between runs of identical graphs, so that comparison is not settled.)
     no_grad_inductor_options = {"realize_opcount_threshold": 200}
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):

@@ -222,9 +222,9 @@ def test_joint_norm_rope_kernel_rounds_like_pytorch():
 
 @pytest.mark.gpu
 def test_compiled_rollout_block_uses_the_kernel_and_agrees():
-    """A compiled sequence-major block without grad calls the kernel (in the generated code) and
-    gives the block's output as with inductor's own kernel, up to bf16 rounding; with grad (the
-    training graph) it keeps inductor's kernel."""
+    """A compiled sequence-major block without grad calls the q/k kernel and the joint v projection
+    (in the generated code) and gives the block's output as with inductor's own kernels, up to bf16
+    rounding; with grad (the training graph) it keeps inductor's kernel."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import types
@@ -249,6 +249,7 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
         with torch.no_grad():
             out, code = run_and_get_code(lambda: block(**kwargs))
         assert ("joint_norm_rope" in "\n".join(code)) == use_kernel
+        assert ("joint_linear" in "\n".join(code)) == use_kernel  # v written into the joint buffer
         outputs[use_kernel] = torch.cat([t.float().flatten() for t in out])
         if use_kernel:
             _, grad_code = run_and_get_code(lambda: block(**kwargs))  # grad enabled: the training graph
