@@ -21,7 +21,8 @@ import statistics
 
 import torch
 
-from flowrl.bench.floor import _forward_fn, sustained_seconds
+from flowrl.bench import alternating
+from flowrl.bench.floor import _forward_fn
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
 
@@ -46,9 +47,7 @@ def main() -> int:
     parser.add_argument("--model", default="qwen-image", help="qwen-image or sd35-medium (a GPU run)")
     parser.add_argument("--rows", default="1,16", help="comma-separated row counts")
     parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant per round")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    alternating.add_arguments(parser, seconds=2.0)
     args = parser.parse_args()
     quiet_libraries()
     device = torch.device(args.device)
@@ -68,19 +67,15 @@ def main() -> int:
             if on_gpu:
                 try:
                     replay, output = captured(direct)
-                except Exception as error:  # report and go on: the direct figure still stands
+                except Exception as error:  # noqa: BLE001 - report and go on: the direct figure still stands
                     print(f"  rows {rows}: capture failed: {type(error).__name__}: {error}")
                 else:
                     replay()
                     diff = (output.float() - reference).abs().max().item()
                     variants["graph"] = replay
-            times = {variant: [] for variant in variants}
-            for _ in range(args.rounds):
-                for variant, fn in variants.items():
-                    times[variant].append(sustained_seconds(fn, device, args.seconds)["seconds"])
+            times = alternating.alternate(variants, device, args.rounds, args.seconds)
             for variant, values in times.items():
-                print(f"  rows {rows:3d} {variant:7s} " + "  ".join(f"{v * 1e3:8.2f}" for v in values)
-                      + f"   median {statistics.median(values) * 1e3:8.2f} ms")
+                print(alternating.rounds_line(f"  rows {rows:3d} {variant:7s}", values))
             if "graph" in times:
                 saved = 1 - statistics.median(times["graph"]) / statistics.median(times["direct"])
                 print(f"  rows {rows:3d} graph saves {saved * 100:.2f}% of the direct time; max |output difference| {diff:.3g}")

@@ -19,7 +19,8 @@ import statistics
 
 import torch
 
-from flowrl.bench.floor import _forward_fn, sustained_seconds
+from flowrl.bench import alternating
+from flowrl.bench.floor import _forward_fn
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
 from flowrl.models.qwen_block import prepare_for_compile
@@ -30,9 +31,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--compile-rounding", default="eager", choices=("eager", "fused"))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per variant per round")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    alternating.add_arguments(parser, seconds=3.0)
     args = parser.parse_args()
     quiet_libraries()
     device = torch.device(args.device)
@@ -47,15 +46,12 @@ def main() -> int:
         forwards[layout] = _forward_fn(adapter, args.rows, size, size, 1.0)
         with torch.no_grad():
             outputs[layout] = forwards[layout]().float()  # compiles
-    times = {layout: [] for layout in forwards}
     with torch.no_grad():
-        for _ in range(args.rounds):
-            for layout, forward in forwards.items():
-                times[layout].append(sustained_seconds(forward, device, args.seconds)["seconds"])
+        times = alternating.alternate(forwards, device, args.rounds, args.seconds)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"{model} forward, {args.rows} rows, {size} px, {dtype}, compile rounding {args.compile_rounding}, {name}")
     for layout, values in times.items():
-        print(f"  {layout:15s} " + "  ".join(f"{v * 1e3:8.2f}" for v in values) + f"   median {statistics.median(values) * 1e3:8.2f} ms")
+        print(alternating.rounds_line(f"  {layout:15s}", values))
     ratio = statistics.median(times["batch-major"]) / statistics.median(times["sequence-major"])
     diff = (outputs["sequence-major"] - outputs["batch-major"]).abs().max().item()
     print(f"  batch-major / sequence-major time: {ratio:.4f}; max |output difference| {diff:.3g}")

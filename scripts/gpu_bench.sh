@@ -42,7 +42,9 @@
 # summary of every JSON last. Each bench gets a `timeout` inside the overall budget
 # (BENCH_BUDGET_S, default 540 s) so the script always ends, and summarizes, on its own.
 # With GPUS=2 (machine kind nvidia-h200-x2) the suites are spread over the two GPUs and run
-# at the same time, one log per GPU.
+# at the same time, one log per GPU. They share the host's CPUs: a host-bound figure (the
+# compiled training step at micro-batch 2) varied up to 1.7x between such runs (run 23), while
+# the GPU-bound rollout figures did not; time host-bound work with GPUS=1.
 set -u
 START=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-540}

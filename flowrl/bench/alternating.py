@@ -1,0 +1,33 @@
+"""A/B timing on one device: variants timed in alternation, round after round, so that clock and
+temperature drift hit each alike (benchmarks/qwen_forward_ab.py, benchmarks/cuda_graph_ab.py)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from flowrl.bench.floor import sustained_seconds
+
+
+def add_arguments(parser: argparse.ArgumentParser, seconds: float) -> None:
+    """--rounds, --seconds (per variant per round) and --device."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=seconds, help="timed seconds per variant per round")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def alternate(variants: dict[str, Callable], device: torch.device, rounds: int, seconds: float) -> dict[str, list[float]]:
+    """Seconds per call of each variant in each round (each a sustained figure, floor.sustained_seconds)."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name].append(sustained_seconds(fn, device, seconds)["seconds"])
+    return times
+
+
+def rounds_line(label: str, values: list[float]) -> str:
+    """'label  ms ms ms   median ms' for one variant's rounds."""
+    return f"{label} " + "  ".join(f"{v * 1e3:8.2f}" for v in values) + f"   median {statistics.median(values) * 1e3:8.2f} ms"
