@@ -14,6 +14,8 @@
 #             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
 #   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
 #   qwen-cfg-compiled  the CFG rollout, compiled engine only                                 ~4 min
+#   qwen-compiled-lora the qwen rollout, compiled engine, with a rank-32 LoRA adapter on the
+#                      attention projections (as training rolls out)                         ~4 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
 #                      against the eager and compiled forward                                ~3 min
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
@@ -95,6 +97,9 @@ suite() {
     qwen-cfg-compiled)
       run qwen-cfg-compiled-rollout 330 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --compile --modes engine-batched-compiled --repeats 1 ;;
+    qwen-compiled-lora)
+      run qwen-compiled-lora-rollout 300 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
+        --lora-rank 32 --modes engine-batched-compiled --repeats 2 ;;
     qwen-floor)
       run qwen-floor 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
     qwen-floor-autotune)

@@ -57,6 +57,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--warmup-steps", type=_positive, default=2, help="steps of each mode's warm-up run")
     rollout.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
     rollout.add_argument("--decode-chunk-size", type=_positive, default=16)
+    rollout.add_argument("--lora-rank", type=int, default=0,
+                         help="roll out with a LoRA adapter of this rank on the attention projections, as training "
+                              "does (default 0: the base model, as the targets are stated)")
     rollout.add_argument("--profile", nargs="?", const="last", default=None,
                          help="profile one mode after timing (default: the last mode run) and print where the time goes")
     rollout.add_argument("--profile-steps", type=_positive, default=2, help="denoising steps of the profiled run")

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import time
 import traceback
-from types import SimpleNamespace
 
 import torch
 
 from flowrl.bench import flops as flop_count
-from flowrl.bench.models import build_bench_model
+from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import (
     JsonReport, environment, format_table, median, peak_memory_gb, quiet_libraries, reset_peak_memory,
     resolve_device_dtype, time_runs,
@@ -43,16 +42,6 @@ def parse_micro_batches(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--micro-batches={text!r} must be a comma list of integers >= 1, e.g. 1,8,32")
     return sizes
-
-
-def _make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[torch.nn.Parameter]:
-    from flowrl.trainer.lora import apply_trainable
-
-    if rank < 0:
-        raise ValueError(f"--lora-rank={rank} must be >= 0 (0 trains the full transformer)")
-    cfg = SimpleNamespace(enabled=rank > 0, rank=rank, alpha=2.0 * rank, target_modules=list(targets),
-                          init="gaussian", dropout=0.0)
-    return apply_trainable(transformer, cfg)
 
 
 def _rollout_tensors(outputs) -> dict[str, torch.Tensor]:
@@ -138,7 +127,7 @@ def run_logprob(args) -> int:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
-    params = _make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
+    params = make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
     autocast_dtype = MIXED_PRECISION_DTYPES[args.autocast]
     report = JsonReport(args.json, {
         "benchmark": "logprob", "environment": environment(device),

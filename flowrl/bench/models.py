@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -202,6 +203,18 @@ def build_bench_model(model: str, device: str | torch.device, dtype: torch.dtype
     adapter = adapter_cls(pipe, device, dtype)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     return BenchModel(model, family, adapter, pipe)
+
+
+def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[torch.nn.Parameter]:
+    """The trainer's setup at `--lora-rank`: a LoRA adapter of that rank on `targets` (peft's
+    gaussian init, alpha = 2 x rank, as the recipes), or, at rank 0, the full transformer."""
+    from flowrl.trainer.lora import apply_trainable
+
+    if rank < 0:
+        raise ValueError(f"--lora-rank={rank} must be >= 0 (0 trains the full transformer)")
+    cfg = SimpleNamespace(enabled=rank > 0, rank=rank, alpha=2.0 * rank, target_modules=list(targets),
+                          init="gaussian", dropout=0.0)
+    return apply_trainable(transformer, cfg)
 
 
 def pipeline_prompt_kwargs(bench: BenchModel, prompts: list[str], guidance_scale: float) -> dict:

@@ -24,11 +24,12 @@ import traceback
 import torch
 
 from flowrl.bench import flops as flop_count
-from flowrl.bench.models import build_bench_model, pipeline_prompt_kwargs
+from flowrl.bench.models import build_bench_model, make_trainable, pipeline_prompt_kwargs
 from flowrl.bench.report import (
     JsonReport, environment, format_table, median, peak_memory_gb, profile_summary, quiet_libraries,
     reset_peak_memory, resolve_device_dtype, time_runs,
 )
+from flowrl.bench.summary import lora_label
 from flowrl.engine.request import SamplingParams
 
 EAGER_MODES = ("pipeline-serial", "pipeline-batched", "engine-batched", "engine-concurrent")
@@ -61,6 +62,10 @@ class RolloutBench:
         self.args = args
         self.device, self.dtype = resolve_device_dtype(args.device, args.dtype)
         self.bench = build_bench_model(args.model, self.device, self.dtype, num_layers=args.num_layers)
+        if args.lora_rank < 0:
+            raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0: no adapter)")
+        if args.lora_rank:  # as the trainer rolls out: the policy's LoRA adapter active in every mode
+            make_trainable(self.bench.adapter.transformer, args.lora_rank, self.bench.adapter.default_lora_targets)
         self.rows_per_image = 2 if args.guidance_scale > 1.0 else 1
         needed = args.num_samples * self.rows_per_image
         self.max_batch_rows = args.max_batch_rows or max(needed, 2)
@@ -203,7 +208,8 @@ def run_rollout(args) -> int:
                      "size": a.size, "guidance_scale": a.guidance_scale, "noise_level": a.noise_level,
                      "repeats": a.repeats, "warmup_steps": a.warmup_steps, "serial_samples": a.serial_samples or a.num_samples,
                      "max_batch_rows": bench.max_batch_rows, "decode_chunk_size": a.decode_chunk_size,
-                     "compile_backend": a.compile_backend, "compile_rounding": a.compile_rounding, "num_layers": a.num_layers, "modes": modes},
+                     "compile_backend": a.compile_backend, "compile_rounding": a.compile_rounding, "num_layers": a.num_layers,
+                     "lora_rank": a.lora_rank, "modes": modes},
         "build_seconds": build_s, "modes": {},
     })
     print(f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s", flush=True)
@@ -270,7 +276,7 @@ def _print_summary(data: dict) -> None:
     print()
     print(f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
           f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
-          f"{data['environment'].get('gpu') or data['environment']['device']}")
+          f"{lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}")
     if flops["limit_images_per_second_sustained"]:
         print(f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
               f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})")

@@ -15,6 +15,11 @@ import sys
 from pathlib import Path
 
 
+def lora_label(settings: dict) -> str:
+    """'LoRA rank R, ' for a rollout run with an adapter (settings['lora_rank'] > 0), else ''."""
+    return f"LoRA rank {settings['lora_rank']}, " if settings.get("lora_rank") else ""
+
+
 def _gpu(data: dict) -> str:
     env = data.get("environment", {})
     return env.get("gpu") or env.get("device", "?")
@@ -31,7 +36,8 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
     compiled = any(mode.endswith("-compiled") for mode in data.get("modes", {}))
     rounding = f", compile rounding {s['compile_rounding']}" if compiled and s.get("compile_rounding") else ""
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
-             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}{rounding}, {_gpu(data)}", ""]
+             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}{rounding}, "
+             f"{lora_label(s)}{_gpu(data)}", ""]
     flops, peak = data.get("flops"), data.get("peak")
     if flops and peak and flops.get("per_image"):
         lines.append(f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "

@@ -27,9 +27,10 @@ The first two change how the same math runs, both installed per instance by
 3. In the rollout's compiled graphs (no grad), the joint q and k are built by a hand-written
    Triton kernel (flowrl.models.qk_norm_rope: RMSNorm, rotation and the text/image join, with
    eager's rounding points), 0.160 -> 0.113 ms per B=16 block on an H200 (run 22). Training
-   graphs and eager runs keep the PyTorch expression (`_normed_rotated`). There, too, the text
-   and image v projections write into one joint buffer (flowrl.models.joint_linear) instead of
-   being copied into it, unless LoRA wraps them.
+   graphs, eager runs and LoRA-wrapped projections keep the PyTorch expression
+   (`_normed_rotated`; see `_plain_qk_projections`). There, too, the text and image v projections
+   write into one joint buffer (flowrl.models.joint_linear) instead of being copied into it,
+   unless LoRA wraps them.
 
 Blocks that need features this forward does not implement (per-token modulation of the edit
 models, `zero_cond_t`, attention kwargs) run diffusers' own forward with the real-RoPE processor.
@@ -106,14 +107,24 @@ def _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim: int):
     return (txt_q, img_q), (txt_k, img_k), v_pair
 
 
+def _plain_qk_projections(attn) -> bool:
+    """The q and k projections of both streams are plain nn.Linear. A LoRA-wrapped projection's
+    output is a sum (base GEMM + low-rank term) that inductor fuses into its own q/k kernel; the
+    hand-written kernel would need that sum stored first, an extra pass over q and k (about 0.15
+    ms per B=16 block by bytes moved, against the kernel's 0.05 ms gain), so LoRA rollouts keep
+    inductor's kernel."""
+    return all(type(p) is torch.nn.Linear for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
+
+
 def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
     """Whether a sequence-major block builds its joint q and k with the hand-written kernel
     (flowrl.models.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
-    graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with norms the
-    kernel reproduces. `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v
-    projection; `attn._flowrl_joint_v = False` only the latter (benchmark A/B)."""
+    graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
+    q/k projections and norms the kernel reproduces. `attn._flowrl_joint_kernel = False` turns it
+    off, and with it the joint v projection; `attn._flowrl_joint_v = False` only the latter
+    (benchmark A/B)."""
     return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
-            and torch.compiler.is_compiling()
+            and torch.compiler.is_compiling() and _plain_qk_projections(attn)
             and all(qk_norm_rope.applicable(img_q, norm, rope)
                     for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)))
 

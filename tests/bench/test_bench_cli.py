@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flowrl.cli import main
 
@@ -32,6 +33,31 @@ def test_bench_rollout_reports_every_mode(tmp_path, capsys):
     assert "engine-concurrent / engine-batched" in capsys.readouterr().out
 
 
+def test_bench_rollout_with_lora_runs_the_adapter(tmp_path, capsys):
+    """--lora-rank rolls out with the trainer's adapter in place (as a training run's rollouts do):
+    the attention projections are LoRA layers in every mode, and the report says so."""
+    from flowrl.bench import rollout as rollout_bench
+
+    built = []
+    real_init = rollout_bench.RolloutBench.__init__
+
+    def recording_init(self, args):
+        real_init(self, args)
+        built.append(self.bench.adapter.transformer)
+
+    out = tmp_path / "rollout.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout_bench.RolloutBench, "__init__", recording_init)
+        code = main(["bench", "rollout", "--model", "tiny-qwen", "-n", "2", "--steps", "2", "--size", "64",
+                     "--modes", "engine-batched", "--lora-rank", "4", "--peak-seconds", "0.05", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["lora_rank"] == 4 and report["modes"]["engine-batched"]["images_per_second"] > 0
+    to_q = built[0].transformer_blocks[0].attn.to_q
+    assert type(to_q) is not torch.nn.Linear and to_q.r["default"] == 4  # a peft LoRA layer of rank 4
+    assert "LoRA rank 4" in capsys.readouterr().out
+
+
 def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
     out = tmp_path / "logprob.json"
     code = main(["bench", "logprob", "--model", "tiny-qwen", "-n", "4", "--steps", "3", "--size", "64",
@@ -51,6 +77,7 @@ def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
 @pytest.mark.parametrize("argv, fragment", [
     (["--modes", "engine-batched,warp-drive"], "--modes"),
     (["--num-layers", "2"], "--num-layers"),
+    (["--lora-rank", "-1"], "--lora-rank"),
 ])
 def test_bench_rollout_bad_input_names_the_flag(argv, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -140,6 +140,23 @@ def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def test_lora_wrapped_projections_keep_inductors_qk_and_v_paths(stock):
+    """The rollout kernels apply to plain projections only: with the trainer's LoRA adapter on the
+    attention projections neither the q/k kernel nor the joint v projection is chosen (their
+    inputs would have to be stored first), without it both are eligible."""
+    from flowrl.config.sections import LoraConfig
+    from flowrl.models import joint_linear, qwen_block
+    from flowrl.trainer.lora import apply_trainable
+
+    attn = stock.transformer.transformer_blocks[0].attn
+    assert qwen_block._plain_qk_projections(attn) and joint_linear.applies(attn.add_v_proj, attn.to_v)
+    adapter = copy.deepcopy(stock)
+    apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, target_modules=list(adapter.default_lora_targets)))
+    attn = adapter.transformer.transformer_blocks[0].attn
+    assert not qwen_block._plain_qk_projections(attn)
+    assert not joint_linear.applies(attn.add_v_proj, attn.to_v)
+
+
 @pytest.mark.gpu
 def test_cudnn_attention_output_feeds_the_projections_without_a_copy():
     """The layout's premise on CUDA: SDPA (cuDNN on Hopper) writes its output in the query's
