@@ -24,6 +24,7 @@ import torch
 
 from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable
+from flowrl.bench.summary import ms_list
 from flowrl.bench.report import (
     JsonReport, environment, format_table, median, peak_memory_gb, quiet_libraries, reset_peak_memory,
     resolve_device_dtype, time_runs,
@@ -217,6 +218,6 @@ def _print_summary(data: dict) -> None:
         print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
     elif t:
         print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
-              f"(forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
+              f"(median of {ms_list(t['seconds'])} ms; forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
               f"{(t['flops_forward_backward'] or 0) / 1e12:.2f} TFLOP fwd+bwd, MFU {(t['mfu'] or 0):.1%} of "
               f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB")

@@ -15,6 +15,11 @@ import sys
 from pathlib import Path
 
 
+def ms_list(seconds: list[float]) -> str:
+    """'267, 272, 330': every timed run in ms, so a figure's spread shows next to its median."""
+    return ", ".join(f"{s * 1000:.0f}" for s in seconds)
+
+
 def lora_label(settings: dict) -> str:
     """'LoRA rank R, ' for a rollout run with an adapter (settings['lora_rank'] > 0), else ''."""
     return f"LoRA rank {settings['lora_rank']}, " if settings.get("lora_rank") else ""
@@ -78,7 +83,8 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
             lines.append(f"| {g['micro_batch']} | {g['mean_abs_diff']:.2e} | {g['max_abs_diff']:.2e} |")
     t = data.get("training_step")
     if t and "error" not in t:
-        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms, "
+        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
+                     f"(runs: {ms_list(t.get('seconds', []))}), "
                      f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
                      f"peak {t['peak_memory_gb'] or 0:.0f} GB")
     elif t:

@@ -217,3 +217,23 @@ def test_cuda_graph_ab_script_runs_on_cpu(model):
     timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
     assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
     assert "graph" not in out.split("\n", 1)[1]
+
+
+def test_summary_prints_every_benchmark_file(tmp_path, capsys):
+    """python -m flowrl.bench.summary (what gpu_bench.sh prints last): one markdown section per file,
+    the rollout's LoRA rank and every timed training step shown, an unreadable file named."""
+    from flowrl.bench import summary
+
+    rollout, logprob, broken = tmp_path / "r.json", tmp_path / "l.json", tmp_path / "cut.json"
+    assert main(["bench", "rollout", "--model", "tiny-sd3", "-n", "2", "--steps", "2", "--size", "64",
+                 "--modes", "engine-batched", "--lora-rank", "2", "--peak-seconds", "0.05", "--json", str(rollout)]) == 0
+    assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "2", "--steps", "2", "--size", "64", "--micro-batches", "2",
+                 "--train-repeats", "2", "--peak-seconds", "0.05", "--json", str(logprob)]) == 0
+    broken.write_text('{"benchmark": "rollout", "settings": {')  # a file cut short mid-write
+    capsys.readouterr()
+    assert summary.main([str(rollout), str(logprob), str(broken)]) == 0
+    out = capsys.readouterr().out
+    assert "### r: tiny-sd3, 2 samples" in out and "LoRA rank 2, " in out and "| engine-batched |" in out
+    runs = json.loads(logprob.read_text())["training_step"]["seconds"]
+    assert f"(runs: {summary.ms_list(runs)})" in out and len(runs) == 2
+    assert "### cut.json: unreadable" in out
