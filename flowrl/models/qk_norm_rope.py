@@ -41,8 +41,10 @@ def applicable(x: torch.Tensor, norm, rope) -> bool:
     """Whether the kernel computes exactly what `norm` + `_rotate` compute for x: CUDA, a half
     dtype shared by x and the norm's weight, diffusers' RMSNorm with a weight and no bias, real
     RoPE tables, and a power-of-two head width."""
+    from diffusers.models.normalization import RMSNorm  # its rounding is the one reproduced
+
     weight = getattr(norm, "weight", None)
-    return (available() and rope is not None and x.is_cuda and type(norm).__name__ == "RMSNorm"
+    return (available() and rope is not None and x.is_cuda and type(norm) is RMSNorm
             and weight is not None and getattr(norm, "bias", None) is None
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.shape[-1] & (x.shape[-1] - 1) == 0)

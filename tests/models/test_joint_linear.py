@@ -55,3 +55,4 @@ def test_only_plain_linear_projections_apply():
     assert joint_linear.applies(txt_proj, img_proj)
     assert not joint_linear.applies(Wrapped(txt_proj), img_proj)
     assert not joint_linear.applies(txt_proj, torch.nn.Linear(24, 8))
+

@@ -212,6 +212,22 @@ def _tables(tokens: int, head_dim: int = 128):
     return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2).contiguous()
 
 
+def test_qk_kernel_reproduces_only_diffusers_rmsnorm():
+    """flowrl.models.qk_norm_rope.applicable: never on the CPU, and never for a norm whose rounding
+    it does not reproduce (torch's own RMSNorm), whatever the device."""
+    from diffusers.models.normalization import RMSNorm
+
+    from flowrl.models import qk_norm_rope
+
+    x = torch.zeros(2, 3, 4, 128, dtype=torch.bfloat16)
+    rope = ((torch.ones(2, 128), torch.zeros(2, 128)),) * 2
+    assert not qk_norm_rope.applicable(x, RMSNorm(128, eps=1e-6).to(torch.bfloat16), rope)  # CPU tensor
+    if torch.cuda.is_available():
+        x = x.cuda()
+        assert qk_norm_rope.applicable(x, RMSNorm(128, eps=1e-6).to("cuda", torch.bfloat16), rope) == qk_norm_rope.available()
+        assert not qk_norm_rope.applicable(x, torch.nn.RMSNorm(128).to("cuda", torch.bfloat16), rope)
+
+
 @pytest.mark.gpu
 def test_joint_norm_rope_kernel_rounds_like_pytorch():
     """flowrl.models.qk_norm_rope on CUDA against the PyTorch expression it replaces (RMSNorm +
