@@ -16,6 +16,10 @@
 #   qwen-cfg-compiled  the CFG rollout, compiled engine only                                 ~4 min
 #   qwen-compiled-lora the qwen rollout, compiled engine, with a rank-32 LoRA adapter on the
 #                      attention projections (as training rolls out)                         ~4 min
+#   qwen-logprob-compiled-full  the same gap with full fine-tuning (--lora-rank 0): the rollout's
+#                      hand-written q/k and v kernels apply (plain projections); no optimizer  ~4 min
+#   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
+#                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
 #                      against the eager and compiled forward                                ~3 min
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
@@ -100,6 +104,13 @@ suite() {
     qwen-compiled-lora)
       run qwen-compiled-lora-rollout 300 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
         --lora-rank 32 --modes engine-batched-compiled --repeats 2 ;;
+    qwen-logprob-compiled-full)
+      run qwen-logprob-compiled-full 300 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
+        --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 ;;
+    qwen-gemm-shapes)
+      echo "[gpu_bench] python3 benchmarks/qwen_gemm_shapes.py --rows 16" | tee -a "$log"
+      timeout 200 python3 benchmarks/qwen_gemm_shapes.py --rows 16 2>&1 | grep -v USDT >>"$log"
+      echo "[gpu_bench] qwen-gemm-shapes exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
     qwen-floor)
       run qwen-floor 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
     qwen-floor-autotune)
