@@ -15,7 +15,9 @@ all alike (flowrl.bench.alternating):
   113 MB of weights per call) against a gather of the same rows from a precomputed table, the
   upper bound of what caching modulation per timestep could save;
 - `peak`: the 8192^3 bf16 GEMM the rollout benchmark's MFU divides by.
-Prints ms per call per round, the median, TFLOP/s and (on a GPU) the kernels one call launches.
+Prints ms per call per round, the median, TFLOP/s, (on a GPU) the kernels one call launches, and
+the largest difference of the row-chunked epilogue GEMMs from the single call (the same values
+unless cuBLASLt's other kernel rounds differently).
 On a CPU it runs small shapes as a smoke test.
 """
 
@@ -105,6 +107,10 @@ def main() -> int:
             print(alternating.rounds_line(f"  {label:32s}", values) + f"   {flops / median / 1e12:6.1f} TFLOP/s")
             if on_gpu:
                 print("      " + ", ".join(name[:90] for name in kernel_names(variants[label])))
+        if group == "mlp-up":
+            one_call = variants["gelu epilogue (the op)"]().float()
+            for label in ("gelu epilogue, 2 row chunks", "gelu epilogue, 4 row chunks"):
+                print(f"  max |{label} - the op| = {(variants[label]().float() - one_call).abs().max().item():.3g}")
     return 0
 
 

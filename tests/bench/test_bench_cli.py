@@ -209,6 +209,17 @@ def test_qwen_forward_ab_script_runs_and_layouts_agree():
     assert out.rstrip().endswith("max |output difference| 0")
 
 
+def test_qwen_gemm_shapes_script_runs_and_chunks_agree():
+    """benchmarks/qwen_gemm_shapes.py on the CPU (small shapes): every group is timed, and the
+    row-chunked GELU-epilogue GEMM gives the single call's values exactly."""
+    out = _run_benchmark_script("qwen_gemm_shapes.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    groups = [line.split(":")[0] for line in out.splitlines() if line.endswith("GFLOP per call")]
+    assert groups == ["mlp-up", "mlp-down", "qkv", "modulation", "peak"]
+    assert out.count("TFLOP/s") == 10
+    assert "max |gelu epilogue, 2 row chunks - the op| = 0\n" in out
+    assert "max |gelu epilogue, 4 row chunks - the op| = 0\n" in out
+
+
 @pytest.mark.parametrize("model", ["qwen-image", "sd35-medium"])
 def test_cuda_graph_ab_script_runs_on_cpu(model):
     """benchmarks/cuda_graph_ab.py on the CPU (the tiny model of the family): the direct compiled
