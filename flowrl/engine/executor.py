@@ -56,8 +56,9 @@ class Executor:
         p0 = group[0].params
         latents = torch.stack([s.latents for s in group])
         in_window = [s.in_window(s.step) for s in group]
+        sigma_values = [s.sigmas[s.step] for s in group]
         sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device([
-            [s.sigmas[s.step] for s in group],
+            sigma_values,
             [s.sigmas[s.step + 1] for s in group],
             [s.params.guidance_scale for s in group],
             [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
@@ -67,7 +68,8 @@ class Executor:
                     else contextlib.nullcontext())
         with autocast:
             velocity = self.adapter.velocity(
-                latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width
+                latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width,
+                sigma_values=sigma_values,
             )
         if any(in_window):
             noise = torch.stack([

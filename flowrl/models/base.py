@@ -8,9 +8,11 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   families with variable-length text; SD3's fixed-length encoding keeps its full length).
 - `sigmas(num_steps, height, width)` -> (T + 1,) float32 decreasing schedule ending at 0.
 - `initial_noise(height, width, generator)` -> latent-shaped float32 noise.
-- `velocity(latents, sigmas, cond, uncond, guidance_scale, height, width)` -> guided velocity for
-  a batch of rows that may sit at different sigmas and use different prompts; CFG rows (cond and
-  uncond) run in the same transformer forward.
+- `velocity(latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None)` ->
+  guided velocity for a batch of rows that may sit at different sigmas and use different prompts;
+  CFG rows (cond and uncond) run in the same transformer forward. `sigma_values`: the same sigmas
+  as host floats, which the engine passes so that an adapter can look up per-timestep work
+  without reading the device (Qwen-Image's modulation table); results do not depend on it.
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
 - `compile_modules(backend, rounding)`: regional torch.compile of the hot modules in place (the engine's
   `compile` option); results stay the same function of the inputs.
@@ -299,6 +301,7 @@ class FlowModelAdapter:
         guidance_scale: torch.Tensor,
         height: int,
         width: int,
+        sigma_values: list[float] | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

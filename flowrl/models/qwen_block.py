@@ -32,6 +32,10 @@ The first two change how the same math runs, both installed per instance by
    write into one joint buffer (flowrl.models.joint_linear) instead of being copied into it,
    unless LoRA wraps them.
 
+4. The modulation parameters come from the block's `img_mod` / `txt_mod` GEMMs, or, when the
+   forward's `joint_attention_kwargs` carry table rows (rollout forwards without grad), from a
+   per-timestep table computed once per weight version (flowrl.models.qwen_modulation).
+
 Blocks that need features this forward does not implement (per-token modulation of the edit
 models, `zero_cond_t`, attention kwargs) run diffusers' own forward with the real-RoPE processor.
 """
@@ -43,7 +47,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flowrl.models import joint_linear, qk_norm_rope
+from flowrl.models import joint_linear, qk_norm_rope, qwen_modulation
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -186,12 +190,18 @@ def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_
                             image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
     """QwenImageTransformerBlock.forward's math on sequence-major activations (module docstring).
     Same signature and return value ((text, image) states of diffusers' shapes)."""
-    if modulate_index is not None or self.zero_cond_t or joint_attention_kwargs:
+    kwargs = dict(joint_attention_kwargs or {})
+    table_rows = kwargs.pop(qwen_modulation.ROWS_KEY, None)
+    if modulate_index is not None or self.zero_cond_t or kwargs:
         return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                                   image_rotary_emb, joint_attention_kwargs, modulate_index)
     img, txt = hidden_states.transpose(0, 1), encoder_hidden_states.transpose(0, 1)  # (L, B, D)
-    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+    if table_rows is None:
+        img_mod, txt_mod = self.img_mod(temb), self.txt_mod(temb)
+    else:  # rows of the per-timestep table (flowrl.models.qwen_modulation), no GEMM
+        img_mod, txt_mod = self._flowrl_modulation.index_select(1, table_rows).unbind(0)
+    img_mod1, img_mod2 = img_mod.chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = txt_mod.chunk(2, dim=-1)
     img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1)
     txt_in, txt_gate1 = _modulate(self.txt_norm1(txt), txt_mod1)
     img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb)
@@ -225,5 +235,6 @@ def prepare_for_compile(transformer: torch.nn.Module, sequence_major: bool = Tru
             block.forward = types.MethodType(_sequence_major_forward, block)
         transformer.img_in.register_forward_hook(_sequence_major_output)
         transformer.txt_in.register_forward_hook(_sequence_major_output)
+    transformer._flowrl_sequence_major = sequence_major
     transformer._flowrl_compile_ready = True
     return True

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
+from flowrl.models import qwen_modulation
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, rows_to_device, to_uint8
 from flowrl.models.qwen_block import prepare_for_compile
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 from flowrl.models.schedule import schedule_sigmas
@@ -46,6 +47,10 @@ class QwenImageAdapter(FlowModelAdapter):
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.latent_channels = self.vae.config.z_dim
         self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
+        # Rollout forwards read each block's modulation from a per-timestep table
+        # (flowrl/models/qwen_modulation.py); False computes it in every forward.
+        self.modulation_table = True
+        self._modulation: qwen_modulation.ModulationTable | None = None
         decode_single_frames_in_2d(self.vae)  # taken only inside `decode` (see flowrl/models/qwen_vae.py)
 
     @classmethod
@@ -107,7 +112,7 @@ class QwenImageAdapter(FlowModelAdapter):
         return self._sigma_cache[key]
 
     # --- transformer ---------------------------------------------------------------------------
-    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
+    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None):
         hidden, timestep, encodings, cfg_rows = cfg_forward_inputs(latents, sigmas, cond, uncond)
         embeds, mask, _ = pad_encodings(encodings)
         # Lengths are known on the host, so deciding whether a mask is needed costs no sync;
@@ -120,15 +125,35 @@ class QwenImageAdapter(FlowModelAdapter):
         # blocks' batch >= 2 graph instead of compiling one for a batch-major layout.
         padded = rows == 1 and getattr(self.transformer, "_flowrl_compile_ready", False)
         repeat = (lambda t: torch.cat([t, t])) if padded else (lambda t: t)  # noqa: E731
+        table_rows = None
+        if sigma_values is not None:
+            row_sigmas = list(sigma_values) + [sigma_values[i] for i in cfg_rows]
+            table_rows = self._modulation_rows(row_sigmas * (1 + padded))
         out = self.transformer(
             hidden_states=repeat(hidden.to(self.dtype)),
             timestep=repeat(timestep.to(self.dtype)),
             encoder_hidden_states=repeat(embeds.to(self.dtype)),
             encoder_hidden_states_mask=repeat(mask) if len(lengths) > 1 else None,
             img_shapes=[[(1, h // 2, w // 2)]] * (rows + padded),
+            attention_kwargs=None if table_rows is None else {qwen_modulation.ROWS_KEY: table_rows},
             return_dict=False,
         )[0][:rows].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
+
+    def _modulation_rows(self, row_sigmas: list[float]) -> torch.Tensor | None:
+        """Device indices of each row's timestep in the modulation table (flowrl.models.qwen_modulation),
+        or None where the table does not apply: with grad (the trainer), with `modulation_table`
+        off, or on blocks the table cannot serve."""
+        if torch.is_grad_enabled() or not self.modulation_table:
+            return None
+        if self._modulation is None:
+            if not qwen_modulation.applicable(self.transformer):
+                return None
+            self._modulation = qwen_modulation.ModulationTable(self.transformer)
+        schedule = [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
+        rows = rows_to_device(self._modulation.rows(row_sigmas, self.device.type, schedule), self.device)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)  # one compiled graph for every batch size, as the activations
+        return rows
 
     def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
         """Regional compile, after switching the transformer to real-arithmetic RoPE and

@@ -66,7 +66,8 @@ class SD3Adapter(FlowModelAdapter):
         return self._sigma_cache[num_steps]
 
     # --- transformer ---------------------------------------------------------------------------
-    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width):
+    def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None):
+        # sigma_values: unused; SD3's modulation depends on the prompt's pooled embedding too.
         hidden, timestep, encodings, cfg_rows = cfg_forward_inputs(latents, sigmas, cond, uncond)
         embeds, _, pooled = pad_encodings(encodings)
         out = self.transformer(
