@@ -1,5 +1,5 @@
 """Qwen-Image transformer blocks as the engine compiles them: real-arithmetic RoPE, a
-sequence-major memory layout, and a hand-written q/k kernel for the rollout.
+sequence-major memory layout, and hand-written kernels and a modulation table for the rollout.
 
 The first two change how the same math runs, both installed per instance by
 `prepare_for_compile` (QwenImageAdapter.compile_modules), both exact in float32
@@ -32,7 +32,11 @@ The first two change how the same math runs, both installed per instance by
    write into one joint buffer (flowrl.models.joint_linear) instead of being copied into it,
    unless LoRA wraps them.
 
-4. The modulation parameters come from the block's `img_mod` / `txt_mod` GEMMs, or, when the
+4. Also in the rollout's compiled graphs, each stream's LayerNorm + modulation, gate + residual,
+   and the two together run in one hand-written kernel (flowrl.models.modulated_norm) instead of
+   inductor's three, with eager's rounding points.
+
+5. The modulation parameters come from the block's `img_mod` / `txt_mod` GEMMs, or, when the
    forward's `joint_attention_kwargs` carry table rows (rollout forwards without grad), from a
    per-timestep table computed once per weight version (flowrl.models.qwen_modulation).
 
@@ -47,7 +51,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flowrl.models import joint_linear, qk_norm_rope, qwen_modulation
+from flowrl.models import joint_linear, modulated_norm, qk_norm_rope, qwen_modulation
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,11 +183,38 @@ def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torc
     return img_out, attn.to_add_out(out[:seq_txt])
 
 
-def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adaptive-norm modulation of sequence-major x (L, B, D) by per-row params (B, 3D): the
-    (B, D) shift, scale and gate broadcast over the sequence dim as they are."""
+def _norm_kernel_applies(block, img: torch.Tensor) -> bool:
+    """Whether a sequence-major block runs its LayerNorm + modulation and gate + residual steps
+    with the hand-written kernel (flowrl.models.modulated_norm): as the q/k kernel, only inside a
+    compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it reproduces.
+    `block._flowrl_norm_kernel = False` turns it off (benchmark A/B)."""
+    return (getattr(block, "_flowrl_norm_kernel", True) and not torch.is_grad_enabled()
+            and torch.compiler.is_compiling()
+            and all(modulated_norm.applicable(img, norm) for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)))
+
+
+def _modulated_input(x: torch.Tensor, norm, params: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adaptive-norm input of sequence-major x (L, B, D) with per-row params (B, 3D): norm(x) *
+    (1 + scale) + shift, with the (B, D) shift, scale and gate broadcast over the sequence dim;
+    returns it and the gate."""
     shift, scale, gate = params.chunk(3, dim=-1)
-    return x * (1 + scale) + shift, gate
+    if kernel:
+        return modulated_norm.modulated(x, norm, shift, scale), gate
+    return norm(x) * (1 + scale) + shift, gate
+
+
+def _residual_modulated_input(x, gate, y, norm, params: torch.Tensor, kernel: bool):
+    """x + gate * y, then that sum's `_modulated_input`: (sum, input, gate)."""
+    if not kernel:
+        x = x + gate * y
+        return x, *_modulated_input(x, norm, params, kernel)
+    shift, scale, next_gate = params.chunk(3, dim=-1)
+    x, modulated = modulated_norm.residual_modulated(x, gate, y, norm, shift, scale)
+    return x, modulated, next_gate
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, kernel: bool) -> torch.Tensor:
+    return modulated_norm.residual(x, gate, y) if kernel else x + gate * y
 
 
 def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
@@ -202,15 +233,14 @@ def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_
         img_mod, txt_mod = self._flowrl_modulation.index_select(1, table_rows).unbind(0)
     img_mod1, img_mod2 = img_mod.chunk(2, dim=-1)
     txt_mod1, txt_mod2 = txt_mod.chunk(2, dim=-1)
-    img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1)
-    txt_in, txt_gate1 = _modulate(self.txt_norm1(txt), txt_mod1)
+    kernel = _norm_kernel_applies(self, img)
+    img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1, kernel)
+    txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1, kernel)
     img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb)
-    img = img + img_gate1 * img_attn
-    txt = txt + txt_gate1 * txt_attn
-    img_in, img_gate2 = _modulate(self.img_norm2(img), img_mod2)
-    img = img + img_gate2 * self.img_mlp(img_in)
-    txt_in, txt_gate2 = _modulate(self.txt_norm2(txt), txt_mod2)
-    txt = txt + txt_gate2 * self.txt_mlp(txt_in)
+    img, img_in, img_gate2 = _residual_modulated_input(img, img_gate1, img_attn, self.img_norm2, img_mod2, kernel)
+    txt, txt_in, txt_gate2 = _residual_modulated_input(txt, txt_gate1, txt_attn, self.txt_norm2, txt_mod2, kernel)
+    img = _gated_residual(img, img_gate2, self.img_mlp(img_in), kernel)
+    txt = _gated_residual(txt, txt_gate2, self.txt_mlp(txt_in), kernel)
     if img.dtype == torch.float16:  # diffusers' overflow guard
         img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
     return txt.transpose(0, 1), img.transpose(0, 1)

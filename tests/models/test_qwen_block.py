@@ -255,9 +255,10 @@ def test_joint_norm_rope_kernel_rounds_like_pytorch():
 
 @pytest.mark.gpu
 def test_compiled_rollout_block_uses_the_kernel_and_agrees():
-    """A compiled sequence-major block without grad calls the q/k kernel and the joint v projection
-    (in the generated code) and gives the block's output as with inductor's own kernels, up to bf16
-    rounding; with grad (the training graph) it keeps inductor's kernel."""
+    """A compiled sequence-major block without grad calls the q/k kernel, the joint v projection
+    and the modulated-norm kernel (in the generated code) and gives the block's output as with
+    inductor's own kernels, up to bf16 rounding; with grad (the training graph) it keeps
+    inductor's kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import types
@@ -273,6 +274,7 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
         block.attn.set_processor(qwen_block.RealRopeQwenAttention())
         block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
         block.attn._flowrl_joint_kernel = use_kernel
+        block._flowrl_norm_kernel = use_kernel
         compile_in_place(block, "inductor", "eager")
         torch.manual_seed(1)
         img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
@@ -283,8 +285,42 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
             out, code = run_and_get_code(lambda: block(**kwargs))
         assert ("joint_norm_rope" in "\n".join(code)) == use_kernel
         assert ("joint_linear" in "\n".join(code)) == use_kernel  # v written into the joint buffer
+        assert ("_modulated_norm_kernel" in "\n".join(code)) == use_kernel  # flowrl.models.modulated_norm
         outputs[use_kernel] = torch.cat([t.float().flatten() for t in out])
         if use_kernel:
             _, grad_code = run_and_get_code(lambda: block(**kwargs))  # grad enabled: the training graph
             assert "joint_norm_rope" not in "\n".join(grad_code)
+            assert "_modulated_norm_kernel" not in "\n".join(grad_code)
     torch.testing.assert_close(outputs[True], outputs[False], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [3072, 320])  # Qwen-Image's width, and one that is no power of two
+def test_modulated_norm_kernel_rounds_like_pytorch(width):
+    """flowrl.models.modulated_norm on CUDA against the block's PyTorch expressions in bf16: the
+    gate + residual bit for bit; LayerNorm + modulation equal up to the float32 reduction order
+    of the mean and variance, which moves a small fraction of the values by one bf16 step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from flowrl.models import modulated_norm
+
+    torch.manual_seed(0)
+    x, y = (torch.randn(37, 5, width, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    params = torch.randn(5, 6 * width, device="cuda", dtype=torch.bfloat16)  # a modulation output
+    shift, scale, gate = params[:, :3 * width].chunk(3, dim=-1)  # strided views, as in the block
+    norm = torch.nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
+    assert modulated_norm.applicable(x, norm) and not modulated_norm.applicable(x.cpu(), norm)
+    assert not modulated_norm.applicable(x, torch.nn.LayerNorm(width).cuda())  # affine weights: not reproduced
+
+    def close(got, want):
+        diff = (got.float() - want.float()).abs()
+        assert (diff > 0).float().mean().item() < 2e-3
+        assert (diff <= 2 ** -7 * want.float().abs().amax(-1, keepdim=True) + 2 ** -7).all()
+
+    with torch.no_grad():
+        want_sum = x + gate * y
+        assert torch.equal(modulated_norm.residual(x, gate, y), want_sum)
+        close(modulated_norm.modulated(x, norm, shift, scale), norm(x) * (1 + scale) + shift)
+        got_sum, got_mod = modulated_norm.residual_modulated(x, gate, y, norm, shift, scale)
+        assert torch.equal(got_sum, want_sum)
+        close(got_mod, norm(want_sum) * (1 + scale) + shift)
