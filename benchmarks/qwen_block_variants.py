@@ -13,7 +13,8 @@ dynamic, as `compile_modules` compiles a rollout; by default every layout x roun
 - optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
   `joint_kernel=0` turns off the hand-written q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)
   and the joint v projection (flowrl.models.joint_linear) that sequence-major rollout graphs
-  use, `joint_v=0` only the latter: A/Bs against inductor's own kernels.
+  use, `joint_v=0` only the latter, `norm_kernel=0` the LayerNorm + modulation and gate +
+  residual kernel (flowrl.models.modulated_norm): A/Bs against inductor's own kernels.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
@@ -63,12 +64,13 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
 
 def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     """A copy of `base` switched to `layout` and compiled as the engine compiles it (the Qwen-Image
-    adapter's inductor options, overridden by `extra`, for experiments; `joint_kernel` is not an
-    inductor option but the block's q/k kernel switch)."""
+    adapter's inductor options, overridden by `extra`, for experiments; `joint_kernel`, `joint_v`
+    and `norm_kernel` are not inductor options but the block's kernel switches)."""
     block = copy.deepcopy(base)
     extra = dict(extra)
     block.attn._flowrl_joint_kernel = bool(extra.pop("joint_kernel", 1))
     block.attn._flowrl_joint_v = bool(extra.pop("joint_v", 1))
+    block._flowrl_norm_kernel = bool(extra.pop("norm_kernel", 1))
     block.attn.set_processor(RealRopeQwenAttention())
     if layout == "sequence-major":
         block.forward = types.MethodType(_sequence_major_forward, block)

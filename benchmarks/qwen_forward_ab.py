@@ -1,15 +1,23 @@
-"""The compiled Qwen-Image forward with batch-major and with sequence-major blocks, A/B on one GPU.
+"""The compiled Qwen-Image forward in two or more configurations, A/B on one GPU.
 
-    python benchmarks/qwen_forward_ab.py [--rows 16] [--size 512] [--compile-rounding eager] [--rounds 3]
+    python benchmarks/qwen_forward_ab.py [--compare layout|table-kernel] [--rows 16] [--size 512]
+        [--compile-rounding eager] [--rounds 3]
 
-Builds the model twice (the same seeded random weights at the published architecture), switches
-one copy's blocks to the batch-major baseline (`prepare_for_compile(..., sequence_major=False)`,
-the engine before sequence-major blocks) and leaves the other as the engine compiles it, compiles
-both, then times one forward of `--rows` rows (adapter.velocity, as the engine calls it) of each,
-alternating A, B, A, B for `--rounds` rounds so that clock and temperature drift hit both alike.
-Prints ms per forward per round, the median of each and their ratio, and the largest difference
-between the two outputs (bf16 rounding; the layouts are equal in float32). A CPU run uses the
-tiny model (a smoke test).
+`--compare layout` (the default): builds the model twice (the same seeded random weights at the
+published architecture), switches one copy's blocks to the batch-major baseline
+(`prepare_for_compile(..., sequence_major=False)`, the engine before sequence-major blocks) and
+leaves the other as the engine compiles it.
+
+`--compare table-kernel`: one model as the engine compiles it, forwarded four ways: with and
+without the per-timestep modulation table (flowrl.models.qwen_modulation; the forward gets its
+rows' sigmas from the host, as the engine passes them) and with and without the modulated-norm
+kernel (flowrl.models.modulated_norm; `_flowrl_norm_kernel` on every block).
+
+Compiles every configuration, then times one forward of `--rows` rows (adapter.velocity, as the
+engine calls it) of each, alternating A, B, ... for `--rounds` rounds so that clock and
+temperature drift hit all alike. Prints ms per forward per round, the median of each, each
+median's ratio to the first configuration's, and the largest difference from the first one's
+output (bf16 rounding). A CPU run uses the tiny model (a smoke test).
 """
 
 from __future__ import annotations
@@ -26,8 +34,39 @@ from flowrl.bench.report import quiet_libraries
 from flowrl.models.qwen_block import prepare_for_compile
 
 
+def _layouts(model, device, dtype, backend, rounding, rows, size) -> dict:
+    forwards = {}
+    for layout in ("sequence-major", "batch-major"):
+        adapter = build_bench_model(model, device, dtype).adapter
+        prepare_for_compile(adapter.transformer, sequence_major=layout == "sequence-major")
+        adapter.compile_modules(backend, rounding)
+        forwards[layout] = _forward_fn(adapter, rows, size, size, 1.0)
+    return forwards
+
+
+def _table_kernel(model, device, dtype, backend, rounding, rows, size) -> dict:
+    adapter = build_bench_model(model, device, dtype).adapter
+    adapter.compile_modules(backend, rounding)
+    forward = _forward_fn(adapter, rows, size, size, 1.0, sigma_values=True)
+    blocks = adapter.transformer.transformer_blocks
+
+    def configured(table: bool, kernel: bool):
+        def run():
+            adapter.modulation_table = table
+            for block in blocks:
+                block._flowrl_norm_kernel = kernel
+            return forward()
+        return run
+
+    return {f"table={int(t)} kernel={int(k)}": configured(t, k) for t in (True, False) for k in (True, False)}
+
+
+COMPARISONS = {"layout": _layouts, "table-kernel": _table_kernel}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=tuple(COMPARISONS), default="layout")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--compile-rounding", default="eager", choices=("eager", "fused"))
@@ -38,23 +77,17 @@ def main() -> int:
     on_gpu = device.type == "cuda"
     model, dtype, backend = ("qwen-image", torch.bfloat16, "inductor") if on_gpu else ("tiny-qwen", torch.float32, "aot_eager")
     size = args.size if on_gpu else 64
-    forwards, outputs = {}, {}
-    for layout in ("batch-major", "sequence-major"):
-        adapter = build_bench_model(model, device, dtype).adapter
-        prepare_for_compile(adapter.transformer, sequence_major=layout == "sequence-major")
-        adapter.compile_modules(backend, args.compile_rounding)
-        forwards[layout] = _forward_fn(adapter, args.rows, size, size, 1.0)
-        with torch.no_grad():
-            outputs[layout] = forwards[layout]().float()  # compiles
+    forwards = COMPARISONS[args.compare](model, device, dtype, backend, args.compile_rounding, args.rows, size)
     with torch.no_grad():
+        outputs = {name: forward().float() for name, forward in forwards.items()}  # compiles
         times = alternating.alternate(forwards, device, args.rounds, args.seconds)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"{model} forward, {args.rows} rows, {size} px, {dtype}, compile rounding {args.compile_rounding}, {name}")
-    for layout, values in times.items():
-        print(alternating.rounds_line(f"  {layout:15s}", values))
-    ratio = statistics.median(times["batch-major"]) / statistics.median(times["sequence-major"])
-    diff = (outputs["sequence-major"] - outputs["batch-major"]).abs().max().item()
-    print(f"  batch-major / sequence-major time: {ratio:.4f}; max |output difference| {diff:.3g}")
+    first = next(iter(forwards))
+    for config, values in times.items():
+        ratio = statistics.median(values) / statistics.median(times[first])
+        diff = (outputs[config] - outputs[first]).abs().max().item()
+        print(alternating.rounds_line(f"  {config:22s}", values) + f"   x{ratio:.4f}   max |diff| {diff:.3g}")
     return 0
 
 

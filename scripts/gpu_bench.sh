@@ -33,6 +33,10 @@
 #                      forward with batch-major and sequence-major blocks, alternating, one GPU ~3 min
 #   qwen-joint-kernel-ab  qwen_block_variants.py: the B=16 block as the rollout compiles it, without
 #                      the joint v projection, and without it and the q/k kernel               ~2 min
+#   qwen-table-kernel-ab  qwen_forward_ab.py --compare table-kernel: the compiled B=16 forward with
+#                      and without the modulation table and the modulated-norm kernel, alternating ~4 min
+#   qwen-norm-kernel-ab   qwen_block_variants.py: the B=16 block as the rollout compiles it, with and
+#                      without the modulated-norm kernel, with its top kernels                  ~1.5 min
 #   cuda-graph-ab / cuda-graph-ab-sd35   benchmarks/cuda_graph_ab.py: the compiled Qwen-Image
 #                      (SD3.5-medium) forward at 1 and 16 rows, launched directly vs replayed
 #                      from a CUDA graph, alternating, one GPU                               ~2 min each
@@ -139,6 +143,15 @@ suite() {
       echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants $variants" | tee -a "$log"
       timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
       echo "[gpu_bench] qwen-joint-kernel-ab exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+    qwen-table-kernel-ab)
+      echo "[gpu_bench] python3 benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16" | tee -a "$log"
+      timeout 330 python3 benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16 >>"$log" 2>&1
+      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+    qwen-norm-kernel-ab)
+      local variants="sequence-major:eager,sequence-major:eager:norm_kernel=0"
+      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 --variants $variants" | tee -a "$log"
+      timeout 240 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
+      echo "[gpu_bench] $s exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
     cuda-graph-ab|cuda-graph-ab-sd35)
       local model=qwen-image; [[ $s == *-sd35 ]] && model=sd35-medium
       echo "[gpu_bench] python3 benchmarks/cuda_graph_ab.py --model $model --rows 1,16" | tee -a "$log"

@@ -103,8 +103,9 @@ def record_forward(adapter, rows: int, height: int, width: int, guidance_scale: 
     return record
 
 
-def _forward_fn(adapter, rows: int, height: int, width: int, guidance_scale: float):
-    """adapter.velocity over `rows` transformer rows (rows/2 samples with CFG)."""
+def _forward_fn(adapter, rows: int, height: int, width: int, guidance_scale: float, sigma_values: bool = False):
+    """adapter.velocity over `rows` transformer rows (rows/2 samples with CFG); with sigma_values,
+    the rows' sigmas are passed from the host too, as the engine passes them."""
     cfg = guidance_scale > 1.0
     samples = rows // 2 if cfg else rows
     cond = adapter.encode_prompts([PROMPT] * samples)
@@ -113,7 +114,8 @@ def _forward_fn(adapter, rows: int, height: int, width: int, guidance_scale: flo
     latents = torch.randn((samples, *adapter.latent_shape(height, width)), device=adapter.device, generator=gen)
     sigmas = torch.full((samples,), 0.5, device=adapter.device)
     guidance = torch.full((samples,), guidance_scale, device=adapter.device)
-    return lambda: adapter.velocity(latents, sigmas, cond, uncond, guidance, height, width)
+    host = [0.5] * samples if sigma_values else None
+    return lambda: adapter.velocity(latents, sigmas, cond, uncond, guidance, height, width, sigma_values=host)
 
 
 def _linear_replay(record: ForwardRecord, fused: bool, device, dtype):
