@@ -78,6 +78,14 @@ run() {
   echo "[gpu_bench] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 
+# script NAME CAP LOG ARGS...: `python3 ARGS` (a benchmarks/ script), logged, within CAP seconds.
+script() {
+  local name=$1 cap=$2 log=$3; shift 3
+  echo "[gpu_bench] python3 $*" | tee -a "$log"
+  timeout "$cap" python3 "$@" 2>&1 | grep -v USDT >>"$log"
+  echo "[gpu_bench] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
+}
+
 suite() {
   local log=$1 s=$2
   case $s in
@@ -112,9 +120,7 @@ suite() {
       run qwen-logprob-compiled-full 300 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 ;;
     qwen-gemm-shapes)
-      echo "[gpu_bench] python3 benchmarks/qwen_gemm_shapes.py --rows 16" | tee -a "$log"
-      timeout 200 python3 benchmarks/qwen_gemm_shapes.py --rows 16 2>&1 | grep -v USDT >>"$log"
-      echo "[gpu_bench] qwen-gemm-shapes exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+      script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
     qwen-floor)
       run qwen-floor 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
     qwen-floor-autotune)
@@ -126,37 +132,23 @@ suite() {
       run sd35-compiled-rollout 420 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
         --modes pipeline-batched,engine-batched-compiled,engine-concurrent-compiled ;;
     qwen-vae-decode)
-      echo "[gpu_bench] python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512" | tee -a "$log"
-      timeout 150 python3 benchmarks/qwen_vae_decode.py --rows 16 --size 512 >>"$log" 2>&1
-      echo "[gpu_bench] qwen-vae-decode exit $?" | tee -a "$log" ;;
+      script "$s" 150 "$log" benchmarks/qwen_vae_decode.py --rows 16 --size 512 ;;
     qwen-block-variants)
-      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2" | tee -a "$log"
-      timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 2>&1 | grep -v USDT >>"$log"
-      echo "[gpu_bench] qwen-block-variants exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+      script "$s" 300 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 2 ;;
     qwen-forward-ab|qwen-forward-ab-fused)
       local rounding=eager; [[ $s == *-fused ]] && rounding=fused
-      echo "[gpu_bench] python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding" | tee -a "$log"
-      timeout 300 python3 benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding >>"$log" 2>&1
-      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+      script "$s" 300 "$log" benchmarks/qwen_forward_ab.py --rows 16 --compile-rounding $rounding ;;
     qwen-joint-kernel-ab)
-      local variants="sequence-major:eager,sequence-major:eager:joint_v=0,sequence-major:eager:joint_kernel=0"
-      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants $variants" | tee -a "$log"
-      timeout 300 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
-      echo "[gpu_bench] qwen-joint-kernel-ab exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+      script "$s" 300 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 14 \
+        --variants "sequence-major:eager,sequence-major:eager:joint_v=0,sequence-major:eager:joint_kernel=0" ;;
     qwen-table-kernel-ab)
-      echo "[gpu_bench] python3 benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16" | tee -a "$log"
-      timeout 330 python3 benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16 >>"$log" 2>&1
-      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+      script "$s" 330 "$log" benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16 ;;
     qwen-norm-kernel-ab)
-      local variants="sequence-major:eager,sequence-major:eager:norm_kernel=0"
-      echo "[gpu_bench] python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 --variants $variants" | tee -a "$log"
-      timeout 240 python3 benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 --variants "$variants" 2>&1 | grep -v USDT >>"$log"
-      echo "[gpu_bench] $s exit ${PIPESTATUS[0]}" | tee -a "$log" ;;
+      script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 \
+        --variants "sequence-major:eager,sequence-major:eager:norm_kernel=0" ;;
     cuda-graph-ab|cuda-graph-ab-sd35)
       local model=qwen-image; [[ $s == *-sd35 ]] && model=sd35-medium
-      echo "[gpu_bench] python3 benchmarks/cuda_graph_ab.py --model $model --rows 1,16" | tee -a "$log"
-      timeout 240 python3 benchmarks/cuda_graph_ab.py --model $model --rows 1,16 >>"$log" 2>&1
-      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+      script "$s" 240 "$log" benchmarks/cuda_graph_ab.py --model $model --rows 1,16 ;;
     qwen-rounding-ab)  # the compiled no-CFG rollout with each compile rounding, one after the other on one GPU
       for r in eager fused; do
         run qwen-rounding-$r-rollout 200 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
