@@ -54,6 +54,20 @@ def test_table_rows_give_the_blocks_own_modulation(prepared, steps, cfg):
     assert block._flowrl_modulation.shape == (2, qwen_modulation.MIN_CAPACITY, block.img_mod[1].out_features)
 
 
+def test_rows_with_and_without_cfg_in_one_forward(prepared):
+    """Some rows use CFG, some do not: the uncond rows (appended after every cond row) find the
+    table rows of their own sigmas."""
+    sigmas = prepared.sigmas(8, 64, 64).tolist()
+    values = [sigmas[1], sigmas[5], sigmas[2]]
+    latents, sigma, cond, _, guidance, h, w = _args(prepared, values)
+    uncond = [prepared.encode_prompts([""])[0], None, prepared.encode_prompts(["neg"])[0]]
+    with torch.no_grad():
+        direct = prepared.velocity(latents, sigma, cond, uncond, guidance, h, w)
+        table = prepared.velocity(latents, sigma, cond, uncond, guidance, h, w, sigma_values=values)
+    torch.testing.assert_close(table, direct, atol=2e-6, rtol=1e-6)
+    assert prepared._modulation.builds == 1
+
+
 def test_in_place_weight_updates_rebuild_the_table(prepared):
     sigmas = prepared.sigmas(8, 64, 64).tolist()
     values = [sigmas[2], sigmas[4]]
