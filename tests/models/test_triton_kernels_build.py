@@ -1,10 +1,11 @@
 """The hand-written Triton kernels build for Hopper (sm_90) without a GPU, with every scalar typing
 the kernels meet, and torch's analysis of them finds only their outputs written.
 
-Each of these broke a GPU run once (docs/benchmarks.md runs 30-32): a 64-bit constant in
-integer rounding code ("cannot bitcast 64 to 32 bits"), `eps` arriving as a Python float
-constant in torch's kernel analysis, and that analysis failing, after which every argument
-counts as written and an output passed twice aliases. Needs Triton (a CUDA build of torch
+Each of these broke a GPU run once (docs/benchmarks.md runs 29-32): LLVM joining a product and
+the add after it into one FMA across a bf16 rounding point (run 29), `eps` typed float64 at
+inductor's launch so that float64 values reached a 32-bit bitcast (runs 30-31), and `eps` as a
+Python float constant in torch's kernel analysis, whose failure makes every argument count as
+written, so that an output passed twice aliases (run 32). Needs Triton (a CUDA build of torch
 brings it; CPU installs skip these tests); nothing runs on a device.
 """
 
