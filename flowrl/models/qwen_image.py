@@ -150,7 +150,9 @@ class QwenImageAdapter(FlowModelAdapter):
             if not qwen_modulation.applicable(self.transformer):
                 return None
             self._modulation = qwen_modulation.ModulationTable(self.transformer)
-        schedule = [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
+        def schedule() -> list[float]:  # read only when the table is built, not at every step
+            return [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
+
         rows = rows_to_device(self._modulation.rows(row_sigmas, self.device.type, schedule), self.device)
         torch._dynamo.maybe_mark_dynamic(rows, 0)  # one compiled graph for every batch size, as the activations
         return rows

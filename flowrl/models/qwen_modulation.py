@@ -84,14 +84,15 @@ class ModulationTable:
         self.keys = {k: i for i, k in enumerate(keys)}
         self.builds += 1
 
-    def rows(self, timesteps: list[float], device_type: str, schedule=()) -> list[int]:
+    def rows(self, timesteps: list[float], device_type: str, schedule=lambda: ()) -> list[int]:
         """The table row of each timestep. The table is (re)built first when a timestep is
-        missing or the weights changed; a build covers `schedule` too (every sigma of the
-        schedules in use), so a rollout after a weight update builds it once, not once per step."""
+        missing or the weights changed; a build covers `schedule()` too (every sigma of the
+        schedules in use; called only when building), so a rollout after a weight update builds
+        it once, not once per step."""
         stamp = self._stamp(device_type)
         if stamp != self.stamp or any(t not in self.keys for t in timesteps):
             kept = self.keys if stamp == self.stamp else ()
-            self._build(list(dict.fromkeys([*schedule, *kept, *timesteps])))
+            self._build(list(dict.fromkeys([*schedule(), *kept, *timesteps])))
             self.stamp = stamp
         return [self.keys[t] for t in timesteps]
 
