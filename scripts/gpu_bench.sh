@@ -5,8 +5,8 @@
 #
 # Suites (each fits one 10-minute device command on its own; estimates for one H200):
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
-#             tests/trainer: a bf16 training run on CUDA and its log-prob gap;
-#             tests/models: cuDNN attention output read in place by the projections)   ~2 min
+#             tests/trainer: bf16 training runs on CUDA, eager and compiled, and their log-prob gaps;
+#             tests/models: cuDNN attention output read in place by the projections)   ~4 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -17,7 +17,10 @@
 #   qwen-compiled-lora the qwen rollout, compiled engine, with a rank-32 LoRA adapter on the
 #                      attention projections (as training rolls out)                         ~4 min
 #   qwen-logprob-compiled-full  the same gap with full fine-tuning (--lora-rank 0): the rollout's
-#                      hand-written q/k and v kernels apply (plain projections); no optimizer  ~4 min
+#                      hand-written q/k and v kernels apply (plain projections); no optimizer;
+#                      a profile of the training step                                           ~4 min
+#   qwen-train-step    the compiled LoRA rank-32 training step as the recipes train it (gradient
+#                      checkpointing), micro-batch 2, profiled (GPU busy share, top kernels)    ~3 min
 #   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
 #                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
@@ -91,7 +94,7 @@ suite() {
   case $s in
     tests)
       echo "[gpu_bench] pytest -m gpu tests/bench tests/trainer tests/models" | tee -a "$log"
-      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer tests/models >>"$log" 2>&1
+      timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer tests/models >>"$log" 2>&1
       echo "[gpu_bench] tests exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
@@ -109,7 +112,7 @@ suite() {
         --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 ;;
     qwen-compiled)
       run qwen-compiled-rollout 330 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
-        --modes engine-batched-compiled,engine-concurrent-compiled --repeats 3 --profile engine-batched-compiled --profile-steps 2 ;;
+        --modes engine-batched-compiled,engine-concurrent-compiled --repeats 3 --profile engine-batched-compiled --profile-steps 8 ;;
     qwen-cfg-compiled)
       run qwen-cfg-compiled-rollout 330 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --compile --modes engine-batched-compiled --repeats 1 ;;
@@ -118,7 +121,10 @@ suite() {
         --lora-rank 32 --modes engine-batched-compiled --repeats 2 ;;
     qwen-logprob-compiled-full)
       run qwen-logprob-compiled-full 300 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
-        --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 ;;
+        --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 --profile ;;
+    qwen-train-step)
+      run qwen-train-step 240 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 2 \
+        --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --profile ;;
     qwen-gemm-shapes)
       script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
     qwen-floor)
@@ -167,7 +173,8 @@ suite() {
     cpu-smoke)  # checks this script itself anywhere (tiny models, seconds)
       run smoke-rollout 120 "$log" rollout --model tiny-sd3 -n 3 --steps 3 --size 64 --compile --compile-backend aot_eager \
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
-      run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1
+      run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 \
+        --gradient-checkpointing --profile
       run smoke-floor 120 "$log" floor --model tiny-qwen -n 4 --steps 3 --size 64 --compile --compile-backend aot_eager \
         --seconds 0.1 --peak-seconds 0.1 ;;
     *) echo "[gpu_bench] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;

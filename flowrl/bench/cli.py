@@ -77,6 +77,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     _compile_options(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
     logprob.add_argument("--sde-window-size", type=_positive, default=None,
                          help="SDE window length drawn per rollout (default: every step but the last is stochastic)")
+    logprob.add_argument("--gradient-checkpointing", action="store_true",
+                         help="time the training step with the transformer's gradient checkpointing on "
+                              "(as trainer.gradient_checkpointing: true in the recipes)")
+    logprob.add_argument("--profile", action="store_true",
+                         help="profile one training step after timing it: device time per kernel category, the top "
+                              "kernels, and the share of the step's wall time the GPU was busy")
 
     floor = sub.add_parser("floor", help="time of one forward's matmuls and attention alone: the fastest a step could be")
     _common(floor)

@@ -11,8 +11,11 @@
    --micro-batches, and compared with the rollout's log-prob: mean and max |diff| per window step
    and overall. A micro-batch that does not fit in memory is reported as such.
 3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
-   LoRA) is timed (median of --train-repeats after a warm-up); its FLOPs are counted once and
-   MFU is reported against the matmul peak measured in the same run.
+   LoRA) is timed (median of --train-repeats after a warm-up), with the transformer's gradient
+   checkpointing when --gradient-checkpointing asks (as the recipes train); its FLOPs are counted
+   once and MFU is reported against the matmul peak measured in the same run. --profile then
+   profiles one more step: where its device time goes, and how much of the step's timed wall
+   time the GPU was busy at all (a low share means the host, not the GPU, sets the pace).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.summary import ms_list
 from flowrl.bench.report import (
-    JsonReport, environment, format_table, median, peak_memory_gb, quiet_libraries, reset_peak_memory,
-    resolve_device_dtype, time_runs,
+    JsonReport, environment, format_table, median, peak_memory_gb, profile_lines, profile_summary, quiet_libraries,
+    reset_peak_memory, resolve_device_dtype, time_runs,
 )
 from flowrl.engine.request import SamplingParams
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
@@ -79,8 +82,10 @@ def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dic
     }
 
 
-def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocast_dtype, repeats: int, device) -> dict:
-    """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA)."""
+def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocast_dtype, repeats: int, device,
+                       profile: bool = False) -> dict:
+    """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA);
+    with `profile`, also one profiled step (see the module docstring)."""
     from flowrl.trainer.policy import score_transitions
 
     rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
@@ -117,9 +122,16 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
             fwd_bwd_flops = None
         for p in params:
             p.grad = None
-    return {"micro_batch": int(rows.shape[0]), "seconds": seconds, "seconds_median": median(seconds),
-            "flops_forward_backward": fwd_bwd_flops, "optimizer_step_included": optimizer is not None,
-            "peak_memory_gb": peak_memory_gb(device)}
+        result = {"micro_batch": int(rows.shape[0]), "seconds": seconds, "seconds_median": median(seconds),
+                  "flops_forward_backward": fwd_bwd_flops, "optimizer_step_included": optimizer is not None,
+                  "peak_memory_gb": peak_memory_gb(device)}
+        if profile:
+            result["profile"] = profile_summary(train_step, device)
+            if device.type == "cuda":
+                # Kernel time over the unprofiled step's wall time: the profiler's own host cost
+                # would otherwise count as idle GPU.
+                result["profile"]["gpu_busy"] = result["profile"]["total_ms"] / 1000.0 / result["seconds_median"]
+    return result
 
 
 def run_logprob(args) -> int:
@@ -129,6 +141,8 @@ def run_logprob(args) -> int:
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
     params = make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
+    if args.gradient_checkpointing:  # before compiling, as the trainer does
+        adapter.transformer.enable_gradient_checkpointing()
     autocast_dtype = MIXED_PRECISION_DTYPES[args.autocast]
     report = JsonReport(args.json, {
         "benchmark": "logprob", "environment": environment(device),
@@ -137,7 +151,8 @@ def run_logprob(args) -> int:
                      "noise_level": args.noise_level, "lora_rank": args.lora_rank, "autocast": args.autocast,
                      "sde_window_size": args.sde_window_size, "micro_batches": sizes,
                      "compile": args.compile_backend if args.compile else False,
-                     "compile_rounding": args.compile_rounding, "trainable_params": sum(p.numel() for p in params)},
+                     "compile_rounding": args.compile_rounding, "trainable_params": sum(p.numel() for p in params),
+                     "gradient_checkpointing": args.gradient_checkpointing},
         "gaps": [],
     })
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
@@ -183,7 +198,8 @@ def run_logprob(args) -> int:
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
     train_mb = args.train_micro_batch or (max(fitting) if fitting else 1)
     try:
-        train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats, device)
+        train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats, device,
+                                   profile=args.profile)
         # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
         flops = train["flops_forward_backward"]
         train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
@@ -220,4 +236,7 @@ def _print_summary(data: dict) -> None:
         print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
               f"(median of {ms_list(t['seconds'])} ms; forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
               f"{(t['flops_forward_backward'] or 0) / 1e12:.2f} TFLOP fwd+bwd, MFU {(t['mfu'] or 0):.1%} of "
-              f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB")
+              f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
+              f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}")
+        if t.get("profile"):
+            print("\n".join(profile_lines(t["profile"], "one training step")))

@@ -157,3 +157,14 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
         "share_by_category": {c: t / total for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": e.key[:120], "ms": self_time(e) / 1000.0, "share": self_time(e) / total, "calls": e.count} for e in top],
     }
+
+
+def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") -> list[str]:
+    """Plain-text lines of a profile_summary result: the share per kernel category (and, when
+    measured, how busy the GPU was), then the top kernels."""
+    busy = f", GPU busy {profile['gpu_busy']:.0%} of the timed wall time" if profile.get("gpu_busy") is not None else ""
+    shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
+    lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
+    for k in profile["top_kernels"][:top]:
+        lines.append(f"{indent}  {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
+    return lines

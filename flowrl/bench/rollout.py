@@ -26,7 +26,7 @@ import torch
 from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable, pipeline_prompt_kwargs
 from flowrl.bench.report import (
-    JsonReport, environment, format_table, median, peak_memory_gb, profile_summary, quiet_libraries,
+    JsonReport, environment, format_table, median, peak_memory_gb, profile_lines, profile_summary, quiet_libraries,
     reset_peak_memory, resolve_device_dtype, time_runs,
 )
 from flowrl.bench.summary import lora_label
@@ -287,7 +287,4 @@ def _print_summary(data: dict) -> None:
     if profile and profile.get("total_ms", 0) < 0.01:
         print(f"   profile of {profile['mode']}: no kernels recorded (on a CPU the engine thread's ops are not captured)")
     elif profile and "share_by_category" in profile:
-        shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
-        print(f"   profile of {profile['mode']} ({profile['steps']} steps, {profile['clock']} time {profile['total_ms']:.0f} ms): {shares}")
-        for k in profile["top_kernels"][:8]:
-            print(f"     {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
+        print("\n".join(profile_lines(profile, f"{profile['mode']} ({profile['steps']} steps)")))

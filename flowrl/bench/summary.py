@@ -86,7 +86,14 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
                      f"(runs: {ms_list(t.get('seconds', []))}), "
                      f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
-                     f"peak {t['peak_memory_gb'] or 0:.0f} GB")
+                     f"peak {t['peak_memory_gb'] or 0:.0f} GB"
+                     f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}")
+        profile = t.get("profile")
+        if profile and profile.get("share_by_category"):
+            busy = f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None else ""
+            shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
+            lines.append(f"- profile of the training step ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}")
+            lines += [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:8]]
     elif t:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
     return lines + [""]

@@ -74,6 +74,30 @@ def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
     assert step["micro_batch"] == 4 and step["flops_forward_backward"] > 0 and step["optimizer_step_included"]
 
 
+def test_bench_logprob_gradient_checkpointing_recomputes_and_profile_reports(tmp_path, capsys):
+    """--gradient-checkpointing times the step as the recipes train: the forward is run again in
+    the backward (more FLOPs executed), and the log-probs are unchanged. --profile adds one
+    profiled step to the report and the printout."""
+    def bench(name, *extra):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "logprob", "--model", "tiny-qwen", "-n", "2", "--steps", "3", "--size", "64",
+                     "--micro-batches", "2", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
+                     "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    plain = bench("plain")
+    checkpointed = bench("checkpointed", "--gradient-checkpointing", "--profile")
+    assert checkpointed["settings"]["gradient_checkpointing"] and not plain["settings"]["gradient_checkpointing"]
+    flops = [r["training_step"]["flops_forward_backward"] for r in (plain, checkpointed)]
+    assert flops[1] > flops[0] * 1.2, flops  # the recomputed forward is counted
+    assert checkpointed["gaps"][0]["max_abs_diff"] < 1e-5
+    profile = checkpointed["training_step"]["profile"]
+    assert profile["total_ms"] > 0 and profile["top_kernels"] and "gpu_busy" not in profile  # CPU: no busy share
+    assert "profile" not in plain["training_step"]
+    printed = capsys.readouterr().out
+    assert "profile of one training step" in printed and "gradient checkpointing" in printed
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--modes", "engine-batched,warp-drive"], "--modes"),
     (["--num-layers", "2"], "--num-layers"),
