@@ -5,8 +5,9 @@
 #
 # Suites (each fits one 10-minute device command on its own; estimates for one H200):
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
-#             tests/trainer: bf16 training runs on CUDA, eager and compiled, and their log-prob gaps;
-#             tests/models: cuDNN attention output read in place by the projections)   ~4 min
+#             tests/models: the hand-written kernels, cuDNN attention output read in place) ~2 min
+#   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
+#             (as the GPU recipes train), and their log-prob gaps                        ~5 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -19,8 +20,11 @@
 #   qwen-logprob-compiled-full  the same gap with full fine-tuning (--lora-rank 0): the rollout's
 #                      hand-written q/k and v kernels apply (plain projections); no optimizer;
 #                      a profile of the training step                                           ~4 min
-#   qwen-train-step    the compiled LoRA rank-32 training step as the recipes train it (gradient
-#                      checkpointing), micro-batch 2, profiled (GPU busy share, top kernels)    ~3 min
+#   qwen-train-step    the compiled LoRA rank-32 gap and training step as the Qwen recipe trains
+#                      (bf16 autocast, true CFG 4, gradient checkpointing), micro-batch 2
+#                      (4 rows), profiled (GPU busy share, top kernels)                        ~4 min
+#   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
+#                      gradient checkpointing one at a time, all together, and eager           ~3 min
 #   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
 #                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
@@ -92,10 +96,11 @@ script() {
 suite() {
   local log=$1 s=$2
   case $s in
-    tests)
-      echo "[gpu_bench] pytest -m gpu tests/bench tests/trainer tests/models" | tee -a "$log"
-      timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/bench tests/trainer tests/models >>"$log" 2>&1
-      echo "[gpu_bench] tests exit $?" | tee -a "$log" ;;
+    tests|tests-trainer)
+      local dirs="tests/bench tests/models"; [[ $s == tests-trainer ]] && dirs=tests/trainer
+      echo "[gpu_bench] pytest -m gpu $dirs" | tee -a "$log"
+      timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
+      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
         --profile engine-batched-compiled --profile-steps 2
@@ -123,8 +128,20 @@ suite() {
       run qwen-logprob-compiled-full 300 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 --profile ;;
     qwen-train-step)
-      run qwen-train-step 240 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 2 \
-        --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --profile ;;
+      run qwen-train-step 300 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 1,2 \
+        --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --autocast bf16 \
+        --guidance-scale 4.0 --profile ;;
+    tiny-qwen-gap-variants)  # the tiny Qwen-Image's compiled gap on CUDA, one setting changed at a time
+      for v in "" "--guidance-scale 2.0" "--autocast bf16" "--gradient-checkpointing" \
+               "--guidance-scale 2.0 --autocast bf16 --gradient-checkpointing"; do
+        echo "[gpu_bench] tiny-qwen gap, compiled $v" | tee -a "$log"
+        timeout 120 python3 -m flowrl.cli bench logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
+          --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 --compile $v 2>&1 | grep "micro-batch [14]:" | tee -a "$log"
+      done
+      echo "[gpu_bench] tiny-qwen gap, eager --guidance-scale 2.0 --autocast bf16 --gradient-checkpointing" | tee -a "$log"
+      timeout 120 python3 -m flowrl.cli bench logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
+        --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 --guidance-scale 2.0 --autocast bf16 \
+        --gradient-checkpointing 2>&1 | grep "micro-batch [14]:" | tee -a "$log" ;;
     qwen-gemm-shapes)
       script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
     qwen-floor)

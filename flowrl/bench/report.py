@@ -143,7 +143,10 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
             return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
         return float(e.self_cpu_time_total)
 
-    kernels = [e for e in events if self_time(e) > 0 and (on_gpu or e.key.startswith("aten::"))]
+    # On a GPU, only the device's own events (kernels, memsets, copies): an eager op called on
+    # this thread also carries its kernels' time as its own, and would count them twice.
+    kernels = [e for e in events if self_time(e) > 0
+               and (e.device_type != torch.autograd.DeviceType.CPU if on_gpu else e.key.startswith("aten::"))]
     total = sum(self_time(e) for e in kernels) or 1.0
     categories: dict[str, float] = {}
     for e in kernels:

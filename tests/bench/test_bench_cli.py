@@ -279,3 +279,16 @@ def test_summary_prints_every_benchmark_file(tmp_path, capsys):
     runs = json.loads(logprob.read_text())["training_step"]["seconds"]
     assert f"(runs: {summary.ms_list(runs)})" in out and len(runs) == 2
     assert "### cut.json: unreadable" in out
+
+
+@pytest.mark.gpu
+def test_profile_counts_each_kernel_once_on_gpu():
+    """An eager op on the profiling thread carries its kernel's device time as its own; counting
+    both made a training step's GPU busy share 115% (run 34). Only device events count."""
+    from flowrl.bench.report import profile_summary
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    profile = profile_summary(lambda: [a @ a for _ in range(4)], torch.device("cuda"))
+    names = [k["name"] for k in profile["top_kernels"]]
+    assert not any(name.startswith("aten::") for name in names), names
+    assert abs(sum(profile["share_by_category"].values()) - 1.0) < 1e-6 and profile["share_by_category"].get("matmul", 0) > 0.9
