@@ -26,7 +26,10 @@ The arithmetic rounds where eager PyTorch does in bfloat16 (float32 math, bf16 r
 
 so the gate + residual is bit-for-bit eager's, and the norm differs from eager's (and inductor's)
 only in its float32 reduction order. The compiled rollout (no-grad graphs, CUDA) calls it;
-training graphs keep the PyTorch expression, which autograd differentiates. Without Triton (CPU
+training graphs keep the PyTorch expression, which autograd differentiates. Under autocast (a
+rollout with the trainer's mixed precision) those are not eager's rounding points: LayerNorm
+returns float32 there and the modulated input is rounded once, by the next linear layer; the
+block then keeps the PyTorch expression (`qwen_block._norm_kernel_applies`). Without Triton (CPU
 builds) `available()` is False and callers keep the PyTorch expression.
 """
 

@@ -128,9 +128,10 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
     """Whether a sequence-major block builds its joint q and k with the hand-written kernel
     (flowrl.models.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
     graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
-    q/k projections and norms the kernel reproduces. `attn._flowrl_joint_kernel = False` turns it
-    off, and with it the joint v projection; `attn._flowrl_joint_v = False` only the latter
-    (benchmark A/B)."""
+    q/k projections and norms the kernel reproduces. Autocast does not change RMSNorm or the
+    rotation, so the kernel applies under it; the joint v projection does not (`_autocast_on`).
+    `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v projection;
+    `attn._flowrl_joint_v = False` only the latter (benchmark A/B)."""
     return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
             and torch.compiler.is_compiling() and _plain_qk_projections(attn)
             and all(qk_norm_rope.applicable(img_q, norm, rope)
@@ -146,7 +147,7 @@ def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope):
         return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
     q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
     k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-    if getattr(attn, "_flowrl_joint_v", True) and joint_linear.applies(attn.add_v_proj, attn.to_v):
+    if getattr(attn, "_flowrl_joint_v", True) and not _autocast_on(img) and joint_linear.applies(attn.add_v_proj, attn.to_v):
         return q, k, _split_heads(attn, joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v))
     return q, k, torch.cat((_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img))))
 
@@ -183,13 +184,23 @@ def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torc
     return img_out, attn.to_add_out(out[:seq_txt])
 
 
+def _autocast_on(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device. Under autocast LayerNorm returns float32, so the
+    modulated input stays float32 until the next linear layer casts it once: not the bf16
+    rounding points the modulated-norm kernel reproduces, and not an input the joint v
+    projection takes. (Dynamo guards compiled graphs on the autocast state.)"""
+    return torch.is_autocast_enabled(x.device.type)
+
+
 def _norm_kernel_applies(block, img: torch.Tensor) -> bool:
     """Whether a sequence-major block runs its LayerNorm + modulation and gate + residual steps
     with the hand-written kernel (flowrl.models.modulated_norm): as the q/k kernel, only inside a
-    compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it reproduces.
+    compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it reproduces, and
+    not under autocast (the trainer's mixed precision; run 35: with the kernel, a rollout under
+    bf16 autocast and the trainer's graph differed by a log-prob gap of mean 2.4e-5).
     `block._flowrl_norm_kernel = False` turns it off (benchmark A/B)."""
     return (getattr(block, "_flowrl_norm_kernel", True) and not torch.is_grad_enabled()
-            and torch.compiler.is_compiling()
+            and torch.compiler.is_compiling() and not _autocast_on(img)
             and all(modulated_norm.applicable(img, norm) for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)))
 
 

@@ -60,3 +60,37 @@ def test_flops_count_attention_and_scale_with_rows(name):
 def test_matmul_peak_is_positive_and_sustained_runs_longer():
     peak = flops.measure_matmul_peak(torch.device("cpu"), torch.float32, size=128, sustain_seconds=0.02)
     assert peak["burst_flops"] > 0 and peak["sustained_flops"] > 0 and peak["sustained_products"] >= 10
+
+
+def test_counting_flops_leaves_compiled_modules_compiled():
+    """Before count_flops ran compiled modules eagerly, dynamo met its dispatch mode and gave up
+    on the code object every in-place compiled module shares, so each later call ran eager: the
+    training-step profile of run 35 showed eager kernels only. Calls after a count must still
+    enter the compiled region."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flowrl.bench.flops import count_flops
+    from flowrl.models.base import compile_in_place
+
+    class Block(torch.nn.Module):  # a forward outside torch's files, which dynamo never traces
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    module = Block()
+    compile_in_place(module, "inductor")
+    x = torch.randn(4, 8)
+    module(x)  # compiles
+
+    def compiled_regions() -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            module(x)
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("Torch-Compiled Region"))
+
+    assert compiled_regions() == 1
+    assert count_flops(lambda: module(x)) == 2 * (2 * 4 * 8 * 8)  # two 4x8 @ 8x8 GEMMs
+    assert compiled_regions() == 1

@@ -295,6 +295,44 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
 
 
 @pytest.mark.gpu
+def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
+    """Under bf16 autocast (a rollout with the trainer's mixed precision) LayerNorm returns
+    float32, so the modulated input is rounded once, by the next linear layer. The modulated-norm
+    kernel rounds as a bf16 model without autocast does, and the joint v projection takes bf16
+    inputs only: neither may run there (with the kernel, the rollout's and trainer's log-probs
+    differed by mean 2.4e-5, run 35). The q/k kernel's RMSNorm and rotation are the same under
+    autocast, so it stays."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import types
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flowrl.models import qwen_block
+    from flowrl.models.base import compile_in_place
+
+    block = _cuda_block()
+    block.attn.set_processor(qwen_block.RealRopeQwenAttention())
+    block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
+    compile_in_place(block, "inductor", "eager")
+    torch.manual_seed(1)
+    img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
+                  temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, code = run_and_get_code(lambda: block(**kwargs))
+            eager = qwen_block._sequence_major_forward(block, **kwargs)
+        _, plain_code = run_and_get_code(lambda: block(**kwargs))  # autocast off: a graph of its own
+    code, plain_code = "\n".join(code), "\n".join(plain_code)
+    assert "joint_norm_rope" in code and "_modulated_norm_kernel" not in code and "joint_linear" not in code
+    assert "_modulated_norm_kernel" in plain_code and "joint_linear" in plain_code
+    for got, want in zip(out, eager):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("width", [3072, 320])  # Qwen-Image's width, and one that is no power of two
 def test_modulated_norm_kernel_rounds_like_pytorch(width):
     """flowrl.models.modulated_norm on CUDA against the block's PyTorch expressions in bf16: the
