@@ -24,7 +24,8 @@
 #                      (bf16 autocast, true CFG 4, gradient checkpointing), micro-batch 2
 #                      (4 rows), profiled (GPU busy share, top kernels)                        ~4 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
-#                      gradient checkpointing one at a time, all together, and eager           ~3 min
+#                      gradient checkpointing one at a time, all together, full fine-tuning
+#                      under autocast, and eager                                              ~3 min
 #   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
 #                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
@@ -133,7 +134,7 @@ suite() {
         --guidance-scale 4.0 --profile ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's compiled gap on CUDA, one setting changed at a time
       for v in "" "--guidance-scale 2.0" "--autocast bf16" "--gradient-checkpointing" \
-               "--guidance-scale 2.0 --autocast bf16 --gradient-checkpointing"; do
+               "--guidance-scale 2.0 --autocast bf16 --gradient-checkpointing" "--lora-rank 0 --autocast bf16"; do
         echo "[gpu_bench] tiny-qwen gap, compiled $v" | tee -a "$log"
         timeout 120 python3 -m flowrl.cli bench logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
           --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 --compile $v 2>&1 | grep "micro-batch [14]:" | tee -a "$log"
