@@ -5,9 +5,9 @@
 #
 # Suites (each fits one 10-minute device command on its own; estimates for one H200):
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
-#             tests/models: the hand-written kernels, cuDNN attention output read in place) ~2 min
+#             tests/models: the hand-written kernels, cuDNN attention output read in place) ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
-#             (as the GPU recipes train), and their log-prob gaps                        ~5 min
+#             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -75,22 +75,29 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=index,name,power.limit,clocks.max.sm,memory.total --format=csv | tee -a "$OUT/log.txt"
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/log.txt"
 
+# within_budget NAME CAP LOG: sets LIMIT to CAP or what the budget has left; fails (and logs the
+# skip) when under 30 s are left.
+within_budget() {
+  local left=$(( BUDGET - (SECONDS - START) - 20 ))
+  LIMIT=$(( $2 < left ? $2 : left ))
+  if (( LIMIT < 30 )); then echo "[gpu_bench] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
+}
+
 # run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
 run() {
   local name=$1 cap=$2 log=$3; shift 3
-  local left=$(( BUDGET - (SECONDS - START) - 20 ))
-  local limit=$(( cap < left ? cap : left ))
-  if (( limit < 30 )); then echo "[gpu_bench] skip $name: ${left}s left in the budget" | tee -a "$log"; return 0; fi
-  echo "[gpu_bench] $name (limit ${limit}s): flowrl bench $*" | tee -a "$log"
-  timeout -k 10 "$limit" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
+  within_budget "$name" "$cap" "$log" || return 0
+  echo "[gpu_bench] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
+  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
   echo "[gpu_bench] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 
-# script NAME CAP LOG ARGS...: `python3 ARGS` (a benchmarks/ script), logged, within CAP seconds.
+# script NAME CAP LOG ARGS...: `python3 ARGS` (a benchmarks/ script), logged, within the budget.
 script() {
   local name=$1 cap=$2 log=$3; shift 3
-  echo "[gpu_bench] python3 $*" | tee -a "$log"
-  timeout "$cap" python3 "$@" 2>&1 | grep -v USDT >>"$log"
+  within_budget "$name" "$cap" "$log" || return 0
+  echo "[gpu_bench] python3 $* (limit ${LIMIT}s)" | tee -a "$log"
+  timeout -k 10 "$LIMIT" python3 "$@" 2>&1 | grep -v USDT >>"$log"
   echo "[gpu_bench] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
@@ -99,8 +106,9 @@ suite() {
   case $s in
     tests|tests-trainer)
       local dirs="tests/bench tests/models"; [[ $s == tests-trainer ]] && dirs=tests/trainer
-      echo "[gpu_bench] pytest -m gpu $dirs" | tee -a "$log"
-      timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
+      within_budget "$s" 420 "$log" || return 0
+      echo "[gpu_bench] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
+      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
       echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
@@ -132,17 +140,16 @@ suite() {
       run qwen-train-step 300 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 1,2 \
         --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --autocast bf16 \
         --guidance-scale 4.0 --profile ;;
-    tiny-qwen-gap-variants)  # the tiny Qwen-Image's compiled gap on CUDA, one setting changed at a time
-      for v in "" "--guidance-scale 2.0" "--autocast bf16" "--gradient-checkpointing" \
-               "--guidance-scale 2.0 --autocast bf16 --gradient-checkpointing" "--lora-rank 0 --autocast bf16"; do
-        echo "[gpu_bench] tiny-qwen gap, compiled $v" | tee -a "$log"
-        timeout 120 python3 -m flowrl.cli bench logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
-          --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 --compile $v 2>&1 | grep "micro-batch [14]:" | tee -a "$log"
-      done
-      echo "[gpu_bench] tiny-qwen gap, eager --guidance-scale 2.0 --autocast bf16 --gradient-checkpointing" | tee -a "$log"
-      timeout 120 python3 -m flowrl.cli bench logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
-        --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 --guidance-scale 2.0 --autocast bf16 \
-        --gradient-checkpointing 2>&1 | grep "micro-batch [14]:" | tee -a "$log" ;;
+    tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
+      local i=0 v
+      for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \
+               "--compile --guidance-scale 2.0 --autocast bf16 --gradient-checkpointing" "--compile --lora-rank 0 --autocast bf16" \
+               "--guidance-scale 2.0 --autocast bf16 --gradient-checkpointing"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086  # $v is a list of flags
+        run tiny-qwen-gap-$i 120 "$log" logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
+          --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 $v
+      done ;;
     qwen-gemm-shapes)
       script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
     qwen-floor)

@@ -126,6 +126,16 @@ _KERNEL_CATEGORIES = (
 )
 
 
+def device_events(events) -> list:
+    """The GPU's own work among a profile's key_averages: kernels, memsets and copies. Left out:
+    the host's ops (an eager op called on the profiled thread carries its kernels' time as its
+    own) and the GPU-side copies of host annotations (`Optimizer.step#AdamW.step` spans the
+    optimizer's kernels); either would count those kernels twice (run 34: 115% busy)."""
+    host = torch.autograd.DeviceType.CPU
+    host_names = {e.key for e in events if e.device_type == host}
+    return [e for e in events if e.device_type != host and e.key not in host_names]
+
+
 def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
     """Run fn() under torch.profiler; return device time per kernel category and the top kernels
     (self device time, or self CPU time on a CPU run)."""
@@ -143,10 +153,8 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
             return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
         return float(e.self_cpu_time_total)
 
-    # On a GPU, only the device's own events (kernels, memsets, copies): an eager op called on
-    # this thread also carries its kernels' time as its own, and would count them twice.
-    kernels = [e for e in events if self_time(e) > 0
-               and (e.device_type != torch.autograd.DeviceType.CPU if on_gpu else e.key.startswith("aten::"))]
+    kernels = [e for e in (device_events(events) if on_gpu else [e for e in events if e.key.startswith("aten::")])
+               if self_time(e) > 0]
     total = sum(self_time(e) for e in kernels) or 1.0
     categories: dict[str, float] = {}
     for e in kernels:

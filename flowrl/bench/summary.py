@@ -74,7 +74,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
     s = data.get("settings", {})
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
              f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, "
-             f"{_compiled_label(s)}, {_gpu(data)}", "",
+             f"autocast {s.get('autocast', 'no')}, {_compiled_label(s)}, {_gpu(data)}", "",
              "| trainer micro-batch | mean abs gap | max abs gap |", "|---|---|---|"]
     for g in data.get("gaps", []):
         if "error" in g:
