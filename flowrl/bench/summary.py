@@ -63,11 +63,17 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
         lines.append(f"- {label}: {value:.3f}")
     profile = data.get("profile")
     if profile and profile.get("share_by_category"):
-        shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
-        lines.append(f"- profile of {profile['mode']} ({profile['clock']} time): {shares}")
-        for k in profile.get("top_kernels", [])[:5]:
-            lines.append(f"  - {k['share']:.1%} {k['name']}")
+        lines += _profile_markdown(profile, profile["mode"], top=5)
     return lines + [""]
+
+
+def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
+    """A profile_summary result as markdown lines: the share per kernel category (and how busy
+    the GPU was, when measured), then the top kernels."""
+    busy = f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None else ""
+    shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
+    return ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
+            + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
 
 
 def logprob_markdown(name: str, data: dict) -> list[str]:
@@ -90,10 +96,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                      f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}")
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
-            busy = f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None else ""
-            shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
-            lines.append(f"- profile of the training step ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}")
-            lines += [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:8]]
+            lines += _profile_markdown(profile, "the training step", top=8)
     elif t:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
     return lines + [""]
