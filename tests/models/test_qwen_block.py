@@ -212,6 +212,29 @@ def _tables(tokens: int, head_dim: int = 128):
     return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2).contiguous()
 
 
+def _compiled_sequence_major_block(use_kernels: bool):
+    """A CUDA block compiled as the rollout compiles it (sequence-major forward, real RoPE), with
+    the hand-written kernels on or off, and the arguments of one call (4 rows, 16 text and 256
+    image tokens)."""
+    import types
+
+    from flowrl.models import qwen_block
+    from flowrl.models.base import compile_in_place
+
+    block = _cuda_block()
+    block.attn.set_processor(qwen_block.RealRopeQwenAttention())
+    block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
+    block.attn._flowrl_joint_kernel = use_kernels
+    block._flowrl_norm_kernel = use_kernels
+    compile_in_place(block, "inductor", "eager")
+    torch.manual_seed(1)
+    img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
+                  temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+    return block, kwargs
+
+
 def test_qk_kernel_reproduces_only_diffusers_rmsnorm():
     """flowrl.models.qk_norm_rope.applicable: never on the CPU, and never for a norm whose rounding
     it does not reproduce (torch's own RMSNorm), whatever the device."""
@@ -261,26 +284,11 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
     inductor's kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import types
-
     from torch._inductor.utils import run_and_get_code
-
-    from flowrl.models import qwen_block
-    from flowrl.models.base import compile_in_place
 
     outputs = {}
     for use_kernel in (True, False):
-        block = _cuda_block()
-        block.attn.set_processor(qwen_block.RealRopeQwenAttention())
-        block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
-        block.attn._flowrl_joint_kernel = use_kernel
-        block._flowrl_norm_kernel = use_kernel
-        compile_in_place(block, "inductor", "eager")
-        torch.manual_seed(1)
-        img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-        txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-        kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
-                      temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+        block, kwargs = _compiled_sequence_major_block(use_kernel)
         with torch.no_grad():
             out, code = run_and_get_code(lambda: block(**kwargs))
         assert ("joint_norm_rope" in "\n".join(code)) == use_kernel
@@ -304,22 +312,11 @@ def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
     autocast, so it stays."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import types
-
     from torch._inductor.utils import run_and_get_code
 
     from flowrl.models import qwen_block
-    from flowrl.models.base import compile_in_place
 
-    block = _cuda_block()
-    block.attn.set_processor(qwen_block.RealRopeQwenAttention())
-    block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
-    compile_in_place(block, "inductor", "eager")
-    torch.manual_seed(1)
-    img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-    txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-    kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
-                  temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+    block, kwargs = _compiled_sequence_major_block(use_kernels=True)
     with torch.no_grad():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out, code = run_and_get_code(lambda: block(**kwargs))
