@@ -58,5 +58,7 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
         for key in ("actor/policy_loss", "actor/grad_norm", "actor/logprob_gap_max"):
             assert record[key] is not None and torch.isfinite(torch.tensor(record[key])), (key, record)
         # The compiled rollout and trainer round where eager does, and each step's gap is taken
-        # before that step's first optimizer update, so the bound holds at every step.
+        # before that step's first optimizer update, so the bound holds at every step
+        # (run 36: at most 5.0e-5; 4.4e-4 while the rollout's modulated-norm kernel ran under
+        # autocast, run 34).
         assert record["actor/logprob_gap_max"] < 1e-4, gaps
