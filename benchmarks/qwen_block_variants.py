@@ -34,7 +34,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from flowrl.bench.floor import sustained_seconds
-from flowrl.models.base import compile_in_place
+from flowrl.models.regional_compile import compile_in_place
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
 from flowrl.models.qwen_block import RealRopeQwenAttention, _sequence_major_forward
 from flowrl.models.qwen_image import QwenImageAdapter

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowrl.models.base import COMPILE_ROUNDINGS
+from flowrl.models.regional_compile import COMPILE_ROUNDINGS
 
 
 def _positive(value: str) -> int:

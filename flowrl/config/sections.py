@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 
 from flowrl.engine.request import SamplingParams
-from flowrl.models.base import check_compile_rounding
+from flowrl.models.regional_compile import check_compile_rounding
 
 DTYPES = ("float32", "bfloat16", "float16")
 MODEL_FAMILIES = ("auto", "sd3", "qwen_image")
@@ -94,7 +94,7 @@ class EngineConfig:
         fused into the MLP's GEMM on CUDA (flowrl.models.fused_mlp).
     compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
         PyTorch does, so rollout and trainer log-probs agree) or "fused" (faster, small log-prob
-        gap); see flowrl.models.base.COMPILE_ROUNDINGS.
+        gap); see flowrl.models.regional_compile.COMPILE_ROUNDINGS.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 

@@ -33,7 +33,8 @@ from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.request import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
-from flowrl.models.base import COMPILE_BACKENDS, FlowModelAdapter, PromptEncoding, check_compile_rounding
+from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.models.regional_compile import COMPILE_BACKENDS, check_compile_rounding
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class DiffusionEngine:
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
         # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
-        # compile_rounding: "eager" or "fused" (flowrl.models.base.COMPILE_ROUNDINGS).
+        # compile_rounding: "eager" or "fused" (flowrl.models.regional_compile.COMPILE_ROUNDINGS).
         check_compile_rounding(compile_rounding)
         if compile_rounding != "eager" and not compile:
             raise ValueError(f"compile_rounding={compile_rounding!r} applies to compiled modules only; "

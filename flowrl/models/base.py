@@ -23,14 +23,13 @@ The adapter knows nothing about requests, scheduling or rewards.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch._inductor.config
 
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
+from flowrl.models.regional_compile import compile_in_place
 
 
 @dataclass
@@ -123,133 +122,6 @@ def to_uint8(image: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(image).all()):
         raise FloatingPointError("VAE decode produced non-finite pixels; check the latents and dtype")
     return ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-
-
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-
-# Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
-# whichever thread compiles (the engine thread compiles the rollout graph, the trainer's thread
-# the grad-mode graph; torch 2.13 keeps config overrides per thread).
-INDUCTOR_OPTIONS = {
-    # Tune each generated kernel's launch configuration by coordinate descent: +1.5% img/s on a
-    # compiled SD3.5-medium rollout on an H200 (docs/benchmarks.md), paid once at compile time.
-    "coordinate_descent_tuning": True,
-}
-
-# compile rounding -> inductor's emulate_precision_casts.
-# - "eager": low-precision intermediates inside fused kernels are rounded exactly where eager
-#   rounds them. Otherwise the trainer's grad-mode graph, which inductor fuses differently (it
-#   keeps some activations for backward), rounds at other points than the rollout's no-grad graph
-#   and log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
-#   3.4e-4 without it, exactly 0 with it (tests/bench/test_bench_cli.py); Qwen-Image on an H200,
-#   mean 2.5e-5 / max 4.8e-5 without it, 3.4e-6 / 9.7e-6 with it.
-# - "fused": rounding only where a kernel writes its output: that log-prob gap. It was 2.1-3.6%
-#   faster on a Qwen-Image rollout on an H200 (three A/B runs, each on one GPU), until the
-#   Qwen-Image adapter's no-grad inductor option removed the kernels that eager rounding had
-#   added (QwenImageAdapter.no_grad_inductor_options; docs/benchmarks.md runs 14-18).
-COMPILE_ROUNDINGS = {"eager": True, "fused": False}
-
-
-def check_compile_rounding(rounding: str, field: str = "compile_rounding") -> str:
-    if rounding not in COMPILE_ROUNDINGS:
-        raise ValueError(f"{field}={rounding!r} is unknown; use one of {tuple(COMPILE_ROUNDINGS)} "
-                         "(eager: rollout and trainer log-probs agree; fused: faster compiled kernels)")
-    return rounding
-
-
-def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
-    """The batch size (dim 0 of the first tensor argument) and the top-level tensor arguments that
-    carry it (hidden states, text states, masks, per-row timestep embeddings)."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if not tensors:
-        return 0, []
-    batch = tensors[0].shape[0]
-    return batch, [t for t in tensors if t.shape[0] == batch]
-
-
-def _repeat_rows(value, ids: set[int]):
-    return torch.cat([value, value]) if isinstance(value, torch.Tensor) and id(value) in ids else value
-
-
-def _first_row(value):
-    """Row 0 of every tensor in a module output (a tensor, or a tuple/list holding tensors)."""
-    if isinstance(value, torch.Tensor):
-        return value[:1]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_first_row(v) for v in value)
-    return value
-
-
-def compile_in_place(module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager",
-                     no_grad_options: dict | None = None) -> bool:
-    """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
-    Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
-    and weight sync see the same module. Returns False when it was compiled already.
-
-    Batch sizes: one graph serves every batch >= 2 (dim 0 marked dynamic outside the compiled
-    frame, hence the small wrapper; `dynamic=True` would also make token counts and widths
-    symbolic, which costs kernel quality). Torch specializes size 1, which would mean a second
-    compilation of every block variant; instead a batch of 1 runs as 2 identical rows and keeps
-    row 0 (the padding row only costs compute; the real row's result is the same function of its
-    inputs, up to batch-shape rounding like any batch).
-
-    rounding: where inductor's kernels round low-precision intermediates (see COMPILE_ROUNDINGS).
-    no_grad_options: inductor settings, on top of INDUCTOR_OPTIONS, for calls without autograd
-    (the rollout, old-log-prob recompute): those calls run a second compiled function with
-    them, calls with grad the plain one (FlowModelAdapter.no_grad_inductor_options).
-    A module compiled already with other settings is an error, not silently kept.
-    """
-    if backend not in COMPILE_BACKENDS:
-        raise ValueError(f"compile backend={backend!r} is unknown; use one of {COMPILE_BACKENDS}")
-    check_compile_rounding(rounding)
-    compiled_with = getattr(module, "_flowrl_compile_settings", None)
-    if compiled_with is not None:
-        if compiled_with != (backend, rounding):
-            raise ValueError(f"module is compiled already with (backend, rounding)={compiled_with}; "
-                             f"it cannot be recompiled with {(backend, rounding)} in this process")
-        return False
-    options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": COMPILE_ROUNDINGS[rounding]} if backend == "inductor" else None
-    compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
-    compiled_no_grad = compiled
-    if backend == "inductor" and no_grad_options:
-        # A separate torch.compile (dynamo guards entries on their backend, so the two never mix).
-        compiled_no_grad = torch.compile(module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options})
-
-    def call_with_dynamic_batch(*args, **kwargs):
-        _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's
-        batch, tensors = _batch_tensors(args, kwargs)
-        padded = batch == 1
-        if padded:
-            ids = {id(t) for t in tensors}
-            args = tuple(_repeat_rows(a, ids) for a in args)
-            kwargs = {k: _repeat_rows(v, ids) for k, v in kwargs.items()}
-            _, tensors = _batch_tensors(args, kwargs)
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        out = (compiled if torch.is_grad_enabled() else compiled_no_grad)(*args, **kwargs)
-        return _first_row(out) if padded else out
-
-    module._compiled_call_impl = call_with_dynamic_batch
-    module._flowrl_compile_settings = (backend, rounding)
-    return True
-
-
-def _raise_recompile_limit(minimum: int = 64) -> None:
-    # Regional compilation shares one code object (Module._call_impl) across every compiled
-    # block; block variants x (batch 1, batch >= 2) x (no-grad, grad) x (LoRA on/off) can pass
-    # torch's default limit of 8 graphs, after which blocks silently fall back to eager.
-    # torch 2.13 keeps config overrides per thread, so this runs in each calling thread (a
-    # thread-local flag keeps the per-call cost at a dict lookup: config reads cost ~3 us).
-    if getattr(_THREAD_STATE, "recompile_limit", 0) >= minimum:
-        return
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if getattr(config, name) < minimum:
-        setattr(config, name, minimum)
-    _THREAD_STATE.recompile_limit = minimum
-
-
-_THREAD_STATE = threading.local()
 
 
 class FlowModelAdapter:

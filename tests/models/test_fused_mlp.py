@@ -62,7 +62,7 @@ def test_compiled_module_raises_the_recompile_limit_in_the_calling_thread():
     the raised limit, or regional compilation silently falls back to eager after 8 graphs."""
     import threading
 
-    from flowrl.models.base import compile_in_place
+    from flowrl.models.regional_compile import compile_in_place
 
     module = torch.nn.Linear(4, 4)
     compile_in_place(module, "eager")

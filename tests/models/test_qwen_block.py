@@ -219,7 +219,7 @@ def _compiled_sequence_major_block(use_kernels: bool):
     import types
 
     from flowrl.models import qwen_block
-    from flowrl.models.base import compile_in_place
+    from flowrl.models.regional_compile import compile_in_place
 
     block = _cuda_block()
     block.attn.set_processor(qwen_block.RealRopeQwenAttention())
