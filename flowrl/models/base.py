@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
-from flowrl.models.regional_compile import compile_in_place
+from flowrl.models.regional_compile import compile_in_place, take_checkpoints_inside
 
 
 @dataclass
@@ -195,6 +195,9 @@ class FlowModelAdapter:
         for name, module in self.modules_to_compile():
             compile_in_place(module, backend, rounding, self.no_grad_inductor_options)
             names.append(name)
+        # Gradient checkpointing enabled before this call (as the trainer does) takes its
+        # checkpoints inside the compiled blocks; enabled later, diffusers' own wraps them.
+        take_checkpoints_inside(self.transformer)
         return names
 
 

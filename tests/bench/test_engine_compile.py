@@ -121,7 +121,8 @@ def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
     bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
     engine = DiffusionEngine(bench.adapter, compile=True, compile_rounding=rounding)
     engine.shutdown()
-    assert len(seen) == len(engine.compiled_modules) > 0
+    # Per module: the call, and the call with its gradient checkpoint inside (compiled lazily).
+    assert len(seen) == 2 * len(engine.compiled_modules) > 0
     for kwargs in seen:
         assert kwargs["backend"] == "inductor"
         assert kwargs["options"]["emulate_precision_casts"] is emulate
@@ -135,6 +136,8 @@ def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkey
     real_compile = torch.compile
 
     def recording(fn, **kw):
+        if fn.__name__ == "run_checkpointed":  # grad calls with checkpointing (none here)
+            return real_compile(fn, backend="eager")
         inner, record = real_compile(fn, backend="eager"), {"options": kw["options"], "calls": 0}
         compiled.append(record)
 
