@@ -26,6 +26,9 @@
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
+#   checkpoint-ab      benchmarks/checkpoint_host_time.py: one Qwen-Image training fwd + bwd (LoRA 32,
+#                      1 sample with CFG) with the gradient checkpoint inside each compiled block,
+#                      around it, and none: time, activations kept, equal log-probs          ~3 min
 #   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
 #                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
 #   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
@@ -150,6 +153,8 @@ suite() {
         run tiny-qwen-gap-$i 120 "$log" logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
           --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 $v
       done ;;
+    checkpoint-ab)
+      script "$s" 300 "$log" benchmarks/checkpoint_host_time.py --model qwen-image --samples 1 --size 512 --lora-rank 32 ;;
     qwen-gemm-shapes)
       script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
     qwen-floor)
