@@ -24,28 +24,11 @@ import torch
 
 from flowrl.bench.logprob import PROMPT, _rollout_tensors
 from flowrl.bench.models import build_bench_model, make_trainable
-from flowrl.bench.report import resolve_device_dtype, synchronize
+from flowrl.bench.report import resolve_device_dtype, saved_activation_bytes, synchronize
 from flowrl.engine.engine import DiffusionEngine
 from flowrl.engine.request import SamplingParams
 from flowrl.models.regional_compile import take_checkpoints_inside
 from flowrl.trainer.policy import TransitionSpec, score_transitions
-
-
-def saved_activation_bytes(fn, model: torch.nn.Module) -> int:
-    """Bytes of the distinct storages autograd saves while fn() runs, the model's parameters
-    (trainable or frozen) left out: saving a parameter costs no memory."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            sizes[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes.values())
 
 
 def main() -> None:

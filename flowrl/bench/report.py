@@ -179,3 +179,20 @@ def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") 
     for k in profile["top_kernels"][:top]:
         lines.append(f"{indent}  {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
     return lines
+
+
+def saved_activation_bytes(fn, model: torch.nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn() runs, the model's
+    parameters (trainable or frozen) left out: saving a parameter costs no memory."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(sizes.values())

@@ -8,21 +8,8 @@ import pytest
 import torch
 
 from flowrl.bench.models import build_bench_model, make_trainable
+from flowrl.bench.report import saved_activation_bytes
 from flowrl.models.regional_compile import checkpoint_inside
-
-
-def _saved_activation_bytes(fn, model: torch.nn.Module) -> int:
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in parameters:
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes.values())
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen", "tiny-sd3"])
@@ -57,7 +44,7 @@ def test_checkpoint_inside_compiled_blocks_keeps_values_and_saves_memory(model):
             transformer.disable_gradient_checkpointing()
         forward_backward(mode)  # compiles
         routed.clear()
-        results[f"{mode} bytes"] = _saved_activation_bytes(lambda: forward_backward(mode), transformer)
+        results[f"{mode} bytes"] = saved_activation_bytes(lambda: forward_backward(mode), transformer)
         assert routed == ([1] if mode == "inside" else [])  # the block's grad call went through its checkpoint
     assert torch.equal(results["inside"][0], results["none"][0])
     torch.testing.assert_close(results["inside"][1], results["none"][1], rtol=0.05, atol=1e-6)  # bf16 backward
