@@ -6,13 +6,16 @@
    dtype, under the trainer's --autocast as the colocated trainer sets it; with --compile, after
    regional torch.compile (as `engine.compile: true` in training).
 2. Every stored window transition is re-scored the way the trainer does it
-   (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent with grad
-   enabled, then sampler.sde_step(next_latents=...)), in micro-batches of each size of
-   --micro-batches, and compared with the rollout's log-prob: mean and max |diff| per window step
-   and overall. A micro-batch that does not fit in memory is reported as such.
+   (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent, then
+   sampler.sde_step(next_latents=...)), in micro-batches of each size of --micro-batches, once
+   without and once with grad, and compared with the rollout's log-prob: mean and max |diff| per
+   window step and overall, of the pass whose values the trainer uses (the no-grad pass when
+   compiled, see flowrl.trainer.policy) and of each pass. A micro-batch that does not fit in
+   memory is reported as such.
 3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
    LoRA) is timed (median of --train-repeats after a warm-up), with the transformer's gradient
-   checkpointing when --gradient-checkpointing asks (as the recipes train); its FLOPs are counted
+   checkpointing when --gradient-checkpointing asks (as the recipes train) and, compiled, the
+   trainer's extra no-grad pass; its FLOPs are counted
    once and MFU is reported against the matmul peak measured in the same run. --profile then
    profiles one more step: where its device time goes, and how much of the step's timed wall
    time the GPU was busy at all (a low share means the host, not the GPU, sets the pace).
@@ -60,23 +63,33 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dict:
-    """|trainer log-prob - rollout log-prob| per window step, recomputed with grad enabled."""
+    """|trainer log-prob - rollout log-prob| per window step, from a no-grad and a grad pass over
+    each micro-batch. The trainer's log-prob values are the no-grad pass's with a compiled model
+    (flowrl.trainer.policy, `values_from_no_grad`) and the grad pass's otherwise: the top-level
+    figures are those; both passes are reported."""
     from flowrl.trainer.policy import score_transitions
 
     num_samples, window = tensors["all_log_probs"].shape
-    diffs = torch.zeros(num_samples, window, dtype=torch.float64)
+    diffs = {"grad": torch.zeros(num_samples, window, dtype=torch.float64)}
+    diffs["no_grad"] = torch.zeros_like(diffs["grad"])
     t0 = time.perf_counter()
     for step in range(window):
         for start in range(0, num_samples, micro_batch):
             rows = torch.arange(start, min(start + micro_batch, num_samples))
             mb = {name: t[rows] for name, t in tensors.items()}
             step_index = torch.full((rows.shape[0],), step, dtype=torch.long)
-            with torch.enable_grad():
-                log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
-            diffs[rows, step] = (log_prob.double().cpu() - mb["all_log_probs"][:, step].double()).abs()
+            rollout = mb["all_log_probs"][:, step].double()
+            for mode, grad in (("no_grad", False), ("grad", True)):
+                with torch.set_grad_enabled(grad):
+                    log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
+                diffs[mode][rows, step] = (log_prob.double().cpu() - rollout).abs()
+    values_from = "no_grad" if adapter.is_compiled() else "grad"
+    trainer = diffs[values_from]
     return {
-        "micro_batch": micro_batch, "mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max()),
-        "mean_abs_diff_per_step": diffs.mean(dim=0).tolist(), "max_abs_diff_per_step": diffs.max(dim=0).values.tolist(),
+        "micro_batch": micro_batch, "trainer_values_from": f"{values_from} pass",
+        "mean_abs_diff": float(trainer.mean()), "max_abs_diff": float(trainer.max()),
+        "mean_abs_diff_per_step": trainer.mean(dim=0).tolist(), "max_abs_diff_per_step": trainer.max(dim=0).values.tolist(),
+        **{f"{mode}_pass": {"mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max())} for mode, d in diffs.items()},
         "rollout_log_prob_mean": float(tensors["all_log_probs"].double().mean()),
         "seconds": time.perf_counter() - t0,
     }
@@ -99,7 +112,8 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
 
     def forward_backward():
-        result = score_transitions(adapter, mb, step_index, spec, autocast_dtype)
+        result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
+                                   values_from_no_grad=adapter.is_compiled())  # as the trainer scores
         ratio = torch.exp(result.log_prob - old_log_prob)
         loss = -(advantages * ratio).mean()
         loss.backward()
@@ -224,11 +238,15 @@ def _print_summary(data: dict) -> None:
     rows = []
     for g in data["gaps"]:
         if "error" in g:
-            rows.append([g["micro_batch"], None, None, g["error"]])
+            rows.append([g["micro_batch"], None, None, None, None, g["error"]])
         else:
             per_step = " ".join(f"{v:.1e}" for v in g["max_abs_diff_per_step"])
-            rows.append([g["micro_batch"], g["mean_abs_diff"], g["max_abs_diff"], per_step])
-    print(format_table(["micro-batch", "mean |diff|", "max |diff|", "max |diff| per window step"], rows))
+            passes = [f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" for p in ("no_grad_pass", "grad_pass")]
+            rows.append([g["micro_batch"], g["mean_abs_diff"], g["max_abs_diff"], *passes, per_step])
+    values_from = next((g["trainer_values_from"] for g in data["gaps"] if "error" not in g), "?")
+    print(f"   |trainer - rollout| log-prob; the trainer's values come from the {values_from}")
+    print(format_table(["micro-batch", "mean |diff|", "max |diff|", "no-grad pass mean / max", "grad pass mean / max",
+                        "max |diff| per window step"], rows))
     t = data.get("training_step", {})
     if "error" in t:
         print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")

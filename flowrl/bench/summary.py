@@ -81,12 +81,16 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
     lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
              f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, "
              f"autocast {s.get('autocast', 'no')}, {_compiled_label(s)}, {_gpu(data)}", "",
-             "| trainer micro-batch | mean abs gap | max abs gap |", "|---|---|---|"]
+             "| trainer micro-batch | trainer's values from | mean abs gap | max abs gap | no-grad pass mean / max "
+             "| grad pass mean / max |", "|---|---|---|---|---|---|"]
     for g in data.get("gaps", []):
         if "error" in g:
-            lines.append(f"| {g['micro_batch']} | {g['error']} | |")
+            lines.append(f"| {g['micro_batch']} | {g['error']} | | | | |")
         else:
-            lines.append(f"| {g['micro_batch']} | {g['mean_abs_diff']:.2e} | {g['max_abs_diff']:.2e} |")
+            passes = " | ".join(f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" if p in g else "-"
+                                for p in ("no_grad_pass", "grad_pass"))
+            lines.append(f"| {g['micro_batch']} | {g.get('trainer_values_from', 'grad pass')} | {g['mean_abs_diff']:.2e} "
+                         f"| {g['max_abs_diff']:.2e} | {passes} |")
     t = data.get("training_step")
     if t and "error" not in t:
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "

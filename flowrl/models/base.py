@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
-from flowrl.models.regional_compile import compile_in_place, take_checkpoints_inside
+from flowrl.models.regional_compile import compile_in_place, is_compiled_in_place, take_checkpoints_inside
 
 
 @dataclass
@@ -199,6 +199,10 @@ class FlowModelAdapter:
         # checkpoints inside the compiled blocks; enabled later, diffusers' own wraps them.
         take_checkpoints_inside(self.transformer)
         return names
+
+    def is_compiled(self) -> bool:
+        """Whether `compile_modules` compiled this adapter's modules."""
+        return any(is_compiled_in_place(module) for _, module in self.modules_to_compile())
 
 
 def read_model_family(path: str | Path) -> str:

@@ -135,6 +135,11 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
     return True
 
 
+def is_compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether `compile_in_place` compiled `module`."""
+    return getattr(module, "_flowrl_compile_settings", None) is not None
+
+
 def _checkpointed(call):
     def run_checkpointed(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False, **kwargs)

@@ -7,6 +7,18 @@ the stored next latent. Same function, same inputs: on CPU float32 the result eq
 log-prob up to batch-shape rounding.
 
 The reference policy (for the KL term) is the same transformer with its LoRA adapter disabled.
+
+Compiled models (`engine.compile`): inductor compiles a block's grad-mode call (the trainer) and
+its no-grad call (the rollout, the old-log-prob recompute) into different graphs, which round
+bf16 intermediates differently where their fusions differ (and the rollout's graphs use
+hand-written kernels, the modulation table). With `values_from_no_grad`, a scored micro-batch runs
+the no-grad graph first and the grad graph second, and the result takes its VALUES from the first
+and only its GRADIENTS from the second (`value + (graded - graded.detach())`, exactly the no-grad
+value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
+gradient is that of the same function up to rounding. It costs one no-grad forward per scored
+micro-batch. Measured why on an H200 (docs/benchmarks.md): Qwen-Image at the Qwen recipe's
+settings, the grad graph's log-probs differ from the rollout's by mean 1.77e-5, above that
+recipe's clip range of 1e-5.
 """
 
 from __future__ import annotations
@@ -65,14 +77,17 @@ def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, devi
     return latents, next_latents, sigma, sigma_next
 
 
-def guided_velocity(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], latents, sigma, spec: TransitionSpec):
-    """The guided velocity the engine used for these rows (CFG rows in the same forward)."""
+def guided_velocity(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], latents, sigma, spec: TransitionSpec,
+                    sigma_values: list[float] | None = None):
+    """The guided velocity the engine used for these rows (CFG rows in the same forward).
+    sigma_values: the rows' sigmas as host floats, as the engine passes them (they select the
+    same modulation-table rows in a no-grad forward; see FlowModelAdapter.velocity)."""
     device = latents.device
     cond = _encodings(tensors, "", device)
     uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
     uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
     guidance = torch.full((latents.shape[0],), float(spec.guidance_scale), device=device)
-    return adapter.velocity(latents, sigma, cond, uncond, guidance, spec.height, spec.width)
+    return adapter.velocity(latents, sigma, cond, uncond, guidance, spec.height, spec.width, sigma_values=sigma_values)
 
 
 def score_transitions(
@@ -81,17 +96,37 @@ def score_transitions(
     step_index: torch.Tensor,
     spec: TransitionSpec,
     autocast_dtype: torch.dtype | None = None,
+    values_from_no_grad: bool = False,
 ) -> sampler.StepResult:
     """Log-prob (B,) of the stored next latents under the current policy, plus the step's mean
-    and std (for the KL). Gradients flow when called with grad enabled."""
+    and std (for the KL). Gradients flow when called with grad enabled; with `values_from_no_grad`
+    too, the log-prob's and the mean's values come from a no-grad pass (module docstring)."""
+    if not (values_from_no_grad and torch.is_grad_enabled()):
+        return _score(adapter, tensors, step_index, spec, autocast_dtype)
+    with torch.no_grad():
+        value = _score(adapter, tensors, step_index, spec, autocast_dtype)
+    graded = _score(adapter, tensors, step_index, spec, autocast_dtype)
+    # v + (g - g.detach()) is v exactly (g - g is 0), with g's gradient.
+    return sampler.StepResult(
+        next_latents=value.next_latents,
+        log_prob=value.log_prob + (graded.log_prob - graded.log_prob.detach()),
+        mean=value.mean + (graded.mean - graded.mean.detach()),
+        std=graded.std,
+    )
+
+
+def _score(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec,
+           autocast_dtype: torch.dtype | None) -> sampler.StepResult:
+    """One pass of score_transitions, with grad if grad is enabled."""
     device = adapter.device
+    sigma_values = tensors["all_timesteps"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None else contextlib.nullcontext()
     )
     with autocast:
-        velocity = guided_velocity(adapter, tensors, latents, sigma, spec)
+        velocity = guided_velocity(adapter, tensors, latents, sigma, spec, sigma_values)
     schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
     sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]
     return sampler.sde_step(

@@ -10,6 +10,10 @@
    (+ KL to the LoRA-disabled reference) and backpropagates; every `grad_accum` micro-batches it
    clips the gradient and takes one AdamW step.
 
+With a compiled model (`engine.compile`), every scored log-prob takes its value from the
+no-grad graph the rollout ran and its gradient from the grad graph (`values_from_no_grad`,
+flowrl.trainer.policy): one more no-grad forward per scored micro-batch.
+
 Every random choice derives from (seed, step), so a resumed run repeats the straight run exactly.
 The rollout-vs-trainer log-prob gap is measured on transitions scored by the policy that produced
 them: the recompute pass, or (rollout mode) micro-batches scored before the step's first update.
@@ -47,6 +51,8 @@ class PolicyUpdater:
         self.autocast_dtype = MIXED_PRECISION_DTYPES[mixed]
         self.scaler = torch.amp.GradScaler(adapter.device.type) if mixed == "fp16" else None
         self.num_optimizer_steps = 0
+        # Read once: the trainer compiles the model before building the updater.
+        self.values_from_no_grad = adapter.is_compiled()
 
     # -- helpers ------------------------------------------------------------------------------
     def _generator(self, *keys: int) -> torch.Generator:
@@ -65,7 +71,8 @@ class PolicyUpdater:
         mb = {name: t[rows] for name, t in tensors.items()}
         context = contextlib.nullcontext() if with_grad else torch.no_grad()
         with context:
-            return score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype)
+            return score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype,
+                                     values_from_no_grad=self.values_from_no_grad)
 
     def _reference_mean(self, tensors, rows, step_index):
         with torch.no_grad(), adapter_disabled(self.adapter.transformer):

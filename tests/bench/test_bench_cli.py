@@ -68,7 +68,9 @@ def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
     gaps = {g["micro_batch"]: g for g in report["gaps"]}
     assert set(gaps) == {1, 4}
     for gap in gaps.values():  # float32 on CPU: only batch-shape rounding separates the two paths
-        assert gap["max_abs_diff"] < 1e-5
+        assert gap["trainer_values_from"] == "grad pass"  # eager: one graph
+        assert gap["max_abs_diff"] < 1e-5 and gap["grad_pass"]["max_abs_diff"] == gap["max_abs_diff"]
+        assert gap["no_grad_pass"]["max_abs_diff"] < 1e-5
         assert len(gap["max_abs_diff_per_step"]) == 2  # window: every step but the last
     step = report["training_step"]
     assert step["micro_batch"] == 4 and step["flops_forward_backward"] > 0 and step["optimizer_step_included"]
@@ -153,7 +155,9 @@ def test_compiled_rollout_and_trainer_log_probs_agree_in_bf16(tmp_path):
     report = json.loads(out.read_text())
     assert report["settings"]["compile"] == "inductor"
     for gap in report["gaps"]:
-        assert gap["max_abs_diff"] <= 1e-6, gap
+        assert gap["trainer_values_from"] == "no_grad pass"  # compiled: the trainer's values (flowrl.trainer.policy)
+        for figures in (gap, gap["no_grad_pass"], gap["grad_pass"]):
+            assert figures["max_abs_diff"] <= 1e-6, gap
 
 
 def test_mixed_precision_rollout_matches_the_trainer(tmp_path):

@@ -19,7 +19,9 @@ def test_checkpoint_inside_compiled_blocks_keeps_values_and_saves_memory(model):
     transformer = adapter.transformer
     params = make_trainable(transformer, 4, adapter.default_lora_targets)
     transformer.enable_gradient_checkpointing()  # before compiling, as the trainer does
+    assert not adapter.is_compiled()
     adapter.compile_modules("inductor")
+    assert adapter.is_compiled()  # the trainer then takes log-prob values from the no-grad graph
     assert transformer._gradient_checkpointing_func is checkpoint_inside
     block = transformer.transformer_blocks[0]
     routed = []

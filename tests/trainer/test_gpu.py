@@ -53,7 +53,8 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line]
     assert len(records) == 3
     gaps = [(r["actor/logprob_gap_mean"], r["actor/logprob_gap_max"]) for r in records]
-    print(kind, old_log_prob, "compiled log-prob gap per step:", gaps)
+    print(kind, old_log_prob, "compiled log-prob gap per step:", gaps, "first update's ratio mean / max, clipfrac:",
+          records[0]["actor/ratio_mean"], records[0]["actor/ratio_max"], records[0]["actor/clipfrac"])
     for record in records:
         for key in ("actor/policy_loss", "actor/grad_norm", "actor/logprob_gap_max"):
             assert record[key] is not None and torch.isfinite(torch.tensor(record[key])), (key, record)

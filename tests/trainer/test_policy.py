@@ -68,3 +68,77 @@ def test_kl_reference_is_the_lora_disabled_model(make_cfg):
                 p.add_(0.05 * torch.randn_like(p))
     second = trainer.updater.update(tensors, adv, torch.ones(2), step=2)
     assert second["actor/kl"] > 0.0 and np.isfinite(second["actor/kl"])
+
+
+def _grad_graph_rounds_differently(monkeypatch, adapter_cls, offset=1e-3):
+    """Make the model's grad-mode forward differ from its no-grad forward by `offset`, as a
+    compiled model's two graphs may round differently (docs/benchmarks.md)."""
+    velocity = adapter_cls.velocity
+
+    def perturbed(self, *args, **kwargs):
+        out = velocity(self, *args, **kwargs)
+        return out + offset if torch.is_grad_enabled() else out
+
+    monkeypatch.setattr(adapter_cls, "velocity", perturbed)
+
+
+def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make_cfg, monkeypatch):
+    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.trainer.policy import score_transitions
+
+    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true"))
+    tensors = _rollout(trainer)
+    adapter, spec, params = trainer.adapter, trainer.spec, trainer.updater.params
+    with torch.no_grad():  # LoRA B starts at 0: move it so the LoRA weights get gradients of every kind
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    step_index = torch.zeros(2, dtype=torch.long)
+
+    def scored(values_from_no_grad):
+        result = score_transitions(adapter, tensors, step_index, spec, values_from_no_grad=values_from_no_grad)
+        (result.log_prob.sum() + result.mean.mean()).backward()  # linear: its gradient ignores the values
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return result, grads
+
+    plain, plain_grads = scored(False)
+    _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
+    with torch.no_grad():
+        no_grad = score_transitions(adapter, tensors, step_index, spec)
+    graded, graded_grads = scored(False)
+    combined, combined_grads = scored(True)
+    assert not torch.equal(graded.log_prob, no_grad.log_prob)  # the perturbation shows in the grad pass
+    assert torch.equal(combined.log_prob.detach(), no_grad.log_prob)
+    assert torch.equal(combined.mean.detach(), no_grad.mean)
+    for g, ref in zip(combined_grads, graded_grads):  # the grad pass's gradients
+        assert torch.equal(g, ref)
+    assert any(g.abs().sum() > 0 for g in combined_grads)
+    # Unperturbed (eager CPU), both passes agree: the same values and gradients as a plain grad pass.
+    monkeypatch.undo()
+    unperturbed, unperturbed_grads = scored(True)
+    assert torch.equal(unperturbed.log_prob.detach(), plain.log_prob.detach())
+    for g, ref in zip(unperturbed_grads, plain_grads):
+        assert torch.equal(g, ref)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg, monkeypatch, compiled):
+    """With a compiled model the trainer takes log-prob values from the no-grad graph (the
+    rollout's): a grad graph that rounds differently then no longer moves the first update's ratio."""
+    from flowrl.models.sd3 import SD3Adapter
+
+    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: compiled)
+    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
+                                       "algorithm.old_log_prob=recompute", "algorithm.clip_range=1e-6",
+                                       f"engine.compile={str(compiled).lower()}"))
+    assert trainer.updater.values_from_no_grad is compiled
+    tensors = _rollout(trainer)
+    _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
+    metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+    if compiled:
+        assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/clipfrac"] == 0.0
+    else:  # the grad graph's own values: the ratio moves by the perturbation and gets clipped
+        assert metrics["actor/ratio_mean"] != 1.0 and metrics["actor/clipfrac"] > 0.0
+    assert metrics["actor/grad_norm"] > 0.0
