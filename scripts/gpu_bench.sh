@@ -27,6 +27,7 @@
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
+#   sd35-train-step-eager  the same without engine.compile                                    ~3 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -150,9 +151,11 @@ suite() {
     qwen-train-step-eager)
       run qwen-train-step-eager 240 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 2 \
         --sde-window-size 2 --train-micro-batch 2 --gradient-checkpointing --autocast bf16 --guidance-scale 4.0 ;;
-    sd35-train-step)
-      run sd35-train-step 480 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 1,8 \
-        --train-micro-batch 8 --compile --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 --profile ;;
+    sd35-train-step|sd35-train-step-eager)
+      local compiled="--compile --profile"; [[ $s == *-eager ]] && compiled=""
+      # shellcheck disable=SC2086  # $compiled is a list of flags
+      run $s 520 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
+        --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 $compiled ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \
