@@ -47,6 +47,8 @@ def test_real_recipes_load_with_group_size_16():
         cfg = load_config(str(REPO / "recipes" / f"{name}.yaml"))
         assert cfg.rollout.n == 16 and cfg.rollout.enable_batched_diffusion
         assert cfg.trainer.lora.enabled and cfg.reward.name == "ocr"
+        # Compiled: the trainer's log-prob values then come from the rollout's graph (docs/training.md).
+        assert cfg.engine.compile and cfg.engine.compile_rounding == "eager"
 
 
 def test_cli_smoke(tiny_sd3_path, tmp_path):
