@@ -51,20 +51,20 @@ class TransitionSpec:
 def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
     """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
     its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
-    engine padded its forward."""
-    embeds = tensors[f"{prefix}prompt_embeds"]
+    engine padded its forward. Each stacked tensor goes to the device in one copy and the rows
+    are views of it (a copy per row and tensor was 104 host-blocking copies per scored SD3.5
+    micro-batch of 8 with CFG; docs/benchmarks.md run 39)."""
     mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
+    width = mask.shape[1]
+    # Lengths from the host mask (no device read-back); an all-False row keeps the full width.
+    last_true = width - 1 - mask.flip(1).int().argmax(dim=1)
+    lengths = torch.where(mask.any(dim=1), last_true + 1, torch.full_like(last_true, width)).tolist()
+    embeds = tensors[f"{prefix}prompt_embeds"].to(device)
+    mask = mask.to(device)
     pooled = tensors.get(f"{prefix}pooled_prompt_embeds")
-    encodings = []
-    for row in range(embeds.shape[0]):
-        true_positions = torch.nonzero(mask[row]).flatten()
-        length = int(true_positions[-1]) + 1 if true_positions.numel() else embeds.shape[1]
-        encodings.append(PromptEncoding(
-            embeds[row, :length].to(device),
-            mask[row, :length].to(device),
-            None if pooled is None else pooled[row].to(device),
-        ))
-    return encodings
+    pooled = None if pooled is None else pooled.to(device)
+    return [PromptEncoding(embeds[row, :length], mask[row, :length], None if pooled is None else pooled[row])
+            for row, length in enumerate(lengths)]
 
 
 def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, device):
@@ -77,17 +77,28 @@ def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, devi
     return latents, next_latents, sigma, sigma_next
 
 
-def guided_velocity(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], latents, sigma, spec: TransitionSpec,
-                    sigma_values: list[float] | None = None):
-    """The guided velocity the engine used for these rows (CFG rows in the same forward).
-    sigma_values: the rows' sigmas as host floats, as the engine passes them (they select the
-    same modulation-table rows in a no-grad forward; see FlowModelAdapter.velocity)."""
-    device = latents.device
+@dataclass
+class _StepInputs:
+    """What one scoring pass reads, on the device (built once for both passes of a value pass)."""
+
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    # The rows' sigmas as host floats, as the engine passes them: they select the same
+    # modulation-table rows in a no-grad forward (see FlowModelAdapter.velocity).
+    sigma_values: list[float]
+    cond: list[PromptEncoding]
+    uncond: list[PromptEncoding | None]
+
+
+def _step_inputs(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device) -> _StepInputs:
+    sigma_values = tensors["all_timesteps"][torch.arange(step_index.shape[0]), step_index].tolist()
+    latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     cond = _encodings(tensors, "", device)
     uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
     uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
-    guidance = torch.full((latents.shape[0],), float(spec.guidance_scale), device=device)
-    return adapter.velocity(latents, sigma, cond, uncond, guidance, spec.height, spec.width, sigma_values=sigma_values)
+    return _StepInputs(latents, next_latents, sigma, sigma_next, sigma_values, cond, uncond)
 
 
 def score_transitions(
@@ -101,11 +112,12 @@ def score_transitions(
     """Log-prob (B,) of the stored next latents under the current policy, plus the step's mean
     and std (for the KL). Gradients flow when called with grad enabled; with `values_from_no_grad`
     too, the log-prob's and the mean's values come from a no-grad pass (module docstring)."""
+    inputs = _step_inputs(tensors, step_index, spec, adapter.device)
     if not (values_from_no_grad and torch.is_grad_enabled()):
-        return _score(adapter, tensors, step_index, spec, autocast_dtype)
+        return _score(adapter, inputs, spec, autocast_dtype)
     with torch.no_grad():
-        value = _score(adapter, tensors, step_index, spec, autocast_dtype)
-    graded = _score(adapter, tensors, step_index, spec, autocast_dtype)
+        value = _score(adapter, inputs, spec, autocast_dtype)
+    graded = _score(adapter, inputs, spec, autocast_dtype)
     # v + (g - g.detach()) is v exactly (g - g is 0), with g's gradient.
     return sampler.StepResult(
         next_latents=value.next_latents,
@@ -115,24 +127,26 @@ def score_transitions(
     )
 
 
-def _score(adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec,
+def _score(adapter: FlowModelAdapter, inputs: _StepInputs, spec: TransitionSpec,
            autocast_dtype: torch.dtype | None) -> sampler.StepResult:
-    """One pass of score_transitions, with grad if grad is enabled."""
+    """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
+    engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
     device = adapter.device
-    sigma_values = tensors["all_timesteps"][torch.arange(step_index.shape[0]), step_index].tolist()
-    latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None else contextlib.nullcontext()
     )
+    sigma = inputs.sigma
+    guidance = torch.full((sigma.shape[0],), float(spec.guidance_scale), device=device)
     with autocast:
-        velocity = guided_velocity(adapter, tensors, latents, sigma, spec, sigma_values)
+        velocity = adapter.velocity(inputs.latents, sigma, inputs.cond, inputs.uncond, guidance, spec.height, spec.width,
+                                    sigma_values=inputs.sigma_values)
     schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
     sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]
     return sampler.sde_step(
-        latents, velocity.float(), sigma, sigma_next,
+        inputs.latents, velocity.float(), sigma, inputs.sigma_next,
         noise_level=torch.full_like(sigma, float(spec.noise_level)),
         sde_type=spec.sde_type,
-        next_latents=next_latents,
+        next_latents=inputs.next_latents,
         sigma_first_step=torch.full_like(sigma, float(sigma_first)),
     )

@@ -142,3 +142,35 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
     else:  # the grad graph's own values: the ratio moves by the perturbation and gets clipped
         assert metrics["actor/ratio_mean"] != 1.0 and metrics["actor/clipfrac"] > 0.0
     assert metrics["actor/grad_norm"] > 0.0
+
+
+class _CountingTensor(torch.Tensor):
+    """Counts Tensor.to calls on itself and on tensors derived from it (slices, rows)."""
+
+    to_calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            cls.to_calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
+    """Each stacked prompt tensor reaches the device in one copy (rows are views), and every row
+    is trimmed to its own length as the engine padded it; a row with an all-False mask keeps the
+    full width."""
+    from flowrl.trainer.policy import _encodings
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    embeds = torch.arange(4 * 4 * 2, dtype=torch.float32).reshape(4, 4, 2)
+    pooled = torch.randn(4, 3)
+    tensors = {"prompt_embeds": embeds.as_subclass(_CountingTensor), "prompt_embeds_mask": mask.as_subclass(_CountingTensor),
+               "pooled_prompt_embeds": pooled.as_subclass(_CountingTensor)}
+    _CountingTensor.to_calls = 0
+    encodings = _encodings(tensors, "", "cpu")
+    assert _CountingTensor.to_calls == 3  # embeds, mask, pooled: not one copy per row
+    assert [e.embeds.shape[0] for e in encodings] == [3, 1, 4, 4]
+    for row, e in enumerate(encodings):
+        assert torch.equal(e.embeds, embeds[row, :e.embeds.shape[0]]) and torch.equal(e.pooled, pooled[row])
+        assert torch.equal(e.mask, mask[row, :e.embeds.shape[0]])
