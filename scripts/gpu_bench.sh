@@ -16,7 +16,8 @@
 #   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
 #   qwen-cfg-compiled  the CFG rollout, compiled engine only                                 ~4 min
 #   qwen-compiled-lora the qwen rollout, compiled engine, with a rank-32 LoRA adapter on the
-#                      attention projections (as training rolls out)                         ~4 min
+#                      attention projections (as training rolls out), profiled: what LoRA's
+#                      small GEMMs cost per step                                               ~5 min
 #   qwen-logprob-compiled-full  the same gap with full fine-tuning (--lora-rank 0): the rollout's
 #                      hand-written q/k and v kernels apply (plain projections); no optimizer;
 #                      a profile of the training step                                           ~4 min
@@ -140,7 +141,7 @@ suite() {
         --compile --modes engine-batched-compiled --repeats 1 ;;
     qwen-compiled-lora)
       run qwen-compiled-lora-rollout 300 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \
-        --lora-rank 32 --modes engine-batched-compiled --repeats 2 ;;
+        --lora-rank 32 --modes engine-batched-compiled --repeats 2 --profile engine-batched-compiled --profile-steps 4 ;;
     qwen-logprob-compiled-full)
       run qwen-logprob-compiled-full 300 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4 --sde-window-size 2 --train-micro-batch 1 --compile --lora-rank 0 --profile ;;
