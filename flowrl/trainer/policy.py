@@ -117,12 +117,17 @@ def score_transitions(
         return _score(adapter, inputs, spec, autocast_dtype)
     with torch.no_grad():
         value = _score(adapter, inputs, spec, autocast_dtype)
-    graded = _score(adapter, inputs, spec, autocast_dtype)
-    # v + (g - g.detach()) is v exactly (g - g is 0), with g's gradient.
+    return with_values(_score(adapter, inputs, spec, autocast_dtype), value.log_prob, value.mean)
+
+
+def with_values(graded: sampler.StepResult, log_prob: torch.Tensor, mean: torch.Tensor | None = None) -> sampler.StepResult:
+    """`graded` (a grad pass) with the values `log_prob` (and `mean`, when given) and graded's
+    gradients: v + (g - g.detach()) is v exactly (g - g is 0)."""
+    log_prob = log_prob.to(graded.log_prob.device, graded.log_prob.dtype)
     return sampler.StepResult(
-        next_latents=value.next_latents,
-        log_prob=value.log_prob + (graded.log_prob - graded.log_prob.detach()),
-        mean=value.mean + (graded.mean - graded.mean.detach()),
+        next_latents=graded.next_latents,
+        log_prob=log_prob + (graded.log_prob - graded.log_prob.detach()),
+        mean=graded.mean if mean is None else mean + (graded.mean - graded.mean.detach()),
         std=graded.std,
     )
 

@@ -12,7 +12,9 @@
 
 With a compiled model (`engine.compile`), every scored log-prob takes its value from the
 no-grad graph the rollout ran and its gradient from the grad graph (`values_from_no_grad`,
-flowrl.trainer.policy): one more no-grad forward per scored micro-batch.
+flowrl.trainer.policy): one more no-grad forward per scored micro-batch, except where the
+recompute's values are those very values (`old_log_prob=recompute`, before the step's first
+optimizer update, no KL term): the recipes' default of one optimizer step per training step.
 
 Every random choice derives from (seed, step), so a resumed run repeats the straight run exactly.
 The rollout-vs-trainer log-prob gap is measured on transitions scored by the policy that produced
@@ -30,7 +32,7 @@ import torch
 
 from flowrl.trainer.loss import clipped_policy_loss
 from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions, with_values
 from flowrl.sampler import kl_to_reference
 
 
@@ -67,10 +69,16 @@ class PolicyUpdater:
         gen = self._generator(step, 1)
         return torch.stack([torch.randperm(window, generator=gen)[:count].sort().values for _ in range(num_rows)])
 
-    def _score(self, tensors, rows, step_index, with_grad: bool):
+    def _score(self, tensors, rows, step_index, with_grad: bool, known_log_prob: torch.Tensor | None = None):
+        """Score micro-batch `rows` at `step_index`. known_log_prob: the no-grad values of these
+        very forwards, computed already (the recompute before any update): the grad pass takes
+        them instead of running the no-grad pass again."""
         mb = {name: t[rows] for name, t in tensors.items()}
         context = contextlib.nullcontext() if with_grad else torch.no_grad()
         with context:
+            if known_log_prob is not None:
+                return with_values(score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype),
+                                   known_log_prob)
             return score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype,
                                      values_from_no_grad=self.values_from_no_grad)
 
@@ -117,6 +125,11 @@ class PolicyUpdater:
         count, ratio_max, grad_norms = 0, -math.inf, []
         accum = self.trainer.resolve_grad_accum(num_rows) if hasattr(self.trainer, "resolve_grad_accum") else 1
         updated_this_step = False
+        # The recompute ran the no-grad graph on epoch 0's micro-batches with these weights: until
+        # the first optimizer step its log-probs ARE the value pass's (the mean's value, which the
+        # KL needs, was not kept: with a KL term the value pass runs).
+        reuse_recompute = (self.values_from_no_grad and self.algorithm.old_log_prob == "recompute"
+                           and not self.algorithm.kl_beta > 0)
         transformer.train()
         for order in orders:
             micro_batches = self._micro_batches(order)
@@ -125,7 +138,8 @@ class PolicyUpdater:
                 for rows in group:
                     for k in range(num_train):
                         step_index = train_steps[rows, k]
-                        result = self._score(tensors, rows, step_index, with_grad=True)
+                        known = old[rows, k] if reuse_recompute and not updated_this_step else None
+                        result = self._score(tensors, rows, step_index, with_grad=True, known_log_prob=known)
                         kl = None
                         if self.algorithm.kl_beta > 0:
                             kl = kl_to_reference(result.mean, self._reference_mean(tensors, rows, step_index), result.std)

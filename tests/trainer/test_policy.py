@@ -174,3 +174,49 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
     for row, e in enumerate(encodings):
         assert torch.equal(e.embeds, embeds[row, :e.embeds.shape[0]]) and torch.equal(e.pooled, pooled[row])
         assert torch.equal(e.mask, mask[row, :e.embeds.shape[0]])
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(make_cfg, monkeypatch, kl_beta):
+    """Compiled, old_log_prob=recompute, one optimizer step per training step: the recompute ran
+    the no-grad graph on the same micro-batches with the same weights, so the grad passes take its
+    values and no second no-grad forward runs; the update is the one the value pass gives. With a
+    KL term the mean's value is needed, so the value pass runs."""
+    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.trainer.update import PolicyUpdater
+
+    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: True)
+
+    def run(force_value_pass: bool):
+        trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=2",
+                                           "algorithm.old_log_prob=recompute", "trainer.lora.enabled=true",
+                                           f"algorithm.kl_beta={kl_beta}", "engine.compile=true",
+                                           output=f"run-{force_value_pass}"))
+        with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
+            for name, p in trainer.adapter.transformer.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        tensors = _rollout(trainer)
+        calls = {"no_grad": 0}
+        velocity = SD3Adapter.velocity
+
+        def counted(self, *args, **kwargs):
+            calls["no_grad"] += not torch.is_grad_enabled()
+            return velocity(self, *args, **kwargs)
+
+        score = PolicyUpdater._score
+        with monkeypatch.context() as patch:
+            patch.setattr(SD3Adapter, "velocity", counted)
+            if force_value_pass:
+                patch.setattr(PolicyUpdater, "_score", lambda self, *a, known_log_prob=None, **k: score(self, *a, **k))
+            metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+        return metrics, calls["no_grad"], tensors["all_timesteps"].shape[1]
+
+    metrics, no_grad_forwards, window = run(False)
+    forced, forced_no_grad_forwards, _ = run(True)
+    scored = 2 * window  # 2 micro-batches x every window step
+    assert forced_no_grad_forwards == scored * (2 if kl_beta == 0 else 3)  # recompute + value pass (+ KL reference)
+    assert no_grad_forwards == (scored if kl_beta == 0 else forced_no_grad_forwards)
+    assert metrics["actor/ratio_max"] == 1.0 and metrics["actor/grad_norm"] > 0.0
+    assert metrics["actor/grad_norm"] == forced["actor/grad_norm"]
