@@ -22,8 +22,8 @@
 #                      hand-written q/k and v kernels apply (plain projections); no optimizer;
 #                      a profile of the training step                                           ~4 min
 #   qwen-train-step    the compiled LoRA rank-32 gap and training step as the Qwen recipe trains
-#                      (bf16 autocast, true CFG 4, gradient checkpointing), micro-batch 2
-#                      (4 rows), profiled (GPU busy share, top kernels)                        ~4 min
+#                      (bf16 autocast, true CFG 4, gradient checkpointing, old_log_prob recompute:
+#                      no value pass), micro-batch 2 (4 rows), profiled (GPU busy share, top kernels) ~4 min
 #   qwen-train-step-eager  qwen-train-step without engine.compile (the eager step to compare) ~3 min
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
@@ -148,10 +148,11 @@ suite() {
     qwen-train-step)
       run qwen-train-step 300 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 1,2 \
         --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --autocast bf16 \
-        --guidance-scale 4.0 --profile ;;
+        --guidance-scale 4.0 --old-log-prob recompute --profile ;;
     qwen-train-step-eager)
       run qwen-train-step-eager 240 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 2 \
-        --sde-window-size 2 --train-micro-batch 2 --gradient-checkpointing --autocast bf16 --guidance-scale 4.0 ;;
+        --sde-window-size 2 --train-micro-batch 2 --gradient-checkpointing --autocast bf16 --guidance-scale 4.0 \
+        --old-log-prob recompute ;;
     sd35-train-step|sd35-train-step-eager)
       local compiled="--compile --profile"; [[ $s == *-eager ]] && compiled=""
       # shellcheck disable=SC2086  # $compiled is a list of flags

@@ -83,6 +83,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     logprob.add_argument("--profile", action="store_true",
                          help="profile one training step after timing it: device time per kernel category, the top "
                               "kernels, and the share of the step's wall time the GPU was busy")
+    logprob.add_argument("--old-log-prob", default="rollout", choices=["rollout", "recompute"],
+                         help="the timed step's PPO denominator (as algorithm.old_log_prob). With recompute and "
+                              "--compile the step takes the recompute's values instead of a second no-grad forward, "
+                              "as the trainer does before a step's first update without a KL term")
 
     floor = sub.add_parser("floor", help="time of one forward's matmuls and attention alone: the fastest a step could be")
     _common(floor)

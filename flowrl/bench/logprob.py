@@ -96,24 +96,34 @@ def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dic
 
 
 def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocast_dtype, repeats: int, device,
-                       profile: bool = False) -> dict:
+                       profile: bool = False, old_log_prob_mode: str = "rollout") -> dict:
     """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA);
-    with `profile`, also one profiled step (see the module docstring)."""
-    from flowrl.trainer.policy import score_transitions
+    with `profile`, also one profiled step (see the module docstring). old_log_prob_mode as
+    algorithm.old_log_prob: with "recompute" on a compiled model the step reuses the recompute's
+    values instead of its own no-grad pass (flowrl.trainer.update)."""
+    from flowrl.trainer.policy import score_transitions, with_values
 
     rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
     mb = {name: t[rows] for name, t in tensors.items()}
     step_index = torch.zeros(rows.shape[0], dtype=torch.long)
     advantages = torch.linspace(-1.0, 1.0, rows.shape[0], device=device)
     old_log_prob = mb["all_log_probs"][:, 0].to(device)
+    known_values = None
+    if old_log_prob_mode == "recompute":
+        with torch.no_grad():
+            old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob
+        known_values = old_log_prob if adapter.is_compiled() else None
     # AdamW for LoRA-sized training; full fine-tuning of a big model would need its optimizer
     # states (several times the weights) just to time a step.
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
 
     def forward_backward():
-        result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
-                                   values_from_no_grad=adapter.is_compiled())  # as the trainer scores
+        if known_values is not None:
+            result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
+        else:
+            result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
+                                       values_from_no_grad=adapter.is_compiled())  # as the trainer scores
         ratio = torch.exp(result.log_prob - old_log_prob)
         loss = -(advantages * ratio).mean()
         loss.backward()
@@ -166,7 +176,7 @@ def run_logprob(args) -> int:
                      "sde_window_size": args.sde_window_size, "micro_batches": sizes,
                      "compile": args.compile_backend if args.compile else False,
                      "compile_rounding": args.compile_rounding, "trainable_params": sum(p.numel() for p in params),
-                     "gradient_checkpointing": args.gradient_checkpointing},
+                     "gradient_checkpointing": args.gradient_checkpointing, "old_log_prob": args.old_log_prob},
         "gaps": [],
     })
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
@@ -213,7 +223,7 @@ def run_logprob(args) -> int:
     train_mb = args.train_micro_batch or (max(fitting) if fitting else 1)
     try:
         train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats, device,
-                                   profile=args.profile)
+                                   profile=args.profile, old_log_prob_mode=args.old_log_prob)
         # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
         flops = train["flops_forward_backward"]
         train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
@@ -255,6 +265,7 @@ def _print_summary(data: dict) -> None:
               f"(median of {ms_list(t['seconds'])} ms; forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
               f"{(t['flops_forward_backward'] or 0) / 1e12:.2f} TFLOP fwd+bwd, MFU {(t['mfu'] or 0):.1%} of "
               f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
-              f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}")
+              f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}"
+              f"{'; old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         if t.get("profile"):
             print("\n".join(profile_lines(t["profile"], "one training step")))

@@ -97,7 +97,8 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                      f"(runs: {ms_list(t.get('seconds', []))}), "
                      f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
                      f"peak {t['peak_memory_gb'] or 0:.0f} GB"
-                     f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}")
+                     f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
+                     f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
             lines += _profile_markdown(profile, "the training step", top=8)

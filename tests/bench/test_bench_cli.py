@@ -296,3 +296,21 @@ def test_profile_counts_each_kernel_once_on_gpu():
     names = [k["name"] for k in profile["top_kernels"]]
     assert not any(name.startswith("aten::") for name in names), names
     assert abs(sum(profile["share_by_category"].values()) - 1.0) < 1e-6 and profile["share_by_category"].get("matmul", 0) > 0.9
+
+
+def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
+    """Compiled, --old-log-prob recompute: the timed step takes the recompute's log-probs as its
+    values (as the trainer does before a step's first update) instead of running its own no-grad
+    forward, so it executes fewer FLOPs than the rollout-denominator step, which runs the value pass."""
+    def bench(mode):
+        out = tmp_path / f"{mode}.json"
+        assert main(["bench", "logprob", "--model", "tiny-qwen", "-n", "2", "--steps", "3", "--size", "64",
+                     "--micro-batches", "2", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
+                     "--compile", "--compile-backend", "aot_eager", "--old-log-prob", mode, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    rollout, recompute = bench("rollout"), bench("recompute")
+    assert recompute["settings"]["old_log_prob"] == "recompute"
+    flops = [r["training_step"]["flops_forward_backward"] for r in (rollout, recompute)]
+    # fwd + bwd is about 3 forwards; the value pass adds a fourth
+    assert flops[1] < 0.85 * flops[0], flops
