@@ -16,9 +16,11 @@ the no-grad graph first and the grad graph second, and the result takes its VALU
 and only its GRADIENTS from the second (`value + (graded - graded.detach())`, exactly the no-grad
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
 gradient is that of the same function up to rounding. It costs one no-grad forward per scored
-micro-batch. Measured why on an H200 (docs/benchmarks.md): Qwen-Image at the Qwen recipe's
-settings, the grad graph's log-probs differ from the rollout's by mean 1.77e-5, above that
-recipe's clip range of 1e-5.
+micro-batch, unless those values are known already (`with_values`; flowrl.trainer.update reuses
+the old-log-prob recompute's). Measured on an H200 (docs/benchmarks.md runs 37-39): at the Qwen
+recipe's settings the grad graph's log-probs differ from the rollout's by mean 1.9e-5, above that
+recipe's clip range of 1e-5, and the no-grad pass's by 9.3e-10; at the SD3.5 recipe's by up to
+2.8e-4 against 0.
 """
 
 from __future__ import annotations
