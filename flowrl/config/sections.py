@@ -93,8 +93,9 @@ class EngineConfig:
     compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder), with GELU
         fused into the MLP's GEMM on CUDA (flowrl.models.fused_mlp).
     compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
-        PyTorch does, so rollout and trainer log-probs agree) or "fused" (faster, small log-prob
-        gap); see flowrl.models.regional_compile.COMPILE_ROUNDINGS.
+        PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
+        (only where kernels write); the trainer's log-prob values come from the rollout's graph
+        either way (flowrl.trainer.policy); see flowrl.models.regional_compile.COMPILE_ROUNDINGS.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 

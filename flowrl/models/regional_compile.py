@@ -38,13 +38,15 @@ INDUCTOR_OPTIONS = {
 #   faster on a Qwen-Image rollout on an H200 (three A/B runs, each on one GPU), until the
 #   Qwen-Image adapter's no-grad inductor option removed the kernels that eager rounding had
 #   added (QwenImageAdapter.no_grad_inductor_options; docs/benchmarks.md runs 14-18).
+# Either way a compiled trainer takes its log-prob values from the no-grad graph and only the
+# gradients from the grad graph (flowrl.trainer.policy), so these gaps no longer reach the ratio.
 COMPILE_ROUNDINGS = {"eager": True, "fused": False}
 
 
 def check_compile_rounding(rounding: str, field: str = "compile_rounding") -> str:
     if rounding not in COMPILE_ROUNDINGS:
         raise ValueError(f"{field}={rounding!r} is unknown; use one of {tuple(COMPILE_ROUNDINGS)} "
-                         "(eager: rollout and trainer log-probs agree; fused: faster compiled kernels)")
+                         "(eager: rounding where eager PyTorch rounds, the default; fused: only where kernels write)")
     return rounding
 
 
