@@ -27,10 +27,10 @@ The first two change how the same math runs, both installed per instance by
 3. In the rollout's compiled graphs (no grad), the joint q and k are built by a hand-written
    Triton kernel (flowrl.models.qk_norm_rope: RMSNorm, rotation and the text/image join, with
    eager's rounding points), 0.160 -> 0.113 ms per B=16 block on an H200 (run 22). Training
-   graphs, eager runs and LoRA-wrapped projections keep the PyTorch expression
-   (`_normed_rotated`; see `_plain_qk_projections`). There, too, the text and image v projections
-   write into one joint buffer (flowrl.models.joint_linear) instead of being copied into it,
-   unless LoRA wraps them.
+   graphs and eager runs keep the PyTorch expression (`_normed_rotated`). There, too, the text and
+   image v projections write into one joint buffer (flowrl.models.joint_linear) instead of being
+   copied into it. Both take LoRA-wrapped projections too: in these graphs the low-rank term is
+   accumulated inside the projection's GEMM output (flowrl.models.lora_linear).
 
 4. Also in the rollout's compiled graphs, each stream's LayerNorm + modulation, gate + residual,
    and the two together run in one hand-written kernel (flowrl.models.modulated_norm) instead of
@@ -51,7 +51,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flowrl.models import joint_linear, modulated_norm, qk_norm_rope, qwen_modulation
+from flowrl.models import joint_linear, lora_linear, modulated_norm, qk_norm_rope, qwen_modulation
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,12 +116,12 @@ def _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim: int):
 
 
 def _plain_qk_projections(attn) -> bool:
-    """The q and k projections of both streams are plain nn.Linear. A LoRA-wrapped projection's
-    output is a sum (base GEMM + low-rank term) that inductor fuses into its own q/k kernel; the
-    hand-written kernel would need that sum stored first, an extra pass over q and k (about 0.15
-    ms per B=16 block by bytes moved, against the kernel's 0.05 ms gain), so LoRA rollouts keep
-    inductor's kernel."""
-    return all(type(p) is torch.nn.Linear for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
+    """The q and k projections of both streams produce plain GEMM outputs in the rollout's graphs:
+    nn.Linear, or LoRA Linears whose low-rank term is accumulated inside the GEMM's output there
+    (flowrl.models.lora_linear). Left to inductor, a LoRA projection's output is a sum that would
+    have to be stored before the hand-written kernel reads it."""
+    return all(type(p) is torch.nn.Linear or lora_linear.folds(p)
+               for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
 
 
 def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
@@ -129,8 +129,8 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
     (flowrl.models.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
     graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
     q/k projections and norms the kernel reproduces. Autocast does not change RMSNorm or the
-    rotation, so the kernel applies under it; the joint v projection does not (`_autocast_on`).
-    `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v projection;
+    rotation, so the kernel applies under it, and the joint v projection casts its inputs as
+    autocast would (flowrl.models.joint_linear). `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v projection;
     `attn._flowrl_joint_v = False` only the latter (benchmark A/B)."""
     return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
             and torch.compiler.is_compiling() and _plain_qk_projections(attn)
@@ -147,7 +147,7 @@ def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope):
         return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
     q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
     k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-    if getattr(attn, "_flowrl_joint_v", True) and not _autocast_on(img) and joint_linear.applies(attn.add_v_proj, attn.to_v):
+    if getattr(attn, "_flowrl_joint_v", True) and joint_linear.applies(attn.add_v_proj, attn.to_v):
         return q, k, _split_heads(attn, joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v))
     return q, k, torch.cat((_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img))))
 
@@ -187,8 +187,7 @@ def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torc
 def _autocast_on(x: torch.Tensor) -> bool:
     """Whether autocast is on for x's device. Under autocast LayerNorm returns float32, so the
     modulated input stays float32 until the next linear layer casts it once: not the bf16
-    rounding points the modulated-norm kernel reproduces, and not an input the joint v
-    projection takes. (Dynamo guards compiled graphs on the autocast state.)"""
+    rounding points the modulated-norm kernel reproduces. (Dynamo guards compiled graphs on the autocast state.)"""
     return torch.is_autocast_enabled(x.device.type)
 
 

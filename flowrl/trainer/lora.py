@@ -6,13 +6,9 @@ the KL term is the same module with the adapter switched off (`adapter_disabled`
 copy of the model.
 
 LoRA weights are float32 master weights (AdamW updates in bf16 would mostly round away), but the
-low-rank product runs in the activations' dtype (`_lora_forward_in_activation_dtype`): the weights
-are cast per forward, as mixed-precision training does. peft's own forward casts the activations
-to float32 instead, and on a bf16 model that makes every adapted projection two float32 GEMMs on
-CUDA cores plus float32 copies of its input and output: a compiled Qwen-Image rollout with rank-32
-LoRA on the attention projections ran at 0.614 img/s that way and at 0.693 with the product in
-bf16 (H200, docs/benchmarks.md runs 24-25). Rollout and trainer call the same forward, so their
-log-probs stay comparable (compiled gap mean 2.7e-6, max 6.3e-6, run 27).
+low-rank product runs in the activations' dtype, and in the rollout's compiled graphs inside the
+base projection's cuBLAS calls: flowrl.models.lora_linear, whose forward every adapted Linear gets.
+Rollout and trainer call the same forward, so their log-probs stay comparable.
 
 Saved LoRA weights use the diffusers LoRA format (`pytorch_lora_weights.safetensors` with
 `transformer.`-prefixed keys plus the adapter config as metadata), so `pipe.load_lora_weights(dir)`
@@ -26,7 +22,8 @@ import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from flowrl.models import lora_linear
 
 _PEFT_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora", "orthogonal": "orthogonal"}
 
@@ -47,31 +44,16 @@ def _check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
-def _lora_forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft's LoRA Linear forward for plain LoRA, the product in x's dtype: base(x) + (x A^T)(s B)^T
-    with the float32 A and s B cast to x's dtype (gradients reach the float32 weights through the
-    cast). Anything else (adapter disabled or merged, extra arguments, DoRA and other variants)
-    runs peft's forward."""
-    if self.disable_adapters or self.merged or args or kwargs or self.lora_variant:
-        return type(self).forward(self, x, *args, **kwargs)
-    result = self.base_layer(x)
-    for name in self.active_adapters:
-        if name in self.lora_A:
-            down = self.lora_A[name].weight.to(x.dtype)
-            up = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)
-            result = result + F.linear(F.linear(self.lora_dropout[name](x), down), up)
-    return result
-
-
 def _compute_lora_in_activation_dtype(transformer: torch.nn.Module) -> int:
-    """Route every peft LoRA Linear under `transformer` through `_lora_forward_in_activation_dtype`,
-    per instance; returns how many."""
+    """Route every peft LoRA Linear under `transformer` through
+    flowrl.models.lora_linear.forward_in_activation_dtype, per instance; returns how many."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     count = 0
     for module in transformer.modules():
         if type(module) is LoraLinear:
-            module.forward = types.MethodType(_lora_forward_in_activation_dtype, module)
+            module.forward = types.MethodType(lora_linear.forward_in_activation_dtype, module)
+            module._flowrl_lora_forward = True
             count += 1
     return count
 

@@ -1,6 +1,7 @@
 """flowrl.models.joint_linear: two streams' projections written into one joint buffer give what
 projecting and joining give, bit for bit, eagerly and inside a compiled graph with a dynamic
-batch; LoRA-wrapped projections are left to the ordinary path."""
+batch; modules it cannot compute (here a wrapper around a Linear) are left to the ordinary path
+(LoRA projections whose low-rank term folds: tests/models/test_lora_linear.py)."""
 
 from __future__ import annotations
 

@@ -140,21 +140,60 @@ def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-def test_lora_wrapped_projections_keep_inductors_qk_and_v_paths(stock):
-    """The rollout kernels apply to plain projections only: with the trainer's LoRA adapter on the
-    attention projections neither the q/k kernel nor the joint v projection is chosen (their
-    inputs would have to be stored first), without it both are eligible."""
+def test_lora_wrapped_projections_take_the_rollout_kernels_when_their_term_folds(stock):
+    """The q/k kernel and the joint v projection need plain GEMM outputs: plain projections, or
+    the trainer's LoRA projections, whose rollout graphs accumulate the low-rank term inside the
+    GEMM's output (flowrl.models.lora_linear). With LoRA dropout that fold does not apply, and
+    neither do the kernels."""
     from flowrl.config.sections import LoraConfig
     from flowrl.models import joint_linear, qwen_block
     from flowrl.trainer.lora import apply_trainable
 
     attn = stock.transformer.transformer_blocks[0].attn
     assert qwen_block._plain_qk_projections(attn) and joint_linear.applies(attn.add_v_proj, attn.to_v)
+    for dropout, applies in ((0.0, True), (0.1, False)):
+        adapter = copy.deepcopy(stock)
+        apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, dropout=dropout,
+                                                        target_modules=list(adapter.default_lora_targets)))
+        attn = adapter.transformer.transformer_blocks[0].attn
+        assert qwen_block._plain_qk_projections(attn) is applies
+        assert joint_linear.applies(attn.add_v_proj, attn.to_v) is applies
+
+
+def test_compiled_lora_rollout_graph_folds_the_low_rank_terms(stock):
+    """The tiny Qwen-Image with the trainer's LoRA adapter, compiled (aot_eager on the CPU): its
+    no-grad graph runs every adapted projection as the folded op, with the eager model's velocity."""
+    from flowrl.config.sections import LoraConfig
+    from flowrl.trainer.lora import apply_trainable
+
     adapter = copy.deepcopy(stock)
+    torch.manual_seed(1)
     apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, target_modules=list(adapter.default_lora_targets)))
-    attn = adapter.transformer.transformer_blocks[0].attn
-    assert not qwen_block._plain_qk_projections(attn)
-    assert not joint_linear.applies(attn.add_v_proj, attn.to_v)
+    with torch.no_grad():
+        for name, param in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    args = _velocity_args(adapter, 3, ragged=False)
+    with torch.no_grad():
+        eager = adapter.velocity(*args)
+    calls = []
+    real_op = torch.ops.flowrl.lora_linear.default
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return real_op(*a)
+
+    adapter.compile_modules(backend="aot_eager")
+    from flowrl.models import lora_linear
+    original, lora_linear.lora_linear = lora_linear.lora_linear, counted
+    try:
+        with torch.no_grad():
+            compiled = adapter.velocity(*args)
+    finally:
+        lora_linear.lora_linear = original
+    blocks = len(adapter.transformer.transformer_blocks)
+    assert len(calls) == 8 * blocks  # q, k, v and output projections of both streams
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
@@ -212,16 +251,34 @@ def _tables(tokens: int, head_dim: int = 128):
     return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2).contiguous()
 
 
-def _compiled_sequence_major_block(use_kernels: bool):
+def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
     """A CUDA block compiled as the rollout compiles it (sequence-major forward, real RoPE), with
-    the hand-written kernels on or off, and the arguments of one call (4 rows, 16 text and 256
-    image tokens)."""
+    the hand-written kernels on or off (with `lora`, also the fold of the low-rank terms into the
+    projections' GEMMs), and the arguments of one call (4 rows, 16 text and 256 image tokens).
+    `lora`: the trainer's rank-8 adapter on the attention projections, B nonzero."""
     import types
 
     from flowrl.models import qwen_block
     from flowrl.models.regional_compile import compile_in_place
 
     block = _cuda_block()
+    if lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from flowrl.trainer.lora import _compute_lora_in_activation_dtype
+
+        inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16, init_lora_weights="gaussian", target_modules=[
+            "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]), block)
+        torch.manual_seed(2)
+        for name, param in block.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.float()
+                if "lora_B" in name:
+                    param.data.normal_(std=0.05)
+        _compute_lora_in_activation_dtype(block)
+        for module in block.modules():
+            if hasattr(module, "lora_A"):
+                module._flowrl_lora_fold = use_kernels
     block.attn.set_processor(qwen_block.RealRopeQwenAttention())
     block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
     block.attn._flowrl_joint_kernel = use_kernels
@@ -277,28 +334,33 @@ def test_joint_norm_rope_kernel_rounds_like_pytorch():
 
 
 @pytest.mark.gpu
-def test_compiled_rollout_block_uses_the_kernel_and_agrees():
+@pytest.mark.parametrize("lora", [False, True])
+def test_compiled_rollout_block_uses_the_kernel_and_agrees(lora):
     """A compiled sequence-major block without grad calls the q/k kernel, the joint v projection
     and the modulated-norm kernel (in the generated code) and gives the block's output as with
     inductor's own kernels, up to bf16 rounding; with grad (the training graph) it keeps
-    inductor's kernels."""
+    inductor's kernels. With the trainer's LoRA adapter the same holds, its low-rank terms folded
+    into the projections (flowrl::lora_linear, and the joint v projection's LoRA operands)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._inductor.utils import run_and_get_code
 
     outputs = {}
     for use_kernel in (True, False):
-        block, kwargs = _compiled_sequence_major_block(use_kernel)
+        block, kwargs = _compiled_sequence_major_block(use_kernel, lora)
         with torch.no_grad():
             out, code = run_and_get_code(lambda: block(**kwargs))
-        assert ("joint_norm_rope" in "\n".join(code)) == use_kernel
-        assert ("joint_linear" in "\n".join(code)) == use_kernel  # v written into the joint buffer
-        assert ("_modulated_norm_kernel" in "\n".join(code)) == use_kernel  # flowrl.models.modulated_norm
+        code = "\n".join(code)
+        assert ("joint_norm_rope" in code) == use_kernel
+        assert ("joint_linear" in code) == use_kernel  # v written into the joint buffer
+        assert ("_modulated_norm_kernel" in code) == use_kernel  # flowrl.models.modulated_norm
+        assert ("lora_linear" in code) == (use_kernel and lora)  # q, k and the output projections
         outputs[use_kernel] = torch.cat([t.float().flatten() for t in out])
         if use_kernel:
             _, grad_code = run_and_get_code(lambda: block(**kwargs))  # grad enabled: the training graph
-            assert "joint_norm_rope" not in "\n".join(grad_code)
-            assert "_modulated_norm_kernel" not in "\n".join(grad_code)
+            grad_code = "\n".join(grad_code)
+            assert "joint_norm_rope" not in grad_code and "lora_linear" not in grad_code
+            assert "_modulated_norm_kernel" not in grad_code
     torch.testing.assert_close(outputs[True], outputs[False], atol=0.05, rtol=0.02)
 
 
@@ -306,10 +368,10 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees():
 def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
     """Under bf16 autocast (a rollout with the trainer's mixed precision) LayerNorm returns
     float32, so the modulated input is rounded once, by the next linear layer. The modulated-norm
-    kernel rounds as a bf16 model without autocast does, and the joint v projection takes bf16
-    inputs only: neither may run there (with the kernel, the rollout's and trainer's log-probs
-    differed by mean 2.4e-5, run 35). The q/k kernel's RMSNorm and rotation are the same under
-    autocast, so it stays."""
+    kernel rounds as a bf16 model without autocast does, so it may not run there (with it, the
+    rollout's and trainer's log-probs differed by mean 2.4e-5, run 35). The q/k kernel's RMSNorm
+    and rotation are the same under autocast, and the joint v projection casts its inputs as
+    autocast does, so both stay."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._inductor.utils import run_and_get_code
@@ -323,7 +385,7 @@ def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
             eager = qwen_block._sequence_major_forward(block, **kwargs)
         _, plain_code = run_and_get_code(lambda: block(**kwargs))  # autocast off: a graph of its own
     code, plain_code = "\n".join(code), "\n".join(plain_code)
-    assert "joint_norm_rope" in code and "_modulated_norm_kernel" not in code and "joint_linear" not in code
+    assert "joint_norm_rope" in code and "_modulated_norm_kernel" not in code and "joint_linear" in code
     assert "_modulated_norm_kernel" in plain_code and "joint_linear" in plain_code
     for got, want in zip(out, eager):
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)

@@ -1,0 +1,177 @@
+"""flowrl.models.lora_linear: in compiled graphs without grad (the rollout's) a LoRA projection is
+one op that accumulates the low-rank term inside the base GEMM's output; it computes the same
+function, applies only to adapters it computes, casts as autocast would, and training graphs keep
+the differentiable expression."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flowrl.models import joint_linear, lora_linear
+
+
+class _Projections(torch.nn.Module):
+    def __init__(self, width=24, out=16, bias=True):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, out, bias=bias)
+        self.other = torch.nn.Linear(width, out, bias=bias)
+
+
+def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "other")):
+    """Linear layers with the trainer's LoRA forward (flowrl.trainer.lora), B made nonzero."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from flowrl.trainer.lora import _compute_lora_in_activation_dtype
+
+    torch.manual_seed(0)
+    module = _Projections(bias=bias).to(dtype)
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout,
+                                       init_lora_weights="gaussian"), module)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.float()
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+    assert _compute_lora_in_activation_dtype(module) == len(targets)
+    return module
+
+
+def _expression(layer, x):
+    """The eager expression: base(x) + (x A^T)(s B)^T in x's dtype."""
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    return layer.base_layer(x) + (x @ a.to(x.dtype).t()) @ (b * s).to(x.dtype).t()
+
+
+def _recording_backend(graphs):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def _calls_op(graph, name: str) -> bool:
+    return any(node.op == "call_function" and name in str(node.target) for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rollout_graph_runs_the_folded_op_with_the_expressions_values(bias):
+    layer = _adapted(bias=bias).proj
+    x = torch.randn(3, 5, 24)
+    graphs = []
+    compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
+    with torch.no_grad():
+        got = compiled(x)
+        want = _expression(layer, x)
+    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear")
+    assert got.shape == (3, 5, 16)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # float32: only the summation order differs
+    assert not torch.equal(layer.base_layer(x), want)  # the low-rank term is there to be lost
+
+
+def test_training_graph_keeps_the_differentiable_expression():
+    module = _adapted()
+    layer = module.proj
+    x = torch.randn(2, 7, 24)
+    graphs = []
+    compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
+    compiled(x).square().sum().backward()
+    assert len(graphs) == 1 and not _calls_op(graphs[0], "lora_linear")
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+    assert set(grads) == {"lora_A.default.weight", "lora_B.default.weight"}
+    for p in layer.parameters():
+        p.grad = None
+    _expression(layer, x).square().sum().backward()
+    for name, param in layer.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("low_rank_first", [True, False])
+def test_bf16_op_rounds_where_its_gemm_order_says(monkeypatch, low_rank_first):
+    """In bf16 the op's first GEMM writes a rounded output and the second accumulates its float32
+    product into it before rounding once more: within half a bf16 step of (first output, rounded)
+    + (second product, unrounded). The shipped order writes the low-rank term plus bias first; the
+    expression (each term rounded on its own, then their sum) is not that close."""
+    monkeypatch.setattr(lora_linear, "LOW_RANK_FIRST", low_rank_first)
+    layer = _adapted(torch.bfloat16).proj
+    x = torch.randn(256, 24, dtype=torch.bfloat16)
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    down, up, base = a.to(torch.bfloat16), (b * s).to(torch.bfloat16), layer.base_layer
+    with torch.no_grad():
+        got = lora_linear.lora_linear(x, base.weight, base.bias, down, up)
+        low_rank_input = x @ down.t()  # bf16, as the op keeps it
+        if low_rank_first:
+            want = torch.addmm(base.bias, low_rank_input, up.t()).float() + x.float() @ base.weight.float().t()
+        else:
+            want = base(x).float() + low_rank_input.float() @ up.float().t()
+        expression = _expression(layer, x)
+    assert got.dtype == torch.bfloat16
+    half_step = want.abs() * 2 ** -8  # half a step of bf16 (8 significant bits) at |want|
+    assert ((got.float() - want).abs() <= half_step).all()
+    assert not ((expression.float() - want).abs() <= half_step).all()
+
+
+def test_both_gemm_orders_compute_the_same_function(monkeypatch):
+    layer = _adapted().proj
+    x = torch.randn(40, 24)
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    outputs = []
+    for low_rank_first in (True, False):
+        monkeypatch.setattr(lora_linear, "LOW_RANK_FIRST", low_rank_first)
+        with torch.no_grad():
+            outputs.append(lora_linear.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], _expression(layer, x), atol=1e-6, rtol=1e-6)
+
+
+def test_under_autocast_the_op_casts_its_inputs_as_autocast_does():
+    layer = _adapted().proj  # float32 weights, as a model under the trainer's mixed precision may have
+    x = torch.randn(4, 24)
+    graphs = []
+    compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(x)
+        want = layer(x)  # eager: the expression under autocast
+    assert _calls_op(graphs[0], "lora_linear")
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fold_applies_only_to_adapters_it_computes():
+    from peft import LoraConfig
+
+    module = _adapted()
+    assert lora_linear.folds(module.proj) and not lora_linear.folds(torch.nn.Linear(2, 2))
+    assert not lora_linear.folds(_adapted(dropout=0.1).proj)  # dropout: the op has none
+    layer = copy.deepcopy(module.proj)
+    layer._flowrl_lora_fold = False  # the benchmark switch
+    assert not lora_linear.folds(layer)
+    layer = copy.deepcopy(module.proj)
+    layer.enable_adapters(False)  # the KL reference
+    assert not lora_linear.folds(layer)
+    layer = copy.deepcopy(module.proj)
+    layer.update_layer("second", r=2, lora_alpha=2, config=LoraConfig(r=2, lora_alpha=2))
+    layer.set_adapter(["default", "second"])  # two active adapters
+    assert not lora_linear.folds(layer)
+    from peft import inject_adapter_in_model  # peft's own forward (not flowrl's): left alone
+    plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), _Projections())
+    assert not lora_linear.folds(plain.proj)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_joint_projection_takes_folding_lora_projections(bias):
+    module = _adapted(bias=bias)
+    gen = torch.Generator().manual_seed(0)
+    txt, img = torch.randn(5, 3, 24, generator=gen), torch.randn(11, 3, 24, generator=gen)
+    assert joint_linear.applies(module.other, module.proj)
+    with torch.no_grad():
+        got = joint_linear.joint_projection(txt, module.other, img, module.proj)
+        want = torch.cat([_expression(module.other, txt), _expression(module.proj, img)])
+    assert got.shape == (16, 3, 16)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert not joint_linear.applies(_adapted(dropout=0.1).proj, module.proj)
