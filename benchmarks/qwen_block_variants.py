@@ -14,7 +14,13 @@ dynamic, as `compile_modules` compiles a rollout; by default every layout x roun
   `joint_kernel=0` turns off the hand-written q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)
   and the joint v projection (flowrl.models.joint_linear) that sequence-major rollout graphs
   use, `joint_v=0` only the latter, `norm_kernel=0` the LayerNorm + modulation and gate +
-  residual kernel (flowrl.models.modulated_norm): A/Bs against inductor's own kernels.
+  residual kernel (flowrl.models.modulated_norm): A/Bs against inductor's own kernels;
+  `lora=R` wraps the block's attention projections in the trainer's rank-R LoRA adapter (the
+  recipes' targets, float32 master weights, product in bf16: flowrl.trainer.lora), as a training
+  run's rollout compiles them; `lora_fold=0` leaves the low-rank term to inductor instead of
+  accumulating it inside the projection's GEMM (flowrl.models.lora_linear); `lora_first=1` (the
+  shipped order) runs the low-rank GEMM first and accumulates the base GEMM into it, `lora_first=0`
+  the other way round.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
@@ -35,11 +41,13 @@ from torch._inductor.utils import run_and_get_code
 
 from flowrl.bench.floor import sustained_seconds
 from flowrl.models.regional_compile import compile_in_place
+from flowrl.models import lora_linear
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
 from flowrl.models.qwen_block import RealRopeQwenAttention, _sequence_major_forward
 from flowrl.models.qwen_image import QwenImageAdapter
 
 LAYOUTS = ("batch-major", "sequence-major")
+SHIPPED_LOW_RANK_FIRST = lora_linear.LOW_RANK_FIRST
 ROUNDINGS = ("eager", "fused")
 
 
@@ -71,12 +79,39 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     block.attn._flowrl_joint_kernel = bool(extra.pop("joint_kernel", 1))
     block.attn._flowrl_joint_v = bool(extra.pop("joint_v", 1))
     block._flowrl_norm_kernel = bool(extra.pop("norm_kernel", 1))
+    lora_rank, lora_fold = extra.pop("lora", 0), bool(extra.pop("lora_fold", 1))
+    lora_linear.LOW_RANK_FIRST = bool(extra.pop("lora_first", SHIPPED_LOW_RANK_FIRST))  # read by the op at run time
+    if lora_rank:
+        add_lora(block, lora_rank)
+        for module in block.modules():
+            if hasattr(module, "lora_A"):
+                module._flowrl_lora_fold = lora_fold
     block.attn.set_processor(RealRopeQwenAttention())
     if layout == "sequence-major":
         block.forward = types.MethodType(_sequence_major_forward, block)
     fuse_gelu_epilogues(block)
     compile_in_place(block, backend, rounding, {**QwenImageAdapter.no_grad_inductor_options, **extra})
     return block
+
+
+def add_lora(block, rank: int) -> None:
+    """The trainer's LoRA adapter on the block's attention projections, as the Qwen-Image recipe
+    sets it (targets, alpha = 2 x rank, gaussian init), with nonzero B so that nothing is zero;
+    the same weights in every variant of one rank."""
+    torch.manual_seed(rank)
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from flowrl.trainer.lora import _compute_lora_in_activation_dtype
+
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=targets,
+                                       init_lora_weights="gaussian"), block)
+    for name, param in block.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=1e-3)
+    _compute_lora_in_activation_dtype(block)
 
 
 def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim: int, layout: str, device, dtype):

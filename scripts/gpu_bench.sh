@@ -7,7 +7,7 @@
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
 #             tests/models: the hand-written kernels, cuDNN attention output read in place) ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
-#             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7 min
+#             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7-9 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -52,6 +52,11 @@
 #                      the joint v projection, and without it and the q/k kernel               ~2 min
 #   qwen-table-kernel-ab  qwen_forward_ab.py --compare table-kernel: the compiled B=16 forward with
 #                      and without the modulation table and the modulated-norm kernel, alternating ~4 min
+#   qwen-lora-block    qwen_block_variants.py: the B=16 block as the rollout compiles it, without and
+#                      with the trainer's rank-32 LoRA on the attention projections (the low-rank
+#                      term inside the GEMMs' outputs, and left to inductor), with its kernels ~2 min
+#   qwen-lora-order    qwen_block_variants.py: the LoRA block with the base GEMM written first (the
+#                      low-rank one accumulating into it) and the other way round (shipped), twice each ~2 min
 #   qwen-norm-kernel-ab   qwen_block_variants.py: the B=16 block as the rollout compiles it, with and
 #                      without the modulated-norm kernel, with its top kernels                  ~1.5 min
 #   cuda-graph-ab / cuda-graph-ab-sd35   benchmarks/cuda_graph_ab.py: the compiled Qwen-Image
@@ -114,8 +119,8 @@ suite() {
   local log=$1 s=$2
   case $s in
     tests|tests-trainer)
-      local dirs="tests/bench tests/models"; [[ $s == tests-trainer ]] && dirs=tests/trainer
-      within_budget "$s" 420 "$log" || return 0
+      local dirs="tests/bench tests/models" cap=420; [[ $s == tests-trainer ]] && dirs=tests/trainer cap=540
+      within_budget "$s" $cap "$log" || return 0
       echo "[gpu_bench] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
       timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
       echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
@@ -194,6 +199,12 @@ suite() {
         --variants "sequence-major:eager,sequence-major:eager:joint_v=0,sequence-major:eager:joint_kernel=0" ;;
     qwen-table-kernel-ab)
       script "$s" 330 "$log" benchmarks/qwen_forward_ab.py --compare table-kernel --rows 16 ;;
+    qwen-lora-block)
+      script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 40 \
+        --variants "sequence-major:eager,sequence-major:eager:lora=32,sequence-major:eager:lora=32:lora_fold=0" ;;
+    qwen-lora-order)
+      script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 3 --top 12 \
+        --variants "sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1,sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1" ;;
     qwen-norm-kernel-ab)
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 2 --top 16 \
         --variants "sequence-major:eager,sequence-major:eager:norm_kernel=0" ;;
