@@ -36,7 +36,7 @@ from flowrl.bench.report import (
     reset_peak_memory, resolve_device_dtype, time_runs,
 )
 from flowrl.engine.request import SamplingParams
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, takes_values_from_no_grad
 
 PROMPT = "a photo of a red bicycle leaning on a white wall"
 
@@ -83,7 +83,7 @@ def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dic
                 with torch.set_grad_enabled(grad):
                     log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
                 diffs[mode][rows, step] = (log_prob.double().cpu() - rollout).abs()
-    values_from = "no_grad" if adapter.is_compiled() else "grad"
+    values_from = "no_grad" if takes_values_from_no_grad(adapter) else "grad"
     trainer = diffs[values_from]
     return {
         "micro_batch": micro_batch, "trainer_values_from": f"{values_from} pass",
@@ -112,7 +112,7 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
     if old_log_prob_mode == "recompute":
         with torch.no_grad():
             old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob
-        known_values = old_log_prob if adapter.is_compiled() else None
+        known_values = old_log_prob if takes_values_from_no_grad(adapter) else None
     # AdamW for LoRA-sized training; full fine-tuning of a big model would need its optimizer
     # states (several times the weights) just to time a step.
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
@@ -123,7 +123,7 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
             result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
         else:
             result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
-                                       values_from_no_grad=adapter.is_compiled())  # as the trainer scores
+                                       values_from_no_grad=takes_values_from_no_grad(adapter))  # as the trainer scores
         ratio = torch.exp(result.log_prob - old_log_prob)
         loss = -(advantages * ratio).mean()
         loss.backward()

@@ -17,7 +17,7 @@ and only its GRADIENTS from the second (`value + (graded - graded.detach())`, ex
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
 gradient is that of the same function up to rounding. It costs one no-grad forward per scored
 micro-batch, unless those values are known already (`with_values`; flowrl.trainer.update reuses
-the old-log-prob recompute's). Measured on an H200 (docs/benchmarks.md runs 37-39): at the Qwen
+the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Measured on an H200 (docs/benchmarks.md runs 37-39): at the Qwen
 recipe's settings the grad graph's log-probs differ from the rollout's by mean 1.9e-5, above that
 recipe's clip range of 1e-5, and the no-grad pass's by 9.3e-10; at the SD3.5 recipe's by up to
 2.8e-4 against 0.
@@ -101,6 +101,16 @@ def _step_inputs(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spe
     uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
     uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
     return _StepInputs(latents, next_latents, sigma, sigma_next, sigma_values, cond, uncond)
+
+
+def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
+    """Whether the trainer scores with `values_from_no_grad`: when the model is compiled (module
+    docstring), and only when its train-mode forward is deterministic. A dropout layer with p > 0
+    (`trainer.lora.dropout`) draws one mask in the value pass and another in the grad pass, so the
+    values would not be those of the function whose gradient is taken; such a model keeps the
+    grad pass's own values and gradients."""
+    return adapter.is_compiled() and not any(
+        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in adapter.transformer.modules())
 
 
 def score_transitions(

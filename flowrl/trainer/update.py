@@ -32,7 +32,8 @@ import torch
 
 from flowrl.trainer.loss import clipped_policy_loss
 from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions, with_values
+from flowrl.trainer.policy import (MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions, takes_values_from_no_grad,
+                                   with_values)
 from flowrl.sampler import kl_to_reference
 
 
@@ -53,8 +54,8 @@ class PolicyUpdater:
         self.autocast_dtype = MIXED_PRECISION_DTYPES[mixed]
         self.scaler = torch.amp.GradScaler(adapter.device.type) if mixed == "fp16" else None
         self.num_optimizer_steps = 0
-        # Read once: the trainer compiles the model before building the updater.
-        self.values_from_no_grad = adapter.is_compiled()
+        # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
+        self.values_from_no_grad = takes_values_from_no_grad(adapter)
 
     # -- helpers ------------------------------------------------------------------------------
     def _generator(self, *keys: int) -> torch.Generator:

@@ -144,6 +144,28 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
     assert metrics["actor/grad_norm"] > 0.0
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_dropout_keeps_the_grad_pass_values(make_cfg, monkeypatch, dropout):
+    """With LoRA dropout the train-mode forward is random: a value pass would draw one dropout mask
+    and the grad pass another, so a compiled trainer then keeps the grad pass's own values (and
+    the recompute's values are not reused for it either)."""
+    from flowrl.models.sd3 import SD3Adapter
+
+    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: True)
+    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true",
+                                       f"trainer.lora.dropout={dropout}", "engine.compile=true"))
+    assert trainer.updater.values_from_no_grad is (dropout == 0.0)
+    if dropout:
+        transformer = trainer.adapter.transformer
+        transformer.train()
+        layer = next(m for m in transformer.modules() if hasattr(m, "lora_dropout"))
+        x = torch.ones(4, layer.in_features)
+        with torch.no_grad():  # the premise: two train-mode passes draw different masks
+            assert not torch.equal(layer.lora_dropout["default"](x), layer.lora_dropout["default"](x))
+        transformer.eval()
+
+
 class _CountingTensor(torch.Tensor):
     """Counts Tensor.to calls on itself and on tensors derived from it (slices, rows)."""
 
