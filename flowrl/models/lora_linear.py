@@ -18,11 +18,11 @@ sums first. The op instead runs x A^T, then the low-rank GEMM with the base laye
 output, then the base GEMM accumulating into it in place (cuBLAS beta = 1, read in the GEMM's
 epilogue): no add kernel, and its output is a plain tensor those kernels take. On an H200,
 LoRA's cost per B=16 Qwen-Image block fell from 0.67 to 0.37 ms with the base GEMM written first
-(docs/benchmarks.md run 42), and this order took 0.08 ms less again (run 43). The base GEMM's product is not rounded on its
-own (the low-rank term plus bias is, once), so the values differ from the eager expression's by
-bf16 rounding; the trainer's log-prob values come from this same graph when the model is
-compiled, so the PPO ratio does not see it (the compiled-training GPU test, tests/trainer/test_gpu.py).
-Training graphs keep the differentiable expression.
+(docs/benchmarks.md run 42), and this order took 0.08 ms less again (run 43). The base GEMM's
+product is not rounded on its own (the low-rank term plus bias is, once), so the values differ
+from the eager expression's by bf16 rounding; the trainer's log-prob values come from this same
+graph when the model is compiled, so the PPO ratio does not see it (the compiled-training GPU
+test, tests/trainer/test_gpu.py). Training graphs keep the differentiable expression.
 
 Under autocast (the trainer's mixed precision, which rollouts share) the op's inputs are cast to
 the autocast dtype first, as autocast casts a linear layer's inputs.
@@ -68,7 +68,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def folds(layer) -> bool:
     """Whether `layer` (any module) is a LoRA Linear whose rollout graphs run `flowrl::lora_linear`:
     its forward is flowrl's (not peft's) and its adapter is one the op computes."""
-    return (getattr(layer, "_flowrl_lora_forward", False) and isinstance(getattr(layer, "base_layer", None), torch.nn.Linear)
+    return (getattr(layer, "_flowrl_lora_forward", False)
+            and isinstance(getattr(layer, "base_layer", None), torch.nn.Linear)
             and _foldable_adapter(layer) is not None)
 
 

@@ -130,8 +130,9 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
     graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
     q/k projections and norms the kernel reproduces. Autocast does not change RMSNorm or the
     rotation, so the kernel applies under it, and the joint v projection casts its inputs as
-    autocast would (flowrl.models.joint_linear). `attn._flowrl_joint_kernel = False` turns it off, and with it the joint v projection;
-    `attn._flowrl_joint_v = False` only the latter (benchmark A/B)."""
+    autocast would (flowrl.models.joint_linear). `attn._flowrl_joint_kernel = False` turns it
+    off, and with it the joint v projection; `attn._flowrl_joint_v = False` only the latter
+    (benchmark A/B)."""
     return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
             and torch.compiler.is_compiling() and _plain_qk_projections(attn)
             and all(qk_norm_rope.applicable(img_q, norm, rope)
@@ -187,7 +188,8 @@ def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torc
 def _autocast_on(x: torch.Tensor) -> bool:
     """Whether autocast is on for x's device. Under autocast LayerNorm returns float32, so the
     modulated input stays float32 until the next linear layer casts it once: not the bf16
-    rounding points the modulated-norm kernel reproduces. (Dynamo guards compiled graphs on the autocast state.)"""
+    rounding points the modulated-norm kernel reproduces. (Dynamo guards compiled graphs on the
+    autocast state.)"""
     return torch.is_autocast_enabled(x.device.type)
 
 
