@@ -96,22 +96,15 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
 
 def add_lora(block, rank: int) -> None:
     """The trainer's LoRA adapter on the block's attention projections, as the Qwen-Image recipe
-    sets it (targets, alpha = 2 x rank, gaussian init), with nonzero B so that nothing is zero;
-    the same weights in every variant of one rank."""
+    sets it (flowrl.trainer.lora.inject_lora on the adapter's default targets), with nonzero B so
+    that nothing is zero; the same weights in every variant of one rank."""
+    from flowrl.trainer.lora import inject_lora
+
     torch.manual_seed(rank)
-    from peft import LoraConfig, inject_adapter_in_model
-
-    from flowrl.trainer.lora import _compute_lora_in_activation_dtype
-
-    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=targets,
-                                       init_lora_weights="gaussian"), block)
+    inject_lora(block, rank, QwenImageAdapter.default_lora_targets)
     for name, param in block.named_parameters():
-        if "lora_" in name:
-            param.data = param.data.float()
-            if "lora_B" in name:
-                torch.nn.init.normal_(param, std=1e-3)
-    _compute_lora_in_activation_dtype(block)
+        if "lora_B" in name:
+            torch.nn.init.normal_(param.data, std=1e-3)
 
 
 def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim: int, layout: str, device, dtype):

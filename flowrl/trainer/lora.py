@@ -83,19 +83,39 @@ def apply_trainable(transformer: torch.nn.Module, lora_cfg) -> list[torch.nn.Par
         lora_dropout=float(getattr(lora_cfg, "dropout", 0.0)),
     )
     transformer.add_adapter(config)
+    params = _lora_as_flowrl_trains_it(transformer)
+    if not params:
+        raise ValueError(f"trainer.lora.target_modules={targets} produced no LoRA parameters")
+    return params
+
+
+def _lora_as_flowrl_trains_it(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """After peft injected an adapter into `module`: LoRA weights as float32 master weights (Adam
+    updates in bf16 would mostly round away) that train, everything else frozen, and every LoRA
+    Linear on flowrl's forward. Returns the LoRA parameters."""
     params = []
-    for name, param in transformer.named_parameters():
+    for name, param in module.named_parameters():
         if "lora_" in name:
-            # float32 master weights: Adam updates in bf16 would mostly round away.
             param.data = param.data.float()
             param.requires_grad_(True)
             params.append(param)
         else:
             param.requires_grad_(False)
-    if not params:
-        raise ValueError(f"trainer.lora.target_modules={targets} produced no LoRA parameters")
-    _compute_lora_in_activation_dtype(transformer)
+    _compute_lora_in_activation_dtype(module)
     return params
+
+
+def inject_lora(module: torch.nn.Module, rank: int, targets, alpha: float | None = None,
+                dropout: float = 0.0) -> list[torch.nn.Parameter]:
+    """The trainer's LoRA setup on any module, e.g. one transformer block in a benchmark or test:
+    peft's adapter (gaussian init, alpha = 2 x rank unless given) on `targets`, then as
+    `apply_trainable` sets it up. Returns the LoRA parameters."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=2.0 * rank if alpha is None else alpha, target_modules=list(targets),
+                        lora_dropout=dropout, init_lora_weights="gaussian")
+    inject_adapter_in_model(config, module)
+    return _lora_as_flowrl_trains_it(module)
 
 
 def has_lora(transformer: torch.nn.Module) -> bool:

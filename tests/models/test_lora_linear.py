@@ -22,21 +22,16 @@ class _Projections(torch.nn.Module):
 
 def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "other")):
     """Linear layers with the trainer's LoRA forward (flowrl.trainer.lora), B made nonzero."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    from flowrl.trainer.lora import _compute_lora_in_activation_dtype
+    from flowrl.trainer.lora import inject_lora
 
     torch.manual_seed(0)
     module = _Projections(bias=bias).to(dtype)
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout,
-                                       init_lora_weights="gaussian"), module)
+    params = inject_lora(module, 4, targets, dropout=dropout)
+    assert len(params) == 2 * len(targets) and all(p.dtype == torch.float32 for p in params)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if "lora_" in name:
-                param.data = param.data.float()
-                if "lora_B" in name:
-                    param.normal_(std=0.1)
-    assert _compute_lora_in_activation_dtype(module) == len(targets)
+            if "lora_B" in name:
+                param.normal_(std=0.1)
     return module
 
 

@@ -263,19 +263,14 @@ def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
 
     block = _cuda_block()
     if lora:
-        from peft import LoraConfig, inject_adapter_in_model
+        from flowrl.models.qwen_image import QwenImageAdapter
+        from flowrl.trainer.lora import inject_lora
 
-        from flowrl.trainer.lora import _compute_lora_in_activation_dtype
-
-        inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16, init_lora_weights="gaussian", target_modules=[
-            "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]), block)
+        inject_lora(block, 8, QwenImageAdapter.default_lora_targets)
         torch.manual_seed(2)
         for name, param in block.named_parameters():
-            if "lora_" in name:
-                param.data = param.data.float()
-                if "lora_B" in name:
-                    param.data.normal_(std=0.05)
-        _compute_lora_in_activation_dtype(block)
+            if "lora_B" in name:
+                param.data.normal_(std=0.05)
         for module in block.modules():
             if hasattr(module, "lora_A"):
                 module._flowrl_lora_fold = use_kernels
