@@ -25,6 +25,10 @@
 #                      (bf16 autocast, true CFG 4, gradient checkpointing, old_log_prob recompute:
 #                      no value pass), micro-batch 2 (4 rows), profiled (GPU busy share, top kernels) ~4 min
 #   qwen-train-step-eager  qwen-train-step without engine.compile (the eager step to compare) ~3 min
+#   qwen-train-micro-batches  the compiled training step exactly as the Qwen recipe sets it (LoRA
+#                      rank 64, bf16 autocast, true CFG 4, checkpointing, recompute) at micro-batches
+#                      2, 4 (the recipe's) and 8, each profiled: how the host's fixed cost per step
+#                      weighs as the micro-batch grows (host-bound work: run it with GPUS=1)     ~5 min
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
@@ -154,6 +158,10 @@ suite() {
       run qwen-train-step 300 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 1,2 \
         --sde-window-size 2 --train-micro-batch 2 --compile --gradient-checkpointing --autocast bf16 \
         --guidance-scale 4.0 --old-log-prob recompute --profile ;;
+    qwen-train-micro-batches)
+      run qwen-train-micro-batches 360 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 --micro-batches 2 \
+        --sde-window-size 2 --train-micro-batches 2,4,8 --lora-rank 64 --compile --gradient-checkpointing \
+        --autocast bf16 --guidance-scale 4.0 --old-log-prob recompute --profile ;;
     qwen-train-step-eager)
       run qwen-train-step-eager 240 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 2 \
         --sde-window-size 2 --train-micro-batch 2 --gradient-checkpointing --autocast bf16 --guidance-scale 4.0 \

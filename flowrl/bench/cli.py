@@ -70,8 +70,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     logprob.add_argument("--micro-batches", default="1,8,32", help="trainer micro-batch sizes to recompute with (default 1,8,32)")
     logprob.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on the attention projections; 0 trains the full transformer")
     logprob.add_argument("--autocast", default="no", choices=["no", "bf16", "fp16"], help="trainer mixed precision (as trainer.mixed_precision)")
-    logprob.add_argument("--train-micro-batch", type=_positive, default=None,
-                         help="micro-batch of the timed training step (default: the largest of --micro-batches that fits)")
+    logprob.add_argument("--train-micro-batches", "--train-micro-batch", default=None,
+                         help="micro-batch sizes of the timed training step, a comma list such as 2,4,8 (each timed "
+                              "and, with --profile, profiled; default: the largest of --micro-batches that fits)")
     logprob.add_argument("--train-repeats", type=_positive, default=3, help="timed training steps (median reported)")
     logprob.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
     _compile_options(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")

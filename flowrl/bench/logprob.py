@@ -13,7 +13,8 @@
    compiled, see flowrl.trainer.policy) and of each pass. A micro-batch that does not fit in
    memory is reported as such.
 3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
-   LoRA) is timed (median of --train-repeats after a warm-up), with the transformer's gradient
+   LoRA) is timed at each size of --train-micro-batches (median of --train-repeats after a
+   warm-up; the host's fixed cost per step weighs less as the micro-batch grows), with the transformer's gradient
    checkpointing when --gradient-checkpointing asks (as the recipes train) and, compiled, the
    trainer's extra no-grad pass; its FLOPs are counted
    once and MFU is reported against the matmul peak measured in the same run. --profile then
@@ -41,13 +42,13 @@ from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, takes_values_from_no_g
 PROMPT = "a photo of a red bicycle leaning on a white wall"
 
 
-def parse_micro_batches(text: str) -> list[int]:
+def parse_micro_batches(text: str, option: str = "--micro-batches") -> list[int]:
     try:
         sizes = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"--micro-batches={text!r} must be a comma list of integers >= 1, e.g. 1,8,32")
+        raise ValueError(f"{option}={text!r} must be a comma list of integers >= 1, e.g. 1,8,32")
     return sizes
 
 
@@ -161,6 +162,11 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
 def run_logprob(args) -> int:
     quiet_libraries()
     sizes = parse_micro_batches(args.micro_batches)
+    train_sizes = (parse_micro_batches(args.train_micro_batches, "--train-micro-batches")
+                   if args.train_micro_batches is not None else None)
+    if train_sizes and max(train_sizes) > args.num_samples:
+        raise ValueError(f"--train-micro-batches={args.train_micro_batches!r}: a micro-batch of {max(train_sizes)} "
+                         f"needs at least that many samples; raise -n (now {args.num_samples})")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
@@ -218,23 +224,27 @@ def run_logprob(args) -> int:
         report.save()
         shown = f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
         print(f"[bench] micro-batch {size}: |trainer - rollout| log-prob {shown}", flush=True)
-    # 3. Training step speed.
+    # 3. Training step speed, per micro-batch size (the host's share of a step shrinks as it grows).
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
-    train_mb = args.train_micro_batch or (max(fitting) if fitting else 1)
-    try:
-        train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats, device,
-                                   profile=args.profile, old_log_prob_mode=args.old_log_prob)
-        # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
-        flops = train["flops_forward_backward"]
-        train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
-    except Exception as exc:  # noqa: BLE001
-        if not _is_oom(exc):
-            traceback.print_exc()
-        train = {"micro_batch": train_mb, "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"}
-    report.data["training_step"] = train
-    report.save()
+    report.data["training_steps"] = []
+    for train_mb in train_sizes or [max(fitting) if fitting else 1]:
+        try:
+            train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats,
+                                       device, profile=args.profile, old_log_prob_mode=args.old_log_prob)
+            # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
+            flops = train["flops_forward_backward"]
+            train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
+            if not _is_oom(exc):
+                traceback.print_exc()
+            train = {"micro_batch": train_mb,
+                     "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report.data["training_steps"].append(train)
+        report.save()
     _print_summary(report.data)
-    ok = "error" not in train and all("error" not in g for g in report.data["gaps"])
+    ok = all("error" not in r for r in report.data["gaps"] + report.data["training_steps"])
     return 0 if ok else 1
 
 
@@ -257,15 +267,16 @@ def _print_summary(data: dict) -> None:
     print(f"   |trainer - rollout| log-prob; the trainer's values come from the {values_from}")
     print(format_table(["micro-batch", "mean |diff|", "max |diff|", "no-grad pass mean / max", "grad pass mean / max",
                         "max |diff| per window step"], rows))
-    t = data.get("training_step", {})
-    if "error" in t:
-        print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
-    elif t:
+    for t in data.get("training_steps", []):
+        if "error" in t:
+            print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
+            continue
         print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
-              f"(median of {ms_list(t['seconds'])} ms; forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
+              f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "
+              f"forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
               f"{(t['flops_forward_backward'] or 0) / 1e12:.2f} TFLOP fwd+bwd, MFU {(t['mfu'] or 0):.1%} of "
               f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
               f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}"
               f"{'; old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         if t.get("profile"):
-            print("\n".join(profile_lines(t["profile"], "one training step")))
+            print("\n".join(profile_lines(t["profile"], f"one training step, micro-batch {t['micro_batch']}")))

@@ -136,6 +136,27 @@ def device_events(events) -> list:
     return [e for e in events if e.device_type != host and e.key not in host_names]
 
 
+def busy_within_span(raw_events) -> dict | None:
+    """How much of the profiled span the GPU was running anything: the union of the device events'
+    intervals (kernels, memsets, copies; as device_events chooses them) over the time from the
+    first one's start to the last one's end. Idle gaps inside the span are host waits (a sync, or
+    a host slower than the GPU); None without device events."""
+    host = torch.autograd.DeviceType.CPU
+    host_names = {e.name for e in raw_events if e.device_type == host}
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in raw_events
+                       if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start)
+    if not intervals:
+        return None
+    busy, (start, end) = 0.0, intervals[0]
+    span_start = start
+    for a, b in intervals[1:]:
+        if a > end:
+            busy, start = busy + end - start, a
+        end = max(end, b)
+    busy += end - start
+    return {"span_ms": (end - span_start) / 1000.0, "busy_ms": busy / 1000.0, "share": busy / max(end - span_start, 1e-9)}
+
+
 def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
     """Run fn() under torch.profiler; return device time per kernel category and the top kernels
     (self device time, or self CPU time on a CPU run)."""
@@ -162,7 +183,9 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
         category = next((c for c, keys in _KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
         categories[category] = categories.get(category, 0.0) + self_time(e)
     top = sorted(kernels, key=self_time, reverse=True)[:row_limit]
+    span = busy_within_span(prof.events()) if on_gpu else None
     return {
+        **({"busy_within_span": span} if span else {}),
         "clock": "device" if on_gpu else "cpu",
         "total_ms": total / 1000.0,
         "share_by_category": {c: t / total for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
@@ -170,10 +193,16 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
     }
 
 
+def _span_text(profile: dict) -> str:
+    span = profile.get("busy_within_span")
+    return f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else ""
+
+
 def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") -> list[str]:
     """Plain-text lines of a profile_summary result: the share per kernel category (and, when
     measured, how busy the GPU was), then the top kernels."""
-    busy = f", GPU busy {profile['gpu_busy']:.0%} of the timed wall time" if profile.get("gpu_busy") is not None else ""
+    busy = (f", GPU busy {profile['gpu_busy']:.0%} of the timed wall time" if profile.get("gpu_busy") is not None
+            else _span_text(profile))
     shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
     lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
     for k in profile["top_kernels"][:top]:

@@ -70,7 +70,9 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
 def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
     """A profile_summary result as markdown lines: the share per kernel category (and how busy
     the GPU was, when measured), then the top kernels."""
-    busy = f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None else ""
+    span = profile.get("busy_within_span")
+    busy = (f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None
+            else f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else "")
     shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
     return ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
             + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
@@ -91,8 +93,10 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                                 for p in ("no_grad_pass", "grad_pass"))
             lines.append(f"| {g['micro_batch']} | {g.get('trainer_values_from', 'grad pass')} | {g['mean_abs_diff']:.2e} "
                          f"| {g['max_abs_diff']:.2e} | {passes} |")
-    t = data.get("training_step")
-    if t and "error" not in t:
+    for t in data.get("training_steps", []):
+        if "error" in t:
+            lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
+            continue
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
                      f"(runs: {ms_list(t.get('seconds', []))}), "
                      f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
@@ -101,9 +105,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                      f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
-            lines += _profile_markdown(profile, "the training step", top=8)
-    elif t:
-        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
+            lines += _profile_markdown(profile, f"the training step (micro-batch {t['micro_batch']})", top=8)
     return lines + [""]
 
 

@@ -72,7 +72,7 @@ def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
         assert gap["max_abs_diff"] < 1e-5 and gap["grad_pass"]["max_abs_diff"] == gap["max_abs_diff"]
         assert gap["no_grad_pass"]["max_abs_diff"] < 1e-5
         assert len(gap["max_abs_diff_per_step"]) == 2  # window: every step but the last
-    step = report["training_step"]
+    [step] = report["training_steps"]  # default: the largest micro-batch that fit
     assert step["micro_batch"] == 4 and step["flops_forward_backward"] > 0 and step["optimizer_step_included"]
 
 
@@ -90,12 +90,12 @@ def test_bench_logprob_gradient_checkpointing_recomputes_and_profile_reports(tmp
     plain = bench("plain")
     checkpointed = bench("checkpointed", "--gradient-checkpointing", "--profile")
     assert checkpointed["settings"]["gradient_checkpointing"] and not plain["settings"]["gradient_checkpointing"]
-    flops = [r["training_step"]["flops_forward_backward"] for r in (plain, checkpointed)]
+    flops = [r["training_steps"][0]["flops_forward_backward"] for r in (plain, checkpointed)]
     assert flops[1] > flops[0] * 1.2, flops  # the recomputed forward is counted
     assert checkpointed["gaps"][0]["max_abs_diff"] < 1e-5
-    profile = checkpointed["training_step"]["profile"]
+    profile = checkpointed["training_steps"][0]["profile"]
     assert profile["total_ms"] > 0 and profile["top_kernels"] and "gpu_busy" not in profile  # CPU: no busy share
-    assert "profile" not in plain["training_step"]
+    assert "profile" not in plain["training_steps"][0]
     printed = capsys.readouterr().out
     assert "profile of one training step" in printed and "gradient checkpointing" in printed
 
@@ -113,6 +113,25 @@ def test_bench_rollout_bad_input_names_the_flag(argv, fragment):
 def test_bench_logprob_bad_micro_batches():
     with pytest.raises(ValueError, match="--micro-batches"):
         main(["bench", "logprob", "--model", "tiny-sd3", "--micro-batches", "0,x"])
+    with pytest.raises(ValueError, match="--train-micro-batches='1,0'"):
+        main(["bench", "logprob", "--model", "tiny-sd3", "--train-micro-batches", "1,0"])
+    with pytest.raises(ValueError, match="--train-micro-batches='2,8'.*raise -n \\(now 4\\)"):
+        main(["bench", "logprob", "--model", "tiny-sd3", "-n", "4", "--train-micro-batches", "2,8"])
+
+
+def test_bench_logprob_times_each_training_micro_batch(tmp_path, capsys):
+    """--train-micro-batches times a step at each size, in one process: one entry per size, each with
+    its own FLOPs (which grow with the micro-batch) and a line in the printout."""
+    out = tmp_path / "logprob.json"
+    assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "4", "--steps", "2", "--size", "64",
+                 "--micro-batches", "4", "--train-micro-batches", "1,4", "--lora-rank", "2", "--train-repeats", "1",
+                 "--peak-seconds", "0.05", "--json", str(out)]) == 0
+    steps = json.loads(out.read_text())["training_steps"]
+    assert [s["micro_batch"] for s in steps] == [1, 4]
+    assert steps[1]["flops_forward_backward"] > 3 * steps[0]["flops_forward_backward"] > 0
+    printed = capsys.readouterr().out
+    assert "training step, micro-batch 1:" in printed and "training step, micro-batch 4:" in printed
+    assert "ms per sample" in printed
 
 
 @pytest.mark.parametrize("model, guidance", [("tiny-qwen", 1.0), ("tiny-sd3", 3.0)])
@@ -280,9 +299,29 @@ def test_summary_prints_every_benchmark_file(tmp_path, capsys):
     assert summary.main([str(rollout), str(logprob), str(broken)]) == 0
     out = capsys.readouterr().out
     assert "### r: tiny-sd3, 2 samples" in out and "LoRA rank 2, " in out and "| engine-batched |" in out
-    runs = json.loads(logprob.read_text())["training_step"]["seconds"]
+    runs = json.loads(logprob.read_text())["training_steps"][0]["seconds"]
     assert f"(runs: {summary.ms_list(runs)})" in out and len(runs) == 2
     assert "### cut.json: unreadable" in out
+
+
+def test_busy_within_span_is_the_union_of_device_intervals():
+    """Overlapping and nested device intervals count once, the gaps between them are idle, host
+    events and the device copies of host annotations (same name as a host event) are left out."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from flowrl.bench.report import busy_within_span
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("gemm", 0, 400), event("copy", 300, 500), event("norm", 350, 450),  # 0-500 busy
+              event("attention", 800, 1000),                                            # 300 idle, 200 busy
+              event("Optimizer.step", 0, 5000, DeviceType.CPU), event("Optimizer.step", 0, 2000)]
+    span = busy_within_span(events)
+    assert span == {"span_ms": 1.0, "busy_ms": 0.7, "share": pytest.approx(0.7)}
+    assert busy_within_span([event("Optimizer.step", 0, 5, DeviceType.CPU)]) is None
 
 
 @pytest.mark.gpu
@@ -296,6 +335,8 @@ def test_profile_counts_each_kernel_once_on_gpu():
     names = [k["name"] for k in profile["top_kernels"]]
     assert not any(name.startswith("aten::") for name in names), names
     assert abs(sum(profile["share_by_category"].values()) - 1.0) < 1e-6 and profile["share_by_category"].get("matmul", 0) > 0.9
+    span = profile["busy_within_span"]  # four queued GEMMs: the GPU runs them back to back
+    assert 0.9 < span["share"] <= 1.0 and span["busy_ms"] <= span["span_ms"]
 
 
 def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
@@ -311,6 +352,6 @@ def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
 
     rollout, recompute = bench("rollout"), bench("recompute")
     assert recompute["settings"]["old_log_prob"] == "recompute"
-    flops = [r["training_step"]["flops_forward_backward"] for r in (rollout, recompute)]
+    flops = [r["training_steps"][0]["flops_forward_backward"] for r in (rollout, recompute)]
     # fwd + bwd is about 3 forwards; the value pass adds a fourth
     assert flops[1] < 0.85 * flops[0], flops
