@@ -39,17 +39,6 @@ def _epilogue_chunks(bias, x, weight_t, chunks: int):
     return out
 
 
-def kernel_names(fn) -> list[str]:
-    """The CUDA kernels one call of fn launches, in order."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-
-
 def groups(rows: int, tokens: int, width: int, device, dtype) -> dict[str, tuple[int, dict]]:
     """{group: (flops per call, {variant: fn})}."""
     m, hidden = rows * tokens, 4 * width
@@ -106,7 +95,7 @@ def main() -> int:
             median = statistics.median(values)
             print(alternating.rounds_line(f"  {label:32s}", values) + f"   {flops / median / 1e12:6.1f} TFLOP/s")
             if on_gpu:
-                print("      " + ", ".join(name[:90] for name in kernel_names(variants[label])))
+                print("      " + ", ".join(name[:90] for name in alternating.kernel_names(variants[label])))
         if group == "mlp-up":
             one_call = variants["gelu epilogue (the op)"]().float()
             for label in ("gelu epilogue, 2 row chunks", "gelu epilogue, 4 row chunks"):

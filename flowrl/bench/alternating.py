@@ -31,3 +31,14 @@ def alternate(variants: dict[str, Callable], device: torch.device, rounds: int, 
 def rounds_line(label: str, values: list[float]) -> str:
     """'label  ms ms ms   median ms' for one variant's rounds."""
     return f"{label} " + "  ".join(f"{v * 1e3:8.2f}" for v in values) + f"   median {statistics.median(values) * 1e3:8.2f} ms"
+
+
+def kernel_names(fn: Callable) -> list[str]:
+    """The CUDA kernels one call of fn launches, in order."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
