@@ -30,8 +30,9 @@ _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2, torch.float32: 0}
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _PREF_MAX_WORKSPACE_BYTES = 1
-_CONFIG_ATTRIBUTES = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5,
-                      "stages": 6, "inner": 7, "cluster": 8}
+# name: (cublasLtMatmulAlgoConfigAttributes_t, size in bytes: the call wants the exact size)
+_CONFIG_ATTRIBUTES = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4),
+                      "custom": (5, 4), "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
 
 WORKSPACE_BYTES = 32 << 20
 
@@ -88,12 +89,12 @@ def _workspace(device_index: int) -> torch.Tensor:
 def describe(algo: _Algo) -> dict[str, int]:
     """The algorithm's configuration numbers (algorithm id, tile, split-K, stages, cluster, ...)."""
     lib, out = _library(), {}
-    for name, attribute in _CONFIG_ATTRIBUTES.items():
-        value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    for name, (attribute, size) in _CONFIG_ATTRIBUTES.items():
+        value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)  # little-endian: the low bytes are the value
         status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
-                                                          8, ctypes.byref(written))
+                                                          size, ctypes.byref(written))
         if status == 0:
-            out[name] = value.value & ((1 << (8 * written.value)) - 1) if written.value else 0
+            out[name] = value.value
     return out
 
 
