@@ -105,29 +105,34 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
     from flowrl.trainer.policy import score_transitions, with_values
 
     rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
-    mb = {name: t[rows] for name, t in tensors.items()}
-    step_index = torch.zeros(rows.shape[0], dtype=torch.long)
-    advantages = torch.linspace(-1.0, 1.0, rows.shape[0], device=device)
-    old_log_prob = mb["all_log_probs"][:, 0].to(device)
-    known_values = None
-    if old_log_prob_mode == "recompute":
-        with torch.no_grad():
-            old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob
-        known_values = old_log_prob if takes_values_from_no_grad(adapter) else None
     # AdamW for LoRA-sized training; full fine-tuning of a big model would need its optimizer
     # states (several times the weights) just to time a step.
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
 
-    def forward_backward():
-        if known_values is not None:
-            result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
-        else:
-            result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
-                                       values_from_no_grad=takes_values_from_no_grad(adapter))  # as the trainer scores
-        ratio = torch.exp(result.log_prob - old_log_prob)
-        loss = -(advantages * ratio).mean()
-        loss.backward()
+    def make_forward_backward(rows: torch.Tensor):
+        mb = {name: t[rows] for name, t in tensors.items()}
+        step_index = torch.zeros(rows.shape[0], dtype=torch.long)
+        advantages = torch.linspace(-1.0, 1.0, rows.shape[0], device=device)
+        old_log_prob = mb["all_log_probs"][:, 0].to(device)
+        known_values = None
+        if old_log_prob_mode == "recompute":
+            with torch.no_grad():
+                old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob
+            known_values = old_log_prob if takes_values_from_no_grad(adapter) else None
+
+        def forward_backward():
+            if known_values is not None:
+                result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
+            else:
+                result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
+                                           values_from_no_grad=takes_values_from_no_grad(adapter))  # as the trainer scores
+            ratio = torch.exp(result.log_prob - old_log_prob)
+            loss = -(advantages * ratio).mean()
+            loss.backward()
+        return forward_backward
+
+    forward_backward = make_forward_backward(rows)
 
     def train_step():
         forward_backward()
@@ -140,15 +145,28 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
         train_step()  # warm-up
         reset_peak_memory(device)
         seconds = time_runs(train_step, device, repeats)
-        try:
-            fwd_bwd_flops = flop_count.count_flops(forward_backward)
-        except Exception:  # noqa: BLE001 - keep the timing without MFU
-            traceback.print_exc()
-            fwd_bwd_flops = None
+        # The FLOPs are counted eagerly (flop_count), which can need more memory than the compiled
+        # step; every row has the same shapes, so one sample's count times the rows is exact.
+        fwd_bwd_flops, counted_rows = None, None
+        for attempt in ((rows, rows[:1]) if rows.shape[0] > 1 else (rows,)):
+            try:
+                fn = forward_backward if attempt is rows else make_forward_backward(attempt)
+                fwd_bwd_flops = flop_count.count_flops(fn) * rows.shape[0] // attempt.shape[0]
+                counted_rows = int(attempt.shape[0])
+                break
+            except Exception as exc:  # noqa: BLE001 - keep the timing without MFU
+                for p in params:
+                    p.grad = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if not _is_oom(exc):
+                    traceback.print_exc()
+                    break
         for p in params:
             p.grad = None
         result = {"micro_batch": int(rows.shape[0]), "seconds": seconds, "seconds_median": median(seconds),
-                  "flops_forward_backward": fwd_bwd_flops, "optimizer_step_included": optimizer is not None,
+                  "flops_forward_backward": fwd_bwd_flops, "flops_counted_at_micro_batch": counted_rows,
+                  "optimizer_step_included": optimizer is not None,
                   "peak_memory_gb": peak_memory_gb(device)}
         if profile:
             result["profile"] = profile_summary(train_step, device)
@@ -248,6 +266,18 @@ def run_logprob(args) -> int:
     return 0 if ok else 1
 
 
+def _flops_text(step: dict, sustained_flops: float) -> str:
+    """'X TFLOP fwd+bwd, MFU Y% of Z TFLOP/s', saying when the count was scaled from one sample or
+    could not be made."""
+    flops = step.get("flops_forward_backward")
+    if not flops:
+        return "FLOPs not counted (no MFU)"
+    scaled = step.get("flops_counted_at_micro_batch")
+    note = f" (counted at micro-batch {scaled}, scaled)" if scaled and scaled != step["micro_batch"] else ""
+    return (f"{flops / 1e12:.2f} TFLOP fwd+bwd{note}, MFU {(step.get('mfu') or 0):.1%} of "
+            f"{sustained_flops / 1e12:.1f} TFLOP/s")
+
+
 def _print_summary(data: dict) -> None:
     s = data["settings"]
     print()
@@ -274,8 +304,7 @@ def _print_summary(data: dict) -> None:
         print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
               f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "
               f"forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
-              f"{(t['flops_forward_backward'] or 0) / 1e12:.2f} TFLOP fwd+bwd, MFU {(t['mfu'] or 0):.1%} of "
-              f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
+              f"{_flops_text(t, data['peak']['sustained_flops'])}, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
               f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}"
               f"{'; old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         if t.get("profile"):

@@ -136,25 +136,33 @@ def device_events(events) -> list:
     return [e for e in events if e.device_type != host and e.key not in host_names]
 
 
-def busy_within_span(raw_events) -> dict | None:
+def busy_within_span(raw_events, gaps: int = 5) -> dict | None:
     """How much of the profiled span the GPU was running anything: the union of the device events'
     intervals (kernels, memsets, copies; as device_events chooses them) over the time from the
     first one's start to the last one's end. Idle gaps inside the span are host waits (a sync, or
-    a host slower than the GPU); None without device events."""
+    a host slower than the GPU); the `gaps` longest are listed with when they began (ms into the
+    span) and the device work on either side. None without device events."""
     host = torch.autograd.DeviceType.CPU
     host_names = {e.name for e in raw_events if e.device_type == host}
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in raw_events
+    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in raw_events
                        if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start)
     if not intervals:
         return None
-    busy, (start, end) = 0.0, intervals[0]
-    span_start = start
-    for a, b in intervals[1:]:
+    span_start, end, last_name = intervals[0]
+    busy, start, idle = 0.0, span_start, []
+    for a, b, name in intervals[1:]:
         if a > end:
-            busy, start = busy + end - start, a
-        end = max(end, b)
+            busy += end - start
+            idle.append((a - end, end, last_name, name))
+            start = a
+        if b >= end:
+            end, last_name = b, name
     busy += end - start
-    return {"span_ms": (end - span_start) / 1000.0, "busy_ms": busy / 1000.0, "share": busy / max(end - span_start, 1e-9)}
+    longest = sorted(idle, reverse=True)[:gaps]
+    return {"span_ms": (end - span_start) / 1000.0, "busy_ms": busy / 1000.0, "share": busy / max(end - span_start, 1e-9),
+            "gaps": len(idle),
+            "longest_gaps": [{"ms": length / 1000.0, "at_ms": (at - span_start) / 1000.0, "after": after[:80],
+                              "before": before[:80]} for length, at, after, before in longest]}
 
 
 def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
@@ -207,6 +215,12 @@ def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") 
     lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
     for k in profile["top_kernels"][:top]:
         lines.append(f"{indent}  {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
+    span = profile.get("busy_within_span")
+    if span and span.get("longest_gaps"):
+        lines.append(f"{indent}  GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} "
+                     f"in {span['gaps']} gaps; the longest:")
+        lines += [f"{indent}    {g['ms']:8.2f} ms at {g['at_ms']:8.1f} ms, after {g['after']}, before {g['before']}"
+                  for g in span["longest_gaps"]]
     return lines
 
 

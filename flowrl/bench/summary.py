@@ -74,8 +74,14 @@ def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
     busy = (f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None
             else f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else "")
     shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
-    return ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
-            + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
+    lines = ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
+             + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
+    if span and span.get("longest_gaps"):
+        lines.append(f"  - GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} in "
+                     f"{span['gaps']} gaps, the longest: " + "; ".join(
+                         f"{g['ms']:.2f} ms at {g['at_ms']:.0f} ms (after {g['after'][:40]}, before {g['before'][:40]})"
+                         for g in span["longest_gaps"]))
+    return lines
 
 
 def logprob_markdown(name: str, data: dict) -> list[str]:
@@ -97,10 +103,11 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
         if "error" in t:
             lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
             continue
+        flops, counted = t.get("flops_forward_backward"), t.get("flops_counted_at_micro_batch")
+        scaled = f" (counted at micro-batch {counted}, scaled)" if counted not in (None, t["micro_batch"]) else ""
+        work = f"{flops / 1e12:.1f} TFLOP fwd+bwd{scaled}, MFU {(t.get('mfu') or 0):.1%}" if flops else "FLOPs not counted"
         lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
-                     f"(runs: {ms_list(t.get('seconds', []))}), "
-                     f"{(t['flops_forward_backward'] or 0) / 1e12:.1f} TFLOP fwd+bwd, MFU {(t.get('mfu') or 0):.1%}, "
-                     f"peak {t['peak_memory_gb'] or 0:.0f} GB"
+                     f"(runs: {ms_list(t.get('seconds', []))}), {work}, peak {t['peak_memory_gb'] or 0:.0f} GB"
                      f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
                      f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
         profile = t.get("profile")

@@ -119,6 +119,36 @@ def test_bench_logprob_bad_micro_batches():
         main(["bench", "logprob", "--model", "tiny-sd3", "-n", "4", "--train-micro-batches", "2,8"])
 
 
+def test_bench_logprob_flop_count_out_of_memory_falls_back_to_one_sample(tmp_path, monkeypatch, capsys):
+    """The eager FLOP count of a large micro-batch can run out of memory where the compiled step
+    fit (run 46, micro-batch 8). It is then counted on one sample and scaled, which is exact (every
+    row has the same shapes), and the report says so."""
+    from flowrl.bench import flops as flop_count
+
+    def bench(name):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "3", "--steps", "2", "--size", "64",
+                     "--micro-batches", "3", "--lora-rank", "2", "--train-repeats", "1", "--peak-seconds", "0.05",
+                     "--json", str(out)]) == 0
+        return json.loads(out.read_text())["training_steps"][0]
+
+    direct = bench("direct")
+    count, calls = flop_count.count_flops, []
+
+    def out_of_memory_once(fn):
+        calls.append(fn)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 192.00 MiB")
+        return count(fn)
+
+    monkeypatch.setattr(flop_count, "count_flops", out_of_memory_once)
+    scaled = bench("scaled")
+    assert len(calls) == 2 and direct["flops_counted_at_micro_batch"] == 3
+    assert scaled["flops_counted_at_micro_batch"] == 1
+    assert scaled["flops_forward_backward"] == direct["flops_forward_backward"] > 0
+    assert "(counted at micro-batch 1, scaled)" in capsys.readouterr().out
+
+
 def test_bench_logprob_times_each_training_micro_batch(tmp_path, capsys):
     """--train-micro-batches times a step at each size, in one process: one entry per size, each with
     its own FLOPs (which grow with the micro-batch) and a line in the printout."""
@@ -320,7 +350,8 @@ def test_busy_within_span_is_the_union_of_device_intervals():
               event("attention", 800, 1000),                                            # 300 idle, 200 busy
               event("Optimizer.step", 0, 5000, DeviceType.CPU), event("Optimizer.step", 0, 2000)]
     span = busy_within_span(events)
-    assert span == {"span_ms": 1.0, "busy_ms": 0.7, "share": pytest.approx(0.7)}
+    assert (span["span_ms"], span["busy_ms"], span["gaps"]) == (1.0, 0.7, 1) and span["share"] == pytest.approx(0.7)
+    assert span["longest_gaps"] == [{"ms": 0.3, "at_ms": 0.5, "after": "copy", "before": "attention"}]
     assert busy_within_span([event("Optimizer.step", 0, 5, DeviceType.CPU)]) is None
 
 
