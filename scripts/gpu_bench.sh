@@ -27,8 +27,8 @@
 #   qwen-train-step-eager  qwen-train-step without engine.compile (the eager step to compare) ~3 min
 #   qwen-train-micro-batches  the compiled training step exactly as the Qwen recipe sets it (LoRA
 #                      rank 64, bf16 autocast, true CFG 4, checkpointing, recompute) at micro-batches
-#                      2, 4 (the recipe's) and 8, each profiled: how the host's fixed cost per step
-#                      weighs as the micro-batch grows (host-bound work: run it with GPUS=1)     ~5 min
+#                      2, 4 (the recipe's) and 8, each profiled: what a sample costs and how busy
+#                      the GPU is at each size (host-bound work: run it with GPUS=1)            ~5 min
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min

@@ -14,7 +14,7 @@
    memory is reported as such.
 3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
    LoRA) is timed at each size of --train-micro-batches (median of --train-repeats after a
-   warm-up; the host's fixed cost per step weighs less as the micro-batch grows), with the transformer's gradient
+   warm-up; the time per sample and the GPU's busy share move with it), with the transformer's gradient
    checkpointing when --gradient-checkpointing asks (as the recipes train) and, compiled, the
    trainer's extra no-grad pass; its FLOPs are counted
    once and MFU is reported against the matmul peak measured in the same run. --profile then
@@ -242,7 +242,7 @@ def run_logprob(args) -> int:
         report.save()
         shown = f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
         print(f"[bench] micro-batch {size}: |trainer - rollout| log-prob {shown}", flush=True)
-    # 3. Training step speed, per micro-batch size (the host's share of a step shrinks as it grows).
+    # 3. Training step speed, per micro-batch size (what a sample costs depends on it: run 46).
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
     report.data["training_steps"] = []
     for train_mb in train_sizes or [max(fitting) if fitting else 1]:
