@@ -201,26 +201,20 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
     }
 
 
-def _span_text(profile: dict) -> str:
-    span = profile.get("busy_within_span")
-    return f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else ""
-
-
 def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") -> list[str]:
     """Plain-text lines of a profile_summary result: the share per kernel category (and, when
-    measured, how busy the GPU was), then the top kernels."""
-    busy = (f", GPU busy {profile['gpu_busy']:.0%} of the timed wall time" if profile.get("gpu_busy") is not None
-            else _span_text(profile))
+    measured, how busy the GPU was), then the top kernels and the longest idle gaps."""
+    from flowrl.bench.summary import busy_text, idle_gap_texts
+
     shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
-    lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
+    lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
+             f"{busy_text(profile, 'the timed wall time')}): {shares}"]
     for k in profile["top_kernels"][:top]:
         lines.append(f"{indent}  {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
     span = profile.get("busy_within_span")
     if span and span.get("longest_gaps"):
-        lines.append(f"{indent}  GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} "
-                     f"in {span['gaps']} gaps; the longest:")
-        lines += [f"{indent}    {g['ms']:8.2f} ms at {g['at_ms']:8.1f} ms, after {g['after']}, before {g['before']}"
-                  for g in span["longest_gaps"]]
+        head, gaps = idle_gap_texts(span)
+        lines += [f"{indent}  {head}; the longest:"] + [f"{indent}    {gap}" for gap in gaps]
     return lines
 
 

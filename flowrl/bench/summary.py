@@ -67,20 +67,33 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def busy_text(profile: dict, wall: str) -> str:
+    """', GPU busy X% of <wall>' (kernel time over the timed wall time), else the share of the
+    profiled span (flowrl.bench.report.busy_within_span), else ''. Shared by both printouts."""
+    span = profile.get("busy_within_span")
+    if profile.get("gpu_busy") is not None:
+        return f", GPU busy {profile['gpu_busy']:.0%} of {wall}"
+    return f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else ""
+
+
+def idle_gap_texts(span: dict) -> tuple[str, list[str]]:
+    """('GPU idle A ms of the profiled B in N gaps', one text per listed gap) of a busy_within_span result."""
+    head = f"GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} in {span['gaps']} gaps"
+    return head, [f"{g['ms']:.2f} ms at {g['at_ms']:.1f} ms (after {g['after']}, before {g['before']})"
+                  for g in span.get("longest_gaps", [])]
+
+
 def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
     """A profile_summary result as markdown lines: the share per kernel category (and how busy
-    the GPU was, when measured), then the top kernels."""
-    span = profile.get("busy_within_span")
-    busy = (f", GPU busy {profile['gpu_busy']:.0%} of the step" if profile.get("gpu_busy") is not None
-            else f", GPU busy {span['share']:.1%} of the profiled {span['span_ms']:.0f} ms" if span else "")
+    the GPU was, when measured), then the top kernels and the longest idle gaps."""
     shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
-    lines = ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms{busy}): {shares}"]
+    lines = ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
+              f"{busy_text(profile, 'the step')}): {shares}"]
              + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
+    span = profile.get("busy_within_span")
     if span and span.get("longest_gaps"):
-        lines.append(f"  - GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} in "
-                     f"{span['gaps']} gaps, the longest: " + "; ".join(
-                         f"{g['ms']:.2f} ms at {g['at_ms']:.0f} ms (after {g['after'][:40]}, before {g['before'][:40]})"
-                         for g in span["longest_gaps"]))
+        head, gaps = idle_gap_texts(span)
+        lines.append(f"  - {head}, the longest: " + "; ".join(gaps))
     return lines
 
 
