@@ -8,7 +8,7 @@ Problems (the image stream has rows x 1024 tokens, the text stream rows x 64; wi
 img-mlp-up (GELU epilogue, as flowrl.models.fused_mlp), img-mlp-up-bias (the same GEMM with the
 bias only), img-mlp-down, img-proj (q, k, v and the output projection), img-proj-accumulate (a
 LoRA fold's base GEMM: no bias, beta = 1, flowrl.models.lora_linear), txt-proj, txt-mlp-up,
-txt-mlp-down. For each: ms per call per round (alternating, flowrl.bench.alternating), TFLOP/s,
+txt-mlp-down. For each: ms per call per round (alternating, timing.py), TFLOP/s,
 the time relative to PyTorch's call, the algorithm's configuration numbers, the largest
 difference from PyTorch's output, and the kernels of PyTorch's call and of the fastest candidate.
 CUDA only.
@@ -22,8 +22,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from flowrl.bench import alternating
-from flowrl.bench import cublaslt
+import cublaslt
+import timing
+
 
 WIDTH = 3072
 
@@ -66,7 +67,7 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
     variants = {"torch": torch_call(x, weight, bias, out_torch, epilogue, accumulate)}
     for index, algo in enumerate(candidates):
         variants[f"lt{index}"] = (lambda algo=algo: gemm.run(x, weight, bias, out_lt, algo))
-    times = alternating.alternate(variants, device, rounds, seconds)
+    times = timing.alternate(variants, device, rounds, seconds)
 
     # Values: one call each from the same start (accumulating problems add to it).
     out_torch.copy_(start)
@@ -79,7 +80,7 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
     ranked = sorted(times, key=lambda label: statistics.median(times[label]))
     for label in ranked:
         median = statistics.median(times[label])
-        line = alternating.rounds_line(f"  {label:6s}", times[label])
+        line = timing.rounds_line(f"  {label:6s}", times[label])
         line += f"  {flops / median / 1e12:6.1f} TFLOP/s  x{median / base:.4f}"
         if label != "torch":
             algo = candidates[int(label[2:])]
@@ -90,7 +91,7 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
             line += f"  waves={algo.waves_count:.2f} ws={algo.workspace_size >> 10}K |diff|={diff:.3g}  {config}"
         print(line)
     for label in ("torch", ranked[0] if ranked[0] != "torch" else ranked[1]):
-        print(f"  kernels of {label}: " + ", ".join(kernel[:100] for kernel in alternating.kernel_names(variants[label])))
+        print(f"  kernels of {label}: " + ", ".join(kernel[:100] for kernel in timing.kernel_names(variants[label])))
 
 
 def main() -> int:
@@ -98,7 +99,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     parser.add_argument("--limit", type=int, default=24, help="heuristic candidates per problem")
-    alternating.add_arguments(parser, seconds=0.25)
+    timing.add_arguments(parser, seconds=0.25)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda":

@@ -21,10 +21,11 @@ import statistics
 
 import torch
 
-from flowrl.bench import alternating
-from flowrl.bench.floor import _forward_fn
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
+
+from floor import velocity_call
+import timing
 
 
 def captured(forward):
@@ -47,7 +48,7 @@ def main() -> int:
     parser.add_argument("--model", default="qwen-image", help="qwen-image or sd35-medium (a GPU run)")
     parser.add_argument("--rows", default="1,16", help="comma-separated row counts")
     parser.add_argument("--size", type=int, default=512)
-    alternating.add_arguments(parser, seconds=2.0)
+    timing.add_arguments(parser, seconds=2.0)
     args = parser.parse_args()
     quiet_libraries()
     device = torch.device(args.device)
@@ -60,7 +61,7 @@ def main() -> int:
     print(f"{model} compiled forward, {size} px, {dtype}, direct launch vs CUDA graph replay, {name}")
     with torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
-            direct = _forward_fn(adapter, rows, size, size, 1.0)
+            direct = velocity_call(adapter, rows, size, size, 1.0)
             reference = direct().float()  # compiles
             variants = {"direct": direct}
             diff = None
@@ -73,9 +74,9 @@ def main() -> int:
                     replay()
                     diff = (output.float() - reference).abs().max().item()
                     variants["graph"] = replay
-            times = alternating.alternate(variants, device, args.rounds, args.seconds)
+            times = timing.alternate(variants, device, args.rounds, args.seconds)
             for variant, values in times.items():
-                print(alternating.rounds_line(f"  rows {rows:3d} {variant:7s}", values))
+                print(timing.rounds_line(f"  rows {rows:3d} {variant:7s}", values))
             if "graph" in times:
                 saved = 1 - statistics.median(times["graph"]) / statistics.median(times["direct"])
                 print(f"  rows {rows:3d} graph saves {saved * 100:.2f}% of the direct time; max |output difference| {diff:.3g}")

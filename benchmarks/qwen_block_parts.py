@@ -2,9 +2,9 @@
 
     python benchmarks/qwen_block_parts.py [--rows 16] [--seconds 1.0] [--device cuda]
 
-`flowrl bench floor` shows that a compiled Qwen-Image forward spends about 70 ms (of 460) at
-B=16 outside its matmuls and attention; the profile names the largest pieces: the GELU after
-the MLP's first GEMM, and the q/k RMSNorm + rotary-embedding kernel. This script times each
+`benchmarks/floor.py` measures how much of a compiled Qwen-Image forward is spent outside its
+matmuls and attention; a profile names the largest pieces: the GELU after the MLP's first GEMM,
+and the q/k RMSNorm + rotary-embedding kernel. This script times each
 piece on the real shapes (1024 image tokens, 24 heads of 128, MLP 3072 -> 12288), compiled by
 inductor as the engine compiles them, next to an alternative:
 
@@ -25,8 +25,9 @@ import argparse
 
 import torch
 
-from flowrl.bench.floor import sustained_seconds
 from flowrl.models.qwen_block import _rotate
+
+from timing import sustained_seconds
 
 
 def _rotate_unbind(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

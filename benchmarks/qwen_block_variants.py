@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from flowrl.bench.floor import sustained_seconds
 from flowrl.models.regional_compile import compile_in_place
 from flowrl.models import lora_linear
 from flowrl.models.fused_mlp import fuse_gelu_epilogues
 from flowrl.models.qwen_block import RealRopeQwenAttention, _sequence_major_forward
 from flowrl.models.qwen_image import QwenImageAdapter
+
+from timing import sustained_seconds
 
 LAYOUTS = ("batch-major", "sequence-major")
 SHIPPED_LOW_RANK_FIRST = lora_linear.LOW_RANK_FIRST

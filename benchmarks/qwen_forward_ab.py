@@ -27,11 +27,12 @@ import statistics
 
 import torch
 
-from flowrl.bench import alternating
-from flowrl.bench.floor import _forward_fn
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
 from flowrl.models.qwen_block import prepare_for_compile
+
+from floor import velocity_call
+import timing
 
 
 def _layouts(model, device, dtype, backend, rounding, rows, size) -> dict:
@@ -40,14 +41,14 @@ def _layouts(model, device, dtype, backend, rounding, rows, size) -> dict:
         adapter = build_bench_model(model, device, dtype).adapter
         prepare_for_compile(adapter.transformer, sequence_major=layout == "sequence-major")
         adapter.compile_modules(backend, rounding)
-        forwards[layout] = _forward_fn(adapter, rows, size, size, 1.0)
+        forwards[layout] = velocity_call(adapter, rows, size, size, 1.0)
     return forwards
 
 
 def _table_kernel(model, device, dtype, backend, rounding, rows, size) -> dict:
     adapter = build_bench_model(model, device, dtype).adapter
     adapter.compile_modules(backend, rounding)
-    forward = _forward_fn(adapter, rows, size, size, 1.0, sigma_values=True)
+    forward = velocity_call(adapter, rows, size, size, 1.0, sigma_values=True)
     blocks = adapter.transformer.transformer_blocks
 
     def configured(table: bool, kernel: bool):
@@ -70,7 +71,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--compile-rounding", default="eager", choices=("eager", "fused"))
-    alternating.add_arguments(parser, seconds=3.0)
+    timing.add_arguments(parser, seconds=3.0)
     args = parser.parse_args()
     quiet_libraries()
     device = torch.device(args.device)
@@ -80,14 +81,14 @@ def main() -> int:
     forwards = COMPARISONS[args.compare](model, device, dtype, backend, args.compile_rounding, args.rows, size)
     with torch.no_grad():
         outputs = {name: forward().float() for name, forward in forwards.items()}  # compiles
-        times = alternating.alternate(forwards, device, args.rounds, args.seconds)
+        times = timing.alternate(forwards, device, args.rounds, args.seconds)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"{model} forward, {args.rows} rows, {size} px, {dtype}, compile rounding {args.compile_rounding}, {name}")
     first = next(iter(forwards))
     for config, values in times.items():
         ratio = statistics.median(values) / statistics.median(times[first])
         diff = (outputs[config] - outputs[first]).abs().max().item()
-        print(alternating.rounds_line(f"  {config:22s}", values) + f"   x{ratio:.4f}   max |diff| {diff:.3g}")
+        print(timing.rounds_line(f"  {config:22s}", values) + f"   x{ratio:.4f}   max |diff| {diff:.3g}")
     return 0
 
 

@@ -3,10 +3,10 @@ with the variants that could make the slowest one faster.
 
     python benchmarks/qwen_gemm_shapes.py [--rows 16] [--text-tokens 64] [--seconds 1] [--rounds 3]
 
-A profiled B=16 block (docs/benchmarks.md run 23) ran its plain bias GEMMs at about 710 TFLOP/s
-but the MLP up-projection with the GELU epilogue (flowrl.models.fused_mlp) at about 665: a
-different cuBLASLt kernel. This script measures, alternating within each group so clock drift hits
-all alike (flowrl.bench.alternating):
+A profile of a B=16 block can show the MLP up-projection with the GELU epilogue
+(flowrl.models.fused_mlp) running slower per FLOP than the plain bias GEMMs: a different cuBLASLt
+kernel. This script measures, alternating within each group so clock drift hits all alike
+(timing.py):
 - `mlp-up`: the epilogue GEMM as the op calls it, the same GEMM with the bias only (the epilogue's
   cost), bias GEMM + separate GELU (what the op replaced), and the epilogue GEMM split into 2 or 4
   row chunks written in place (other M, so cuBLASLt's heuristic may pick another kernel);
@@ -29,7 +29,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from flowrl.bench import alternating
+import timing
+
 
 
 def _epilogue_chunks(bias, x, weight_t, chunks: int):
@@ -79,7 +80,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--text-tokens", type=int, default=64)
     parser.add_argument("--size", type=int, default=512)
-    alternating.add_arguments(parser, seconds=1.0)
+    timing.add_arguments(parser, seconds=1.0)
     args = parser.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -89,13 +90,13 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"Qwen-Image block GEMMs, {args.rows} rows x {tokens} tokens, width {width}, {dtype}, {name}")
     for group, (flops, variants) in groups(args.rows, tokens, width, device, dtype).items():
-        times = alternating.alternate(variants, device, args.rounds, args.seconds)
+        times = timing.alternate(variants, device, args.rounds, args.seconds)
         print(f"\n{group}: {flops / 1e9:.1f} GFLOP per call")
         for label, values in times.items():
             median = statistics.median(values)
-            print(alternating.rounds_line(f"  {label:32s}", values) + f"   {flops / median / 1e12:6.1f} TFLOP/s")
+            print(timing.rounds_line(f"  {label:32s}", values) + f"   {flops / median / 1e12:6.1f} TFLOP/s")
             if on_gpu:
-                print("      " + ", ".join(name[:90] for name in alternating.kernel_names(variants[label])))
+                print("      " + ", ".join(name[:90] for name in timing.kernel_names(variants[label])))
         if group == "mlp-up":
             one_call = variants["gelu epilogue (the op)"]().float()
             for label in ("gelu epilogue, 2 row chunks", "gelu epilogue, 4 row chunks"):

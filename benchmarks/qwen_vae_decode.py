@@ -18,10 +18,11 @@ import argparse
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowrl.bench.floor import sustained_seconds
 from flowrl.bench.models import QWEN_IMAGE_VAE, build_random_module
 from flowrl.models.base import to_uint8
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
+
+from timing import sustained_seconds
 
 
 def main(argv=None) -> dict:

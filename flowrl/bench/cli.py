@@ -1,8 +1,9 @@
-"""`flowrl bench rollout|logprob|floor ...` (see flowrl.bench.rollout / .logprob / .floor).
+"""`flowrl bench rollout|logprob ...` (see flowrl.bench.rollout / .logprob).
 
 --model takes a local diffusers folder or a named architecture with random weights:
 sd35-medium, qwen-image (published sizes, built on the device in the model dtype), tiny-sd3,
-tiny-qwen (CPU smoke tests).
+tiny-qwen (CPU smoke tests). The experiments in benchmarks/ reuse the common options
+(`add_common_arguments`, `add_compile_arguments`).
 """
 
 from __future__ import annotations
@@ -12,30 +13,30 @@ import argparse
 from flowrl.models.regional_compile import COMPILE_ROUNDINGS
 
 
-def _positive(value: str) -> int:
+def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
     return number
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="local diffusers folder, or sd35-medium | qwen-image | tiny-sd3 | tiny-qwen (random weights)")
-    parser.add_argument("--steps", type=_positive, default=10, help="denoising steps (default 10)")
-    parser.add_argument("--size", type=_positive, default=512, help="image height = width in pixels (default 512)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
+    parser.add_argument("--size", type=positive_int, default=512, help="image height = width in pixels (default 512)")
     parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale; > 1 runs cond + uncond rows")
     parser.add_argument("--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, float16")
-    parser.add_argument("--num-layers", type=_positive, default=None,
+    parser.add_argument("--num-layers", type=positive_int, default=None,
                         help="build sd35-medium / qwen-image with this many blocks (smoke tests of the published widths)")
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
 
 
-def _compile_options(parser: argparse.ArgumentParser, compile_help: str) -> None:
+def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
     parser.add_argument("--compile", action="store_true", help=compile_help)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
     parser.add_argument("--compile-rounding", default="eager", choices=tuple(COMPILE_ROUNDINGS),
@@ -43,40 +44,40 @@ def _compile_options(parser: argparse.ArgumentParser, compile_help: str) -> None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob,floor}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob}", required=True)
     rollout = sub.add_parser("rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)")
-    _common(rollout)
-    rollout.add_argument("-n", "--num-samples", type=_positive, default=16, help="samples per mode (default 16)")
+    add_common_arguments(rollout)
+    rollout.add_argument("-n", "--num-samples", type=positive_int, default=16, help="samples per mode (default 16)")
     rollout.add_argument("--modes", default=None,
                          help="comma list of pipeline-serial, pipeline-batched, engine-batched, engine-concurrent, "
                               "engine-batched-compiled, engine-concurrent-compiled, pipeline-batched-compiled "
                               "(default: the four eager modes, plus the compiled engine modes with --compile)")
-    _compile_options(rollout, "also run the engine modes with regional torch.compile")
-    rollout.add_argument("--serial-samples", type=_positive, default=None, help="images of pipeline-serial (default: -n)")
-    rollout.add_argument("--repeats", type=_positive, default=1, help="timed runs per mode; the median is reported")
-    rollout.add_argument("--warmup-steps", type=_positive, default=2, help="steps of each mode's warm-up run")
+    add_compile_arguments(rollout, "also run the engine modes with regional torch.compile")
+    rollout.add_argument("--serial-samples", type=positive_int, default=None, help="images of pipeline-serial (default: -n)")
+    rollout.add_argument("--repeats", type=positive_int, default=1, help="timed runs per mode; the median is reported")
+    rollout.add_argument("--warmup-steps", type=positive_int, default=2, help="steps of each mode's warm-up run")
     rollout.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
-    rollout.add_argument("--decode-chunk-size", type=_positive, default=16)
+    rollout.add_argument("--decode-chunk-size", type=positive_int, default=16)
     rollout.add_argument("--lora-rank", type=int, default=0,
                          help="roll out with a LoRA adapter of this rank on the attention projections, as training "
                               "does (default 0: the base model, as the targets are stated)")
     rollout.add_argument("--profile", nargs="?", const="last", default=None,
                          help="profile one mode after timing (default: the last mode run) and print where the time goes")
-    rollout.add_argument("--profile-steps", type=_positive, default=2, help="denoising steps of the profiled run")
+    rollout.add_argument("--profile-steps", type=positive_int, default=2, help="denoising steps of the profiled run")
 
     logprob = sub.add_parser("logprob", help="rollout-vs-trainer log-prob gap and training-step speed")
-    _common(logprob)
-    logprob.add_argument("-n", "--num-samples", type=_positive, default=32, help="samples generated with generate_batched (default 32)")
+    add_common_arguments(logprob)
+    logprob.add_argument("-n", "--num-samples", type=positive_int, default=32, help="samples generated with generate_batched (default 32)")
     logprob.add_argument("--micro-batches", default="1,8,32", help="trainer micro-batch sizes to recompute with (default 1,8,32)")
     logprob.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on the attention projections; 0 trains the full transformer")
     logprob.add_argument("--autocast", default="no", choices=["no", "bf16", "fp16"], help="trainer mixed precision (as trainer.mixed_precision)")
     logprob.add_argument("--train-micro-batches", "--train-micro-batch", default=None,
                          help="micro-batch sizes of the timed training step, a comma list such as 2,4,8 (each timed "
                               "and, with --profile, profiled; default: the largest of --micro-batches that fits)")
-    logprob.add_argument("--train-repeats", type=_positive, default=3, help="timed training steps (median reported)")
+    logprob.add_argument("--train-repeats", type=positive_int, default=3, help="timed training steps (median reported)")
     logprob.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
-    _compile_options(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
-    logprob.add_argument("--sde-window-size", type=_positive, default=None,
+    add_compile_arguments(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
+    logprob.add_argument("--sde-window-size", type=positive_int, default=None,
                          help="SDE window length drawn per rollout (default: every step but the last is stochastic)")
     logprob.add_argument("--gradient-checkpointing", action="store_true",
                          help="time the training step with the transformer's gradient checkpointing on "
@@ -88,12 +89,6 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                          help="the timed step's PPO denominator (as algorithm.old_log_prob). With recompute and "
                               "--compile the step takes the recompute's values instead of a second no-grad forward, "
                               "as the trainer does before a step's first update without a KL term")
-
-    floor = sub.add_parser("floor", help="time of one forward's matmuls and attention alone: the fastest a step could be")
-    _common(floor)
-    floor.add_argument("-n", "--num-samples", type=_positive, default=16, help="samples per forward (rows: 2x with CFG; default 16)")
-    floor.add_argument("--seconds", type=float, default=3.0, help="sustained timing per part (default 3 s)")
-    _compile_options(floor, "also time the forward after regional torch.compile")
 
 
 def _check_rounding_is_used(args) -> None:
@@ -117,10 +112,6 @@ def run(args) -> int:
         from flowrl.bench.rollout import run_rollout
 
         return run_rollout(args)
-    if args.bench_command == "floor":
-        from flowrl.bench.floor import run_floor
-
-        return run_floor(args)
     from flowrl.bench.logprob import run_logprob
 
     return run_logprob(args)

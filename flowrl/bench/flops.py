@@ -7,7 +7,7 @@
 - `count_flops`: FLOPs of any callable (forward + backward for a training step).
 - `measure_matmul_peak`: a large square matmul in the model dtype, timed the benchmark's way
   (warm-up, synchronize, repeats): a short burst and a sustained run. On a power-capped card the
-  sustained figure is the realistic 100% (an H200 here: about 784 TFLOP/s burst, 660 sustained).
+  sustained figure, well below the burst, is the realistic 100%.
 
 MFU = achieved FLOP/s / measured sustained peak.
 """

@@ -242,7 +242,8 @@ def run_logprob(args) -> int:
         report.save()
         shown = f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
         print(f"[bench] micro-batch {size}: |trainer - rollout| log-prob {shown}", flush=True)
-    # 3. Training step speed, per micro-batch size (what a sample costs depends on it: run 46).
+    # 3. Training step speed, per micro-batch size (what a sample costs, and how busy the host keeps
+    #    the GPU, both move with it).
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
     report.data["training_steps"] = []
     for train_mb in train_sizes or [max(fitting) if fitting else 1]:
@@ -267,8 +268,8 @@ def run_logprob(args) -> int:
 
 
 def _flops_text(step: dict, sustained_flops: float) -> str:
-    """'X TFLOP fwd+bwd, MFU Y% of Z TFLOP/s', saying when the count was scaled from one sample or
-    could not be made."""
+    """The step's forward + backward FLOPs and its MFU against the sustained peak, saying when the
+    count was scaled from one sample or could not be made."""
     flops = step.get("flops_forward_backward")
     if not flops:
         return "FLOPs not counted (no MFU)"

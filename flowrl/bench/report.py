@@ -130,7 +130,7 @@ def device_events(events) -> list:
     """The GPU's own work among a profile's key_averages: kernels, memsets and copies. Left out:
     the host's ops (an eager op called on the profiled thread carries its kernels' time as its
     own) and the GPU-side copies of host annotations (`Optimizer.step#AdamW.step` spans the
-    optimizer's kernels); either would count those kernels twice (run 34: 115% busy)."""
+    optimizer's kernels); either would count those kernels twice (a GPU busy more than 100%)."""
     host = torch.autograd.DeviceType.CPU
     host_names = {e.key for e in events if e.device_type == host}
     return [e for e in events if e.device_type != host and e.key not in host_names]

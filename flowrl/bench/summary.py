@@ -1,11 +1,11 @@
-"""Summarize benchmark JSON files as markdown (the rows docs/benchmarks.md holds).
+"""Summarize `flowrl bench` JSON files as markdown (the form of docs/performance.md's rows).
 
     python -m flowrl.bench.summary OUT/*.json
 
 Prints, per rollout file, one row per mode (img/s, MFU, s/run, rows per forward, peak memory) with
-the limit and ratios; per logprob file the gap per micro-batch and the training step; per floor
-file the time of each part of one forward. Missing or partial files (a run cut short) are
-summarized as far as they go.
+the limit and ratios; per logprob file the gap per micro-batch and the training step. Missing or
+partial files (a run cut short) are summarized as far as they go; a file another script wrote
+(benchmarks/) is named and left to that script's own printout.
 """
 
 from __future__ import annotations
@@ -129,24 +129,6 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
-def floor_markdown(name: str, data: dict) -> list[str]:
-    s, peak = data.get("settings", {}), data.get("peak", {})
-    lines = [f"### {name}: {s.get('model')}, {s.get('rows')} rows per forward, {s.get('size')}px, {s.get('dtype')}, {_gpu(data)}", ""]
-    if peak:
-        lines += [f"Matmul peak {peak['sustained_flops'] / 1e12:.0f} TFLOP/s sustained.", ""]
-    lines += ["| part | ms per forward | TFLOP/s | of peak |", "|---|---|---|---|"]
-    for part, p in data.get("parts", {}).items():
-        rate = p.get("flop_per_second")
-        share = f"{rate / peak['sustained_flops']:.1%}" if rate and peak else "-"
-        lines.append(f"| {part} | {p['seconds'] * 1e3:.1f} | {rate / 1e12:.0f} | {share} |" if rate else
-                     f"| {part} | {p['seconds'] * 1e3:.1f} | - | - |")
-    floor = data.get("floor")
-    if floor:
-        lines.append(f"- floor (best linears + attention): {floor['seconds_per_forward'] * 1e3:.1f} ms per forward, at most "
-                     f"{floor['images_per_second_transformer_only']:.3f} img/s over {s.get('steps')} steps without VAE decode")
-    return lines + [""]
-
-
 def main(argv: list[str] | None = None) -> int:
     paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
     for path in paths:
@@ -155,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             print(f"### {path.name}: unreadable ({exc})\n")
             continue
-        kind = data.get("benchmark")
-        markdown = {"rollout": rollout_markdown, "floor": floor_markdown}.get(kind, logprob_markdown)
-        lines = markdown(path.stem, data)
-        print("\n".join(lines))
+        markdown = {"rollout": rollout_markdown, "logprob": logprob_markdown}.get(data.get("benchmark"))
+        if markdown is None:
+            print(f"### {path.stem}: not a `flowrl bench` result (benchmark {data.get('benchmark')!r}); see its log\n")
+            continue
+        print("\n".join(markdown(path.stem, data)))
     return 0
 
 

@@ -164,34 +164,6 @@ def test_bench_logprob_times_each_training_micro_batch(tmp_path, capsys):
     assert "ms per sample" in printed
 
 
-@pytest.mark.parametrize("model, guidance", [("tiny-qwen", 1.0), ("tiny-sd3", 3.0)])
-def test_bench_floor_accounts_for_every_matmul(tmp_path, model, guidance):
-    """The recorded Linear calls and attention kernels must carry all of the forward's FLOPs (as
-    torch's flop counter sees them): a call the recorder missed would make the floor too low."""
-    import torch
-
-    from flowrl.bench.flops import transformer_flops_per_row
-    from flowrl.bench.models import build_bench_model
-
-    out = tmp_path / "floor.json"
-    code = main(["bench", "floor", "--model", model, "-n", "3", "--size", "64", "--guidance-scale", str(guidance),
-                 "--seconds", "0.05", "--peak-seconds", "0.05", "--json", str(out)])
-    assert code == 0
-    report = json.loads(out.read_text())
-    parts = report["parts"]
-    rows = 6 if guidance > 1 else 3
-    assert report["settings"]["rows"] == rows
-    bench = build_bench_model(model, "cpu", torch.float32)
-    counted = rows * transformer_flops_per_row(bench.adapter, 64, 64)
-    recorded = parts["linears"]["flops"] + parts["attention"]["flops"]
-    # SD3's patch embedding is a convolution, not a Linear: the only FLOPs outside the record.
-    assert 0.97 * counted <= recorded <= counted
-    assert parts["linears-fused"]["gemms"] < parts["linears"]["gemms"]  # q, k, v merged per stream
-    assert parts["attention"]["calls"] >= 2
-    floor = report["floor"]["seconds_per_forward"]
-    assert floor == pytest.approx(min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"])
-
-
 def test_compiled_rollout_and_trainer_log_probs_agree_in_bf16(tmp_path):
     """Inductor compiles the rollout (no grad, engine thread) and the trainer's forward (grad, this
     thread) as different graphs. Both must round bf16 intermediates where eager does, whichever
@@ -221,101 +193,8 @@ def test_mixed_precision_rollout_matches_the_trainer(tmp_path):
         assert gap["max_abs_diff"] <= 1e-6, gap
 
 
-def test_qwen_block_parts_script_runs_and_rotations_agree():
-    """benchmarks/qwen_block_parts.py on the CPU (small widths): it runs, and the two RoPE
-    formulations it times are the same function (exactly equal in float32)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen_block_parts.py"
-    done = subprocess.run([sys.executable, str(script), "--rows", "1", "--seconds", "0.01", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "rope: max |unbind/stack - pair swap| = 0\n" in done.stdout
-    assert "q/k norm + rope, pair swap" in done.stdout
-
-
-def test_qwen_vae_decode_script_runs_and_saves_flops():
-    """benchmarks/qwen_vae_decode.py on the CPU (small VAE): it runs, the 2D path counts well under
-    half the stock FLOPs, and the two paths' uint8 images differ by at most one level."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen_vae_decode.py"
-    done = subprocess.run([sys.executable, str(script), "--rows", "1", "--size", "64", "--base-dim", "8",
-                           "--seconds", "0.01", "--device", "cpu"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    flops = {name: float(value) for name, value in re.findall(r"^(\S+)\s+[\d.]+ ms per decode of 1\s+([\d.]+) GFLOP", done.stdout, re.M)}
-    assert set(flops) == {"stock-3d", "2d-channels-last"}, done.stdout
-    assert flops["2d-channels-last"] < 0.45 * flops["stock-3d"], flops
-    assert re.search(r"largest pixel difference [01] \(of 255\)", done.stdout), done.stdout
-
-
-def _run_benchmark_script(name: str, *args: str) -> str:
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / name
-    done = subprocess.run([sys.executable, str(script), *args, "--device", "cpu"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-def test_qwen_block_variants_script_runs_and_layouts_agree():
-    """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
-    extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
-    out = _run_benchmark_script("qwen_block_variants.py", "--rows", "2", "--seconds", "0.01", "--profile-calls", "1",
-                                "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
-                                "sequence-major:eager:joint_kernel=0")
-    lines = [line for line in out.splitlines() if "ms per block" in line]
-    assert [line.split()[0] for line in lines] == ["batch-major:eager", "sequence-major:eager",
-                                                   "sequence-major:fused:realize_opcount_threshold=50",
-                                                   "sequence-major:eager:joint_kernel=0"]
-    assert all(line.endswith("max |out - first| 0") for line in lines)
-
-
-def test_qwen_forward_ab_script_runs_and_configurations_agree():
-    """benchmarks/qwen_forward_ab.py on the CPU (tiny model, float32): both layouts, and the four
-    table/kernel configurations, run and give the same forward (the kernel does not apply on a
-    CPU; the table's GEMM has more rows, which may move float32 rounding)."""
-    out = _run_benchmark_script("qwen_forward_ab.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
-    lines = [line for line in out.splitlines() if "median" in line]
-    assert [line.split()[0] for line in lines] == ["sequence-major", "batch-major"]
-    assert all(line.endswith("max |diff| 0") for line in lines)
-    out = _run_benchmark_script("qwen_forward_ab.py", "--compare", "table-kernel", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
-    lines = [line for line in out.splitlines() if "median" in line]
-    assert [" ".join(line.split()[:2]) for line in lines] == ["table=1 kernel=1", "table=1 kernel=0", "table=0 kernel=1", "table=0 kernel=0"]
-    diffs = [float(line.split()[-1]) for line in lines]
-    assert diffs[:2] == [0, 0] and diffs[2] == diffs[3] < 1e-5  # float32 rounding of the table's GEMM only
-
-
-def test_qwen_gemm_shapes_script_runs_and_chunks_agree():
-    """benchmarks/qwen_gemm_shapes.py on the CPU (small shapes): every group is timed, and the
-    row-chunked GELU-epilogue GEMM gives the single call's values exactly."""
-    out = _run_benchmark_script("qwen_gemm_shapes.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
-    groups = [line.split(":")[0] for line in out.splitlines() if line.endswith("GFLOP per call")]
-    assert groups == ["mlp-up", "mlp-down", "qkv", "modulation", "peak"]
-    assert out.count("TFLOP/s") == 10
-    assert "max |gelu epilogue, 2 row chunks - the op| = 0\n" in out
-    assert "max |gelu epilogue, 4 row chunks - the op| = 0\n" in out
-
-
-@pytest.mark.parametrize("model", ["qwen-image", "sd35-medium"])
-def test_cuda_graph_ab_script_runs_on_cpu(model):
-    """benchmarks/cuda_graph_ab.py on the CPU (the tiny model of the family): the direct compiled
-    forward is timed for each row count (graph capture needs a GPU and is not attempted)."""
-    out = _run_benchmark_script("cuda_graph_ab.py", "--model", model, "--rows", "1,2", "--seconds", "0.01", "--rounds", "1")
-    timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
-    assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
-    assert "graph" not in out.split("\n", 1)[1]
-
-
 def test_summary_prints_every_benchmark_file(tmp_path, capsys):
-    """python -m flowrl.bench.summary (what gpu_bench.sh prints last): one markdown section per file,
+    """python -m flowrl.bench.summary (what benchmarks/gpu_suites.sh prints last): one markdown section per file,
     the rollout's LoRA rank and every timed training step shown, an unreadable file named."""
     from flowrl.bench import summary
 

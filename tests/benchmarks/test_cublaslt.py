@@ -1,15 +1,18 @@
-"""flowrl.bench.cublaslt (direct cuBLASLt calls for benchmarks/cublaslt_algos.py): bad input is
+"""benchmarks/cublaslt.py (direct cuBLASLt calls for benchmarks/cublaslt_algos.py): bad input is
 refused before any library is loaded; on a GPU every candidate computes PyTorch's product."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from flowrl.bench import cublaslt
+import cublaslt
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -23,7 +26,7 @@ def test_gemm_refuses_what_it_cannot_run(kwargs, fragment):
 
 
 def test_candidates_script_needs_a_gpu():
-    done = subprocess.run([sys.executable, "benchmarks/cublaslt_algos.py", "--device", "cpu"],
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "cublaslt_algos.py"), "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--device: cuBLASLt needs a CUDA device" in done.stderr
 

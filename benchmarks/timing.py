@@ -1,15 +1,38 @@
-"""A/B timing on one device: variants timed in alternation, round after round, so that clock and
-temperature drift hit each alike (benchmarks/qwen_forward_ab.py, benchmarks/cuda_graph_ab.py)."""
+"""Timing shared by the experiments: sustained per-call seconds, and A/B variants timed in
+alternation, round after round, so that clock and temperature drift hit each variant alike.
+
+Imported by the scripts next to it (`python benchmarks/<script>.py` puts this folder on the path).
+"""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
-from flowrl.bench.floor import sustained_seconds
+from flowrl.bench.flops import synchronize
+
+
+def sustained_seconds(fn: Callable, device: torch.device, seconds: float) -> dict:
+    """Per-call seconds of fn: 2 warm-up calls, then enough calls for about `seconds`, timed as one
+    block (the sustained rate: a power-capped card lowers its clocks after a second or two of dense
+    work) after a 1-call estimate."""
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    once = max(time.perf_counter() - t0, 1e-6)
+    count = max(2, int(seconds / once))
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    synchronize(device)
+    return {"seconds": (time.perf_counter() - t0) / count, "calls": count}
 
 
 def add_arguments(parser: argparse.ArgumentParser, seconds: float) -> None:
@@ -20,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser, seconds: float) -> None:
 
 
 def alternate(variants: dict[str, Callable], device: torch.device, rounds: int, seconds: float) -> dict[str, list[float]]:
-    """Seconds per call of each variant in each round (each a sustained figure, floor.sustained_seconds)."""
+    """Seconds per call of each variant in each round (each a sustained figure)."""
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():

@@ -1,6 +1,9 @@
-"""`flowrl bench floor`: how fast one transformer forward could be, from its own matmuls.
+"""How fast one transformer forward could be at all, from its own matmuls and attention.
 
-A rollout step is one transformer forward at B rows. This benchmark records that forward once
+    python benchmarks/floor.py --model {qwen-image|sd35-medium|PATH|tiny-qwen|tiny-sd3} [-n 16] [--steps 50]
+        [--size 512] [--guidance-scale 4.0] [--compile] [--seconds 3] [--json F]
+
+A rollout step is one transformer forward at B rows. This script records that forward once
 (eager, at the benchmark's batch and image size), then times, back to back on the real weights:
 
 - `linears`: every nn.Linear call of the forward, in order (cuBLAS, as the model runs them);
@@ -13,12 +16,14 @@ floor = best linears + attention: the forward's time if everything between the m
 modulation, RoPE, activations, residuals) were free. `forward - floor` is what fusion could still
 win; `floor` against the rollout target says whether a target is reachable with these GEMMs at
 all. Each figure is sustained: repeated for about `--seconds` after a warm-up, as a rollout runs
-(the card's power cap lowers clocks within a second or two of dense matmul work).
+(timing.sustained_seconds). `--model` and the other common options are `flowrl bench`'s.
+A CPU test checks that the recorded calls carry all of the forward's FLOPs.
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model
+from flowrl.bench.cli import add_common_arguments, add_compile_arguments, positive_int
 from flowrl.bench.report import JsonReport, environment, format_table, quiet_libraries, resolve_device_dtype
 from flowrl.bench.rollout import PROMPT
+
+from timing import sustained_seconds
 
 
 @dataclass
@@ -94,7 +102,7 @@ def record_forward(adapter, rows: int, height: int, width: int, guidance_scale: 
     linears = [m for m in adapter.transformer.modules() if type(m) is torch.nn.Linear]
     handles = [m.register_forward_pre_hook(on_linear) for m in linears]
     try:
-        forward = _forward_fn(adapter, rows, height, width, guidance_scale)
+        forward = velocity_call(adapter, rows, height, width, guidance_scale)
         with _AttentionRecorder(record):
             forward()
     finally:
@@ -103,7 +111,7 @@ def record_forward(adapter, rows: int, height: int, width: int, guidance_scale: 
     return record
 
 
-def _forward_fn(adapter, rows: int, height: int, width: int, guidance_scale: float, sigma_values: bool = False):
+def velocity_call(adapter, rows: int, height: int, width: int, guidance_scale: float, sigma_values: bool = False):
     """adapter.velocity over `rows` transformer rows (rows/2 samples with CFG); with sigma_values,
     the rows' sigmas are passed from the host too, as the engine passes them."""
     cfg = guidance_scale > 1.0
@@ -167,25 +175,7 @@ def _attention_replay(record: ForwardRecord, device):
     return run
 
 
-def sustained_seconds(fn, device: torch.device, seconds: float) -> dict:
-    """Per-call seconds of fn: 2 warm-up calls, then enough calls for about `seconds`, timed as one
-    block (the sustained rate) after a 1-call estimate."""
-    for _ in range(2):
-        fn()
-    flop_count.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    flop_count.synchronize(device)
-    once = max(time.perf_counter() - t0, 1e-6)
-    count = max(2, int(seconds / once))
-    t0 = time.perf_counter()
-    for _ in range(count):
-        fn()
-    flop_count.synchronize(device)
-    return {"seconds": (time.perf_counter() - t0) / count, "calls": count}
-
-
-def run_floor(args) -> int:
+def run_floor(args: argparse.Namespace) -> int:
     quiet_libraries()
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
@@ -202,7 +192,7 @@ def run_floor(args) -> int:
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
     report.data["peak"] = peak
     record = record_forward(adapter, rows, args.size, args.size, args.guidance_scale)
-    forward = _forward_fn(adapter, rows, args.size, args.size, args.guidance_scale)
+    forward = velocity_call(adapter, rows, args.size, args.size, args.guidance_scale)
     linear_flops = sum(c.flops for c in record.linears)
     attention_flops = sum(c.flops for c in record.attention)
     parts = report.data["parts"]
@@ -256,3 +246,25 @@ def _print(data: dict) -> None:
         if name in parts:
             print(f"   {name} - floor: {(parts[name]['seconds'] - floor['seconds_per_forward']) * 1e3:.2f} ms "
                   f"({parts[name]['seconds'] / floor['seconds_per_forward']:.3f} x floor)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser)
+    parser.add_argument("-n", "--num-samples", type=positive_int, default=16,
+                        help="samples per forward (rows: 2x with CFG; default 16)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="sustained timing per part (default 3 s)")
+    add_compile_arguments(parser, "also time the forward after regional torch.compile")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compile_rounding != "eager" and not args.compile:
+        parser.error(f"--compile-rounding={args.compile_rounding} applies to compiled runs only; add --compile")
+    return run_floor(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

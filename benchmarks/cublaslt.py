@@ -1,10 +1,10 @@
 """cuBLASLt called directly (ctypes): every algorithm cuBLASLt's heuristic offers for one GEMM,
 so that they can be timed against the one PyTorch takes.
 
-PyTorch asks cuBLASLt's heuristic for one algorithm per GEMM and runs it. On an H200 the GEMMs of
-a B=16 Qwen-Image block do not all run at the card's rate with that choice: the MLP's
-GELU-epilogue GEMM ran at 640 TFLOP/s and the attention projections at 650 where the MLP's down
-projection ran at 675 (docs/benchmarks.md run 24). The heuristic returns several candidates per
+PyTorch asks cuBLASLt's heuristic for one algorithm per GEMM and runs it. With that choice the
+GEMMs of a B=16 Qwen-Image block need not all run at the card's matmul rate (the MLP's
+GELU-epilogue GEMM and the attention projections can trail the MLP's down projection), and the
+heuristic's first answer need not be its best. The heuristic returns several candidates per
 shape; this module lists them (`Gemm.candidates`) and runs any of them (`Gemm.run`) on PyTorch's
 current stream, with PyTorch tensors as operands.
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# GPU benchmarks of flowrl on the device machine (one H200; see docs/benchmarks.md).
+# GPU benchmark suites of flowrl (benchmarks/README.md says how to run them; docs/performance.md
+# holds the current results and the machine they were measured on).
 #
-#   bash scripts/gpu_bench.sh SUITE [SUITE ...]          (run from the repo root, `.whl` carried)
+#   bash benchmarks/gpu_suites.sh SUITE [SUITE ...]       (from the repo root)
 #
-# Suites (each fits one 10-minute device command on its own; estimates for one H200):
+# Suites (each fits one 10-minute device command on its own; estimates for one GPU of that machine):
 #   tests     GPU tests (tests/bench: no host sync inside the engine step loop, compile;
-#             tests/models: the hand-written kernels, cuDNN attention output read in place) ~2-3 min
+#             tests/models, tests/accel: the fast paths and hand-written kernels;
+#             tests/benchmarks: the cuBLASLt candidates)                                    ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
 #             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7-9 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
@@ -41,7 +43,7 @@
 #                      around it, and none: time, activations kept, equal log-probs          ~3 min
 #   qwen-gemm-shapes   benchmarks/qwen_gemm_shapes.py: each GEMM shape of a B=16 block on its own,
 #                      with the MLP up-projection's GELU-epilogue variants                  ~1.5 min
-#   qwen-floor         `flowrl bench floor`: one B=16 forward's matmuls and attention alone,
+#   qwen-floor         benchmarks/floor.py: one B=16 forward's matmuls and attention alone,
 #                      against the eager and compiled forward                                ~3 min
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
 #   qwen-logprob-compiled  the Qwen-Image log-prob gap with rollout and trainer compiled   ~3 min
@@ -77,17 +79,21 @@
 # measurement, so a run cut short keeps what it measured), $OUT/log.txt, and prints a markdown
 # summary of every JSON last. Each bench gets a `timeout` inside the overall budget
 # (BENCH_BUDGET_S, default 540 s) so the script always ends, and summarizes, on its own.
-# With GPUS=2 (machine kind nvidia-h200-x2) the suites are spread over the two GPUs and run
+# With GPUS=2 (a machine with two GPUs) the suites are spread over the two GPUs and run
 # at the same time, one log per GPU. They share the host's CPUs: a host-bound figure (the
-# compiled training step at micro-batch 2) varied up to 1.7x between such runs (run 23), while
-# the GPU-bound rollout figures did not; time host-bound work with GPUS=1.
+# compiled training step at small micro-batches) moves with the other suite's load, while the
+# GPU-bound rollout figures do not; time host-bound work with GPUS=1.
 set -u
 START=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-540}
 OUT=${OUT:-/tmp/flowrl-bench}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed: is .whl carried?"; exit 1; }
+# A machine without a package index gets the pure-Python wheels flowrl needs from .whl/
+# (benchmarks/README.md); elsewhere the installed environment is used as it is.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install from .whl/ failed"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,power.limit,clocks.max.sm,memory.total --format=csv | tee -a "$OUT/log.txt"
@@ -98,36 +104,38 @@ python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffuser
 within_budget() {
   local left=$(( BUDGET - (SECONDS - START) - 20 ))
   LIMIT=$(( $2 < left ? $2 : left ))
-  if (( LIMIT < 30 )); then echo "[gpu_bench] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
+  if (( LIMIT < 30 )); then echo "[gpu_suites] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
 }
 
 # run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
 run() {
   local name=$1 cap=$2 log=$3; shift 3
   within_budget "$name" "$cap" "$log" || return 0
-  echo "[gpu_bench] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
+  echo "[gpu_suites] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
   timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
-  echo "[gpu_bench] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
+  echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 
 # script NAME CAP LOG ARGS...: `python3 ARGS` (a benchmarks/ script), logged, within the budget.
 script() {
   local name=$1 cap=$2 log=$3; shift 3
   within_budget "$name" "$cap" "$log" || return 0
-  echo "[gpu_bench] python3 $* (limit ${LIMIT}s)" | tee -a "$log"
+  echo "[gpu_suites] python3 $* (limit ${LIMIT}s)" | tee -a "$log"
   timeout -k 10 "$LIMIT" python3 "$@" 2>&1 | grep -v USDT >>"$log"
-  echo "[gpu_bench] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
+  echo "[gpu_suites] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
 suite() {
   local log=$1 s=$2
   case $s in
     tests|tests-trainer)
-      local dirs="tests/bench tests/models" cap=420; [[ $s == tests-trainer ]] && dirs=tests/trainer cap=540
+      local dirs cap=420
+      dirs=$(ls -d tests/bench tests/benchmarks tests/models tests/accel 2>/dev/null | tr '\n' ' ')
+      [[ $s == tests-trainer ]] && dirs=tests/trainer cap=540
       within_budget "$s" $cap "$log" || return 0
-      echo "[gpu_bench] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
+      echo "[gpu_suites] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
       timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
-      echo "[gpu_bench] $s exit $?" | tee -a "$log" ;;
+      echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \
         --profile engine-batched-compiled --profile-steps 2
@@ -185,10 +193,10 @@ suite() {
       script "$s" 300 "$log" benchmarks/checkpoint_host_time.py --model qwen-image --samples 1 --size 512 --lora-rank 32 ;;
     qwen-gemm-shapes)
       script "$s" 200 "$log" benchmarks/qwen_gemm_shapes.py --rows 16 ;;
-    qwen-floor)
-      run qwen-floor 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
-    qwen-floor-autotune)
-      TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 run qwen-floor-autotune 300 "$log" floor --model qwen-image -n 16 --steps 50 --size 512 --compile ;;
+    qwen-floor|qwen-floor-autotune)
+      local autotune=0; [[ $s == *-autotune ]] && autotune=1
+      TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=$autotune script "$s" 300 "$log" benchmarks/floor.py --model qwen-image -n 16 \
+        --steps 50 --size 512 --compile --json "$OUT/$s.json" ;;
     qwen-logprob-compiled)
       run qwen-logprob-compiled 240 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 --compile ;;
@@ -239,9 +247,9 @@ suite() {
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
       run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 \
         --gradient-checkpointing --profile
-      run smoke-floor 120 "$log" floor --model tiny-qwen -n 4 --steps 3 --size 64 --compile --compile-backend aot_eager \
-        --seconds 0.1 --peak-seconds 0.1 ;;
-    *) echo "[gpu_bench] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;
+      script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
+        --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json" ;;
+    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;
   esac
 }
 

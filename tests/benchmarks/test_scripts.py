@@ -1,0 +1,88 @@
+"""The experiments' scripts in benchmarks/ on the CPU (tiny models, small shapes): each runs, and
+the variants it times compute the same thing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_script(name: str, *args: str) -> str:
+    """stdout of `python benchmarks/<name> ARGS --device cpu`, which must succeed."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args, "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_qwen_block_parts_script_runs_and_rotations_agree():
+    """benchmarks/qwen_block_parts.py (small widths): the two RoPE formulations it times are the same
+    function (exactly equal in float32)."""
+    out = run_script("qwen_block_parts.py", "--rows", "1", "--seconds", "0.01")
+    assert "rope: max |unbind/stack - pair swap| = 0\n" in out
+    assert "q/k norm + rope, pair swap" in out
+
+
+def test_qwen_vae_decode_script_runs_and_saves_flops():
+    """benchmarks/qwen_vae_decode.py (small VAE): the 2D path counts well under half the stock FLOPs,
+    and the two paths' uint8 images differ by at most one level."""
+    out = run_script("qwen_vae_decode.py", "--rows", "1", "--size", "64", "--base-dim", "8", "--seconds", "0.01")
+    flops = {name: float(value) for name, value in re.findall(r"^(\S+)\s+[\d.]+ ms per decode of 1\s+([\d.]+) GFLOP", out, re.M)}
+    assert set(flops) == {"stock-3d", "2d-channels-last"}, out
+    assert flops["2d-channels-last"] < 0.45 * flops["stock-3d"], flops
+    assert re.search(r"largest pixel difference [01] \(of 255\)", out), out
+
+
+def test_qwen_block_variants_script_runs_and_layouts_agree():
+    """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
+    extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
+    out = run_script("qwen_block_variants.py", "--rows", "2", "--seconds", "0.01", "--profile-calls", "1",
+                     "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
+                     "sequence-major:eager:joint_kernel=0")
+    lines = [line for line in out.splitlines() if "ms per block" in line]
+    assert [line.split()[0] for line in lines] == ["batch-major:eager", "sequence-major:eager",
+                                                   "sequence-major:fused:realize_opcount_threshold=50",
+                                                   "sequence-major:eager:joint_kernel=0"]
+    assert all(line.endswith("max |out - first| 0") for line in lines)
+
+
+def test_qwen_forward_ab_script_runs_and_configurations_agree():
+    """benchmarks/qwen_forward_ab.py on the CPU (tiny model, float32): both layouts, and the four
+    table/kernel configurations, run and give the same forward (the kernel does not apply on a
+    CPU; the table's GEMM has more rows, which may move float32 rounding)."""
+    out = run_script("qwen_forward_ab.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    lines = [line for line in out.splitlines() if "median" in line]
+    assert [line.split()[0] for line in lines] == ["sequence-major", "batch-major"]
+    assert all(line.endswith("max |diff| 0") for line in lines)
+    out = run_script("qwen_forward_ab.py", "--compare", "table-kernel", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    lines = [line for line in out.splitlines() if "median" in line]
+    assert [" ".join(line.split()[:2]) for line in lines] == ["table=1 kernel=1", "table=1 kernel=0", "table=0 kernel=1", "table=0 kernel=0"]
+    diffs = [float(line.split()[-1]) for line in lines]
+    assert diffs[:2] == [0, 0] and diffs[2] == diffs[3] < 1e-5  # float32 rounding of the table's GEMM only
+
+
+def test_qwen_gemm_shapes_script_runs_and_chunks_agree():
+    """benchmarks/qwen_gemm_shapes.py on the CPU (small shapes): every group is timed, and the
+    row-chunked GELU-epilogue GEMM gives the single call's values exactly."""
+    out = run_script("qwen_gemm_shapes.py", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    groups = [line.split(":")[0] for line in out.splitlines() if line.endswith("GFLOP per call")]
+    assert groups == ["mlp-up", "mlp-down", "qkv", "modulation", "peak"]
+    assert out.count("TFLOP/s") == 10
+    assert "max |gelu epilogue, 2 row chunks - the op| = 0\n" in out
+    assert "max |gelu epilogue, 4 row chunks - the op| = 0\n" in out
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "sd35-medium"])
+def test_cuda_graph_ab_script_runs_on_cpu(model):
+    """benchmarks/cuda_graph_ab.py on the CPU (the tiny model of the family): the direct compiled
+    forward is timed for each row count (graph capture needs a GPU and is not attempted)."""
+    out = run_script("cuda_graph_ab.py", "--model", model, "--rows", "1,2", "--seconds", "0.01", "--rounds", "1")
+    timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
+    assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
+    assert "graph" not in out.split("\n", 1)[1]
