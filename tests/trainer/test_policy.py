@@ -72,7 +72,7 @@ def test_kl_reference_is_the_lora_disabled_model(make_cfg):
 
 def _grad_graph_rounds_differently(monkeypatch, adapter_cls, offset=1e-3):
     """Make the model's grad-mode forward differ from its no-grad forward by `offset`, as a
-    compiled model's two graphs may round differently (docs/benchmarks.md)."""
+    compiled model's two graphs may round differently (docs/performance.md)."""
     velocity = adapter_cls.velocity
 
     def perturbed(self, *args, **kwargs):

@@ -27,7 +27,7 @@ def test_tiny_run_reward_rises(make_cfg):
     for key in REQUIRED_KEYS:
         assert key in steps[-1], key
     # The within-step reward std is ~0.0025 and a control run with shuffled advantages moves the
-    # other way (-0.0035 in 60 steps, docs/training.md); the trained run gains ~0.035 in 12 steps.
+    # other way (-0.0035 in 60 steps); the trained run gains ~0.035 in 12 steps.
     gain = summary["last5_reward_mean"] - summary["first5_reward_mean"]
     assert gain > 0.01, summary
     assert all(r["rollout/policy_lag"] == 0 for r in steps)  # colocated: rollouts use the latest weights
