@@ -4,7 +4,7 @@ with the variants that could make the slowest one faster.
     python benchmarks/qwen_gemm_shapes.py [--rows 16] [--text-tokens 64] [--seconds 1] [--rounds 3]
 
 A profiled B=16 block (docs/benchmarks.md run 23) ran its plain bias GEMMs at about 710 TFLOP/s
-but the MLP up-projection with the GELU epilogue (flowrl.models.fused_mlp) at about 665: a
+but the MLP up-projection with the GELU epilogue (flowrl.accel.fused_mlp) at about 665: a
 different cuBLASLt kernel. This script measures, alternating within each group so clock drift hits
 all alike (flowrl.bench.alternating):
 - `mlp-up`: the epilogue GEMM as the op calls it, the same GEMM with the bias only (the epilogue's

@@ -8,8 +8,9 @@ tiny-qwen (CPU smoke tests).
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
-from flowrl.models.regional_compile import COMPILE_ROUNDINGS
+from flowrl.config.sections import CompileRounding
 
 
 def _positive(value: str) -> int:
@@ -38,7 +39,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _compile_options(parser: argparse.ArgumentParser, compile_help: str) -> None:
     parser.add_argument("--compile", action="store_true", help=compile_help)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
-    parser.add_argument("--compile-rounding", default="eager", choices=tuple(COMPILE_ROUNDINGS),
+    parser.add_argument("--compile-rounding", default="eager", choices=get_args(CompileRounding),
                         help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)")
 
 

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from flowrl.models import modulated_norm, qk_norm_rope  # noqa: E402
+from flowrl.accel.qwen_image import modulated_norm, qk_norm_rope  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
