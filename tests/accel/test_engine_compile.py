@@ -133,7 +133,7 @@ def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
 
 def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkeypatch):
     """Qwen-Image blocks: calls without autograd (rollout) run a compiled function with the
-    adapter's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
+    family's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
     compiled = []
     real_compile = torch.compile
 

@@ -188,17 +188,28 @@ def test_compiled_lora_rollout_graph_folds_the_low_rank_terms(stock):
         calls.append(a[0].shape)
         return real_op(*a)
 
-    compile_adapter(adapter, backend="aot_eager")
     from flowrl.accel import lora_fold
-    original, lora_fold.lora_linear = lora_fold.lora_linear, counted
-    try:
-        with torch.no_grad():
-            compiled = adapter.velocity(*args)
-    finally:
-        lora_fold.lora_linear = original
+
+    def compiled_velocity(**switches):
+        compile_adapter(adapter, backend="aot_eager", **switches)
+        calls.clear()
+        original, lora_fold.lora_linear = lora_fold.lora_linear, counted
+        try:
+            with torch.no_grad():
+                return adapter.velocity(*args)
+        finally:
+            lora_fold.lora_linear = original
+
+    compiled = compiled_velocity()
     blocks = len(adapter.transformer.transformer_blocks)
     assert len(calls) == 8 * blocks  # q, k, v and output projections of both streams
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    # Called again with the switch off, the compiled graphs retrace without the op (an A/B in one
+    # process), and back on, with it.
+    torch.testing.assert_close(compiled_velocity(lora_fold=False), eager, atol=1e-5, rtol=1e-5)
+    assert calls == []
+    compiled_velocity(lora_fold=True)
+    assert len(calls) == 8 * blocks
 
 
 @pytest.mark.gpu

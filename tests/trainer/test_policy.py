@@ -150,8 +150,6 @@ def test_lora_dropout_keeps_the_grad_pass_values(make_cfg, monkeypatch, dropout)
     """With LoRA dropout the train-mode forward is random: a value pass would draw one dropout mask
     and the grad pass another, so a compiled trainer then keeps the grad pass's own values (and
     the recompute's values are not reused for it either)."""
-    from flowrl.models.sd3 import SD3Adapter
-
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
     trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true",

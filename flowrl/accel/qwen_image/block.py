@@ -1,16 +1,16 @@
 """Qwen-Image transformer blocks as the engine compiles them: real-arithmetic RoPE, a
 sequence-major memory layout, and hand-written kernels and a modulation table for the rollout.
 
-The first two change how the same math runs, both installed per instance by
-`prepare_for_compile` (flowrl.accel.compile_adapter), both exact in float32
-(tests/accel/test_qwen_block.py); the rest run only in the rollout's compiled graphs, each exact up
-to bf16 rounding and each a switch of flowrl.accel.AccelOptions (read from `block._flowrl_accel`):
+All are installed per instance by `prepare_for_compile` (flowrl.accel.compile_adapter). The first
+two change how the same math runs and are exact in float32 (tests/accel/test_qwen_block.py); the
+others serve only rollout forwards (no grad), are exact up to bf16 rounding, and each has a switch
+of flowrl.accel.AccelOptions (named below; a block reads them from `block._flowrl_accel`):
 
 1. Rotary embeddings in real arithmetic (`_rotate`, tables from `_real_rope_tables`): diffusers
    rotates with complex tensors, for which inductor generates no code, so they would run eagerly
    (several extra float32 passes over q and k per block).
 
-2. Sequence-major activations. Joint attention runs over [text tokens, image tokens]. With
+2. Sequence-major activations (`sequence_major`). Joint attention runs over [text tokens, image tokens]. With
    diffusers' batch-major (B, L, D) activations that join is a copy of q, k and v into a joint
    buffer (for v, whose producers are GEMMs, a kernel of its own), and the split of the attention
    output back into the two streams is another copy of the whole output. Stored sequence-major
