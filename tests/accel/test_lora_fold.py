@@ -56,16 +56,17 @@ def _calls_op(graph, name: str) -> bool:
     return any(node.op == "call_function" and name in str(node.target) for node in graph.graph.nodes)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_rollout_graph_runs_the_folded_op_with_the_expressions_values(bias):
-    layer = _adapted(bias=bias).proj
+@pytest.mark.parametrize("bias, fold", [(True, True), (False, True), (True, False)])
+def test_rollout_graph_runs_the_folded_op_with_the_expressions_values(bias, fold):
+    """With `lora_fold=False` the rollout graph keeps the expression instead."""
+    layer = _adapted(bias=bias, options=AccelOptions(lora_fold=fold)).proj
     x = torch.randn(3, 5, 24)
     graphs = []
     compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
     with torch.no_grad():
         got = compiled(x)
         want = _expression(layer, x)
-    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear")
+    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear") is fold
     assert got.shape == (3, 5, 16)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # float32: only the summation order differs
     assert not torch.equal(layer.base_layer(x), want)  # the low-rank term is there to be lost
@@ -157,17 +158,6 @@ def test_fold_applies_only_to_adapters_it_computes():
     plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), _Projections())
     assert lora_fold.fold_lora_projections(plain) == 0 and not lora_fold.folds(plain.proj)
 
-
-def test_lora_fold_off_keeps_the_expression_in_rollout_graphs():
-    layer = _adapted(options=AccelOptions(lora_fold=False)).proj
-    x = torch.randn(3, 5, 24)
-    graphs = []
-    compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
-    with torch.no_grad():
-        got = compiled(x)
-        want = _expression(layer, x)
-    assert len(graphs) == 1 and not _calls_op(graphs[0], "lora_linear")
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bias", [True, False])
