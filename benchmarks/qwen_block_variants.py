@@ -11,8 +11,8 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   (L, B, D) as the transformer's input hooks store them;
 - rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
 - optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
-  and compile_adapter's switches (flowrl.accel.AccelOptions): `joint_kernel=0` (`qk_kernel`)
-  turns off the hand-written q/k norm + RoPE kernel (flowrl.accel.qwen_image.qk_norm_rope) and the
+  and compile_adapter's switches (flowrl.accel.options.AccelOptions): `joint_kernel=0`
+  (`qk_kernel`) turns off the hand-written q/k norm + RoPE kernel (flowrl.accel.qwen_image.qk_norm_rope) and the
   joint v projection (flowrl.accel.qwen_image.joint_linear) that sequence-major rollout graphs use,
   `joint_v=0` only the latter, `norm_kernel=0` the LayerNorm + modulation and gate + residual
   kernel (flowrl.accel.qwen_image.modulated_norm): A/Bs against inductor's own kernels;

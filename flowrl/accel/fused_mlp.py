@@ -18,7 +18,7 @@ the trainer relies on).
 GELU to the op, per instance (parameter names and state_dict unchanged). A call falls back to
 the module's own forward when the projection is not a plain biased nn.Linear (LoRA wraps it),
 its dtype differs from the input's, autocast is on (the op does not cast), or the adapter was
-compiled with `gelu_epilogue=False` (flowrl.accel.AccelOptions).
+compiled with `gelu_epilogue=False` (flowrl.accel.options.AccelOptions).
 """
 
 from __future__ import annotations

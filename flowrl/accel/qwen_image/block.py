@@ -3,8 +3,9 @@ sequence-major memory layout, and hand-written kernels and a modulation table fo
 
 All are installed per instance by `prepare_for_compile` (flowrl.accel.compile_adapter). The first
 two change how the same math runs and are exact in float32 (tests/accel/test_qwen_block.py); the
-others serve only rollout forwards (no grad), are exact up to bf16 rounding, and each has a switch
-of flowrl.accel.AccelOptions (named below; a block reads them from `block._flowrl_accel`):
+others serve only rollout forwards (no grad), are exact up to bf16 rounding, and each has a
+switch of flowrl.accel.options.AccelOptions (named below; a block reads them from
+`block._flowrl_accel`):
 
 1. Rotary embeddings in real arithmetic (`_rotate`, tables from `_real_rope_tables`): diffusers
    rotates with complex tensors, for which inductor generates no code, so they would run eagerly
