@@ -3,7 +3,7 @@
 One training micro-batch (forward + backward of the trainer's log-prob, LoRA on the attention
 projections, the blocks compiled in place as `engine.compile: true` does) is timed three ways
 in one process: checkpoints inside each block's compiled graph (what flowrl does,
-`flowrl.models.regional_compile.checkpoint_inside`), diffusers' own checkpoint around each
+`flowrl.accel.regional_compile.checkpoint_inside`), diffusers' own checkpoint around each
 compiled block, and no checkpointing. For each: the median step time, the activations kept for
 backward (bytes of the storages autograd saves that are not the model's parameters), and whether
 the log-probs equal those of the first mode. With a tiny model (`--model tiny-qwen`, block 0
@@ -27,7 +27,7 @@ from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import resolve_device_dtype, saved_activation_bytes, synchronize
 from flowrl.engine.engine import DiffusionEngine
 from flowrl.engine.request import SamplingParams
-from flowrl.models.regional_compile import take_checkpoints_inside
+from flowrl.accel.regional_compile import take_checkpoints_inside
 from flowrl.trainer.policy import TransitionSpec, score_transitions
 
 

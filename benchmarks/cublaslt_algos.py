@@ -5,9 +5,9 @@ against the call PyTorch makes for it (which takes the heuristic's first choice)
                                          [--seconds 0.25] [--rounds 3]
 
 Problems (the image stream has rows x 1024 tokens, the text stream rows x 64; width 3072):
-img-mlp-up (GELU epilogue, as flowrl.models.fused_mlp), img-mlp-up-bias (the same GEMM with the
+img-mlp-up (GELU epilogue, as flowrl.accel.fused_mlp), img-mlp-up-bias (the same GEMM with the
 bias only), img-mlp-down, img-proj (q, k, v and the output projection), img-proj-accumulate (a
-LoRA fold's base GEMM: no bias, beta = 1, flowrl.models.lora_linear), txt-proj, txt-mlp-up,
+LoRA fold's base GEMM: no bias, beta = 1, flowrl.accel.lora_fold), txt-proj, txt-mlp-up,
 txt-mlp-down. For each: ms per call per round (alternating, timing.py), TFLOP/s,
 the time relative to PyTorch's call, the algorithm's configuration numbers, the largest
 difference from PyTorch's output, and the kernels of PyTorch's call and of the fastest candidate.

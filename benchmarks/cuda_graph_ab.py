@@ -4,7 +4,7 @@ same forward captured once into a CUDA graph and replayed, on one GPU.
     python benchmarks/cuda_graph_ab.py [--model qwen-image] [--rows 1,16] [--size 512] [--rounds 3]
 
 Builds the model (seeded random weights at the published architecture), compiles it as the engine
-does (`compile_modules`, default rounding), and for each row count times one forward
+does (`flowrl.accel.compile_adapter`, default rounding), and for each row count times one forward
 (adapter.velocity, as the engine calls it) launched kernel by kernel, then the same forward
 replayed from a CUDA graph captured after warm-up, alternating for `--rounds` rounds so that clock
 drift hits both alike. The replay runs the very kernels of the direct call, so the difference is
@@ -21,6 +21,7 @@ import statistics
 
 import torch
 
+from flowrl.accel import compile_adapter
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
 
@@ -56,7 +57,7 @@ def main() -> int:
     model = args.model if on_gpu else ("tiny-sd3" if args.model.startswith("sd3") else "tiny-qwen")
     dtype, backend, size = (torch.bfloat16, "inductor", args.size) if on_gpu else (torch.float32, "aot_eager", 64)
     adapter = build_bench_model(model, device, dtype).adapter
-    adapter.compile_modules(backend, "eager")
+    compile_adapter(adapter, backend, "eager")
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     print(f"{model} compiled forward, {size} px, {dtype}, direct launch vs CUDA graph replay, {name}")
     with torch.no_grad():

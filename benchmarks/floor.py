@@ -214,7 +214,9 @@ def run_floor(args: argparse.Namespace) -> int:
             kernel=str(record.attention[0].op) if record.attention else None)
     measure("forward", forward, None)
     if args.compile:
-        adapter.compile_modules(args.compile_backend, args.compile_rounding)
+        from flowrl.accel import compile_adapter
+
+        compile_adapter(adapter, args.compile_backend, args.compile_rounding)
         measure("forward-compiled", forward, None)
     floor = min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"]
     per_image = args.steps * (rows / args.num_samples)  # forwards' worth of rows per image

@@ -13,7 +13,7 @@ inductor as the engine compiles them, next to an alternative:
   (`torch._addmm_activation`), which applies GELU before the result leaves the GEMM;
 - q/k RMSNorm + RoPE: the earlier real-arithmetic rotation (pairs unbound, rotated, stacked)
   against the engine's pair-swap form (x * cos' + swap(x) * sin', tables expanded to the head
-  width; `flowrl.models.qwen_block._rotate`);
+  width; `flowrl.accel.qwen_image.block._rotate`);
 - the bytes each piece must move, timed as a plain copy: the bandwidth floor.
 
 Prints ms per call, effective GB/s, and the largest difference between the alternatives' outputs.
@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from flowrl.models.qwen_block import _rotate
+from flowrl.accel.qwen_image.block import _rotate
 
 from timing import sustained_seconds
 

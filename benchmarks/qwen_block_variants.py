@@ -4,27 +4,28 @@ activation layout and compile rounding: time per call and where the GPU time goe
     python benchmarks/qwen_block_variants.py [--rows 16] [--text-tokens 64] [--seconds 2]
         [--variants LAYOUT:ROUNDING[:OPTION=INT...],...] [--code-dir DIR] [--device cuda]
 
-Variants (the same weights; inductor with the adapter's no-grad options, GELU epilogue, batch dim
-dynamic, as `compile_modules` compiles a rollout; by default every layout x rounding):
+Variants (the same weights; inductor with the family's no-grad options, GELU epilogue, batch dim
+dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every layout x rounding):
 - layout `batch-major`: diffusers' block forward with the real-RoPE processor (the engine before
-  sequence-major blocks); `sequence-major`: flowrl.models.qwen_block's forward, inputs stored
+  sequence-major blocks); `sequence-major`: flowrl.accel.qwen_image.block's forward, inputs stored
   (L, B, D) as the transformer's input hooks store them;
 - rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
 - optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
-  `joint_kernel=0` turns off the hand-written q/k norm + RoPE kernel (flowrl.models.qk_norm_rope)
-  and the joint v projection (flowrl.models.joint_linear) that sequence-major rollout graphs
-  use, `joint_v=0` only the latter, `norm_kernel=0` the LayerNorm + modulation and gate +
-  residual kernel (flowrl.models.modulated_norm): A/Bs against inductor's own kernels;
+  and compile_adapter's switches (flowrl.accel.options.AccelOptions): `joint_kernel=0`
+  (`qk_kernel`) turns off the hand-written q/k norm + RoPE kernel (flowrl.accel.qwen_image.qk_norm_rope) and the
+  joint v projection (flowrl.accel.qwen_image.joint_linear) that sequence-major rollout graphs use,
+  `joint_v=0` only the latter, `norm_kernel=0` the LayerNorm + modulation and gate + residual
+  kernel (flowrl.accel.qwen_image.modulated_norm): A/Bs against inductor's own kernels;
   `lora=R` wraps the block's attention projections in the trainer's rank-R LoRA adapter (the
   recipes' targets, float32 master weights, product in bf16: flowrl.trainer.lora), as a training
   run's rollout compiles them; `lora_fold=0` leaves the low-rank term to inductor instead of
-  accumulating it inside the projection's GEMM (flowrl.models.lora_linear); `lora_first=1` (the
-  shipped order) runs the low-rank GEMM first and accumulates the base GEMM into it, `lora_first=0`
-  the other way round.
+  accumulating it inside the projection's GEMM (flowrl.accel.lora_fold); `lora_first=1` (the
+  shipped order, `lora_low_rank_first`) runs the low-rank GEMM first and accumulates the base GEMM
+  into it, `lora_first=0` the other way round.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
-first (bf16 rounding differences; the layouts are equal in float32, tests/models/test_qwen_block.py).
+first (bf16 rounding differences; the layouts are equal in float32, tests/accel/test_qwen_block.py).
 On a CPU it runs a small block as a smoke test.
 """
 
@@ -33,23 +34,26 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import types
 from pathlib import Path
 
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from flowrl.models.regional_compile import compile_in_place
-from flowrl.models import lora_linear
-from flowrl.models.fused_mlp import fuse_gelu_epilogues
-from flowrl.models.qwen_block import RealRopeQwenAttention, _sequence_major_forward
+from flowrl.accel.fused_mlp import fuse_gelu_epilogues
+from flowrl.accel.lora_fold import fold_lora_projections
+from flowrl.accel.options import COMPILE_ROUNDINGS as ROUNDINGS
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image import NO_GRAD_INDUCTOR_OPTIONS
+from flowrl.accel.qwen_image.block import prepare_block
+from flowrl.accel.regional_compile import compile_in_place
 from flowrl.models.qwen_image import QwenImageAdapter
 
 from timing import sustained_seconds
 
 LAYOUTS = ("batch-major", "sequence-major")
-SHIPPED_LOW_RANK_FIRST = lora_linear.LOW_RANK_FIRST
-ROUNDINGS = ("eager", "fused")
+# --variants option -> AccelOptions switch
+SWITCHES = {"joint_kernel": "qk_kernel", "joint_v": "joint_v", "norm_kernel": "norm_kernel", "lora_fold": "lora_fold",
+            "lora_first": "lora_low_rank_first"}
 
 
 def build_block(heads: int, head_dim: int, device, dtype):
@@ -73,25 +77,19 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
 
 def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     """A copy of `base` switched to `layout` and compiled as the engine compiles it (the Qwen-Image
-    adapter's inductor options, overridden by `extra`, for experiments; `joint_kernel`, `joint_v`
-    and `norm_kernel` are not inductor options but the block's kernel switches)."""
+    family's inductor options, overridden by `extra`, for experiments; the SWITCHES keys and `lora`
+    are not inductor options but compile_adapter's switches and the LoRA rank)."""
     block = copy.deepcopy(base)
     extra = dict(extra)
-    block.attn._flowrl_joint_kernel = bool(extra.pop("joint_kernel", 1))
-    block.attn._flowrl_joint_v = bool(extra.pop("joint_v", 1))
-    block._flowrl_norm_kernel = bool(extra.pop("norm_kernel", 1))
-    lora_rank, lora_fold = extra.pop("lora", 0), bool(extra.pop("lora_fold", 1))
-    lora_linear.LOW_RANK_FIRST = bool(extra.pop("lora_first", SHIPPED_LOW_RANK_FIRST))  # read by the op at run time
+    switches = {name: bool(extra.pop(key)) for key, name in SWITCHES.items() if key in extra}
+    options = AccelOptions(sequence_major=layout == "sequence-major", **switches)
+    lora_rank = extra.pop("lora", 0)
     if lora_rank:
         add_lora(block, lora_rank)
-        for module in block.modules():
-            if hasattr(module, "lora_A"):
-                module._flowrl_lora_fold = lora_fold
-    block.attn.set_processor(RealRopeQwenAttention())
-    if layout == "sequence-major":
-        block.forward = types.MethodType(_sequence_major_forward, block)
-    fuse_gelu_epilogues(block)
-    compile_in_place(block, backend, rounding, {**QwenImageAdapter.no_grad_inductor_options, **extra})
+    prepare_block(block, options)
+    fuse_gelu_epilogues(block, options)
+    fold_lora_projections(block, options)
+    compile_in_place(block, backend, rounding, {**NO_GRAD_INDUCTOR_OPTIONS, **extra})
     return block
 
 

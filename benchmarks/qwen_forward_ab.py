@@ -4,14 +4,16 @@
         [--compile-rounding eager] [--rounds 3]
 
 `--compare layout` (the default): builds the model twice (the same seeded random weights at the
-published architecture), switches one copy's blocks to the batch-major baseline
-(`prepare_for_compile(..., sequence_major=False)`, the engine before sequence-major blocks) and
-leaves the other as the engine compiles it.
+published architecture), compiles one copy with the batch-major baseline
+(`compile_adapter(..., sequence_major=False)`, the engine before sequence-major blocks) and the
+other as the engine compiles it.
 
 `--compare table-kernel`: one model as the engine compiles it, forwarded four ways: with and
-without the per-timestep modulation table (flowrl.models.qwen_modulation; the forward gets its
-rows' sigmas from the host, as the engine passes them) and with and without the modulated-norm
-kernel (flowrl.models.modulated_norm; `_flowrl_norm_kernel` on every block).
+without the per-timestep modulation table (flowrl.accel.qwen_image.modulation; the forward gets
+its rows' sigmas from the host, as the engine passes them) and with and without the modulated-norm
+kernel (flowrl.accel.qwen_image.modulated_norm): compile_adapter's `modulation_table` and
+`norm_kernel` switches, set again before each forward (the compiled graphs stay; those that read a
+changed switch retrace once, on the first round).
 
 Compiles every configuration, then times one forward of `--rows` rows (adapter.velocity, as the
 engine calls it) of each, alternating A, B, ... for `--rounds` rounds so that clock and
@@ -27,9 +29,9 @@ import statistics
 
 import torch
 
+from flowrl.accel import compile_adapter
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
-from flowrl.models.qwen_block import prepare_for_compile
 
 from floor import velocity_call
 import timing
@@ -39,23 +41,19 @@ def _layouts(model, device, dtype, backend, rounding, rows, size) -> dict:
     forwards = {}
     for layout in ("sequence-major", "batch-major"):
         adapter = build_bench_model(model, device, dtype).adapter
-        prepare_for_compile(adapter.transformer, sequence_major=layout == "sequence-major")
-        adapter.compile_modules(backend, rounding)
+        compile_adapter(adapter, backend, rounding, sequence_major=layout == "sequence-major")
         forwards[layout] = velocity_call(adapter, rows, size, size, 1.0)
     return forwards
 
 
 def _table_kernel(model, device, dtype, backend, rounding, rows, size) -> dict:
     adapter = build_bench_model(model, device, dtype).adapter
-    adapter.compile_modules(backend, rounding)
+    compile_adapter(adapter, backend, rounding)
     forward = velocity_call(adapter, rows, size, size, 1.0, sigma_values=True)
-    blocks = adapter.transformer.transformer_blocks
 
     def configured(table: bool, kernel: bool):
         def run():
-            adapter.modulation_table = table
-            for block in blocks:
-                block._flowrl_norm_kernel = kernel
+            compile_adapter(adapter, backend, rounding, modulation_table=table, norm_kernel=kernel)
             return forward()
         return run
 

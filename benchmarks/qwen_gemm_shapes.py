@@ -4,7 +4,7 @@ with the variants that could make the slowest one faster.
     python benchmarks/qwen_gemm_shapes.py [--rows 16] [--text-tokens 64] [--seconds 1] [--rounds 3]
 
 A profile of a B=16 block can show the MLP up-projection with the GELU epilogue
-(flowrl.models.fused_mlp) running slower per FLOP than the plain bias GEMMs: a different cuBLASLt
+(flowrl.accel.fused_mlp) running slower per FLOP than the plain bias GEMMs: a different cuBLASLt
 kernel. This script measures, alternating within each group so clock drift hits all alike
 (timing.py):
 - `mlp-up`: the epilogue GEMM as the op calls it, the same GEMM with the bias only (the epilogue's

@@ -9,8 +9,9 @@ tiny-qwen (CPU smoke tests). The experiments in benchmarks/ reuse the common opt
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
-from flowrl.models.regional_compile import COMPILE_ROUNDINGS
+from flowrl.config.sections import CompileRounding
 
 
 def positive_int(value: str) -> int:
@@ -39,7 +40,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
     parser.add_argument("--compile", action="store_true", help=compile_help)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
-    parser.add_argument("--compile-rounding", default="eager", choices=tuple(COMPILE_ROUNDINGS),
+    parser.add_argument("--compile-rounding", default="eager", choices=get_args(CompileRounding),
                         help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)")
 
 

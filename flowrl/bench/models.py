@@ -187,7 +187,7 @@ def build_bench_model(model: str, device: str | torch.device, dtype: torch.dtype
     if model not in ARCHITECTURES:
         if num_layers is not None:
             raise ValueError(f"--num-layers={num_layers} applies to named architectures only, not model={model!r}")
-        from flowrl.models.base import load_adapter
+        from flowrl.models.registry import load_adapter
 
         adapter = load_adapter(model, device=device, dtype=dtype)  # raises a ValueError naming the fix
         return BenchModel(model, adapter.family, adapter, adapter.pipeline)

@@ -15,10 +15,9 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field
-
+from typing import Literal, get_args
 
 from flowrl.engine.request import SamplingParams
-from flowrl.models.regional_compile import check_compile_rounding
 
 DTYPES = ("float32", "bfloat16", "float16")
 MODEL_FAMILIES = ("auto", "sd3", "qwen_image")
@@ -84,31 +83,37 @@ class ModelConfig:
         return getattr(torch, self.dtype)
 
 
+# torch.compile backends and compile roundings of `flowrl.accel.compile_adapter` (the engine's
+# `compile` and `compile_rounding`): the one list of each, which flowrl.accel reads.
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+CompileRounding = Literal["eager", "fused"]
+
+
 @dataclass
 class EngineConfig:
     """Rollout engine limits.
 
     max_batch_rows: most transformer rows per forward (a CFG sample counts two rows).
     decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
-    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder), with GELU
-        fused into the MLP's GEMM on CUDA (flowrl.models.fused_mlp).
+    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder) with the
+        fast paths of flowrl.accel (fused kernels, LoRA fold, Qwen-Image's block fast path).
     compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
         PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
         (only where kernels write); the trainer's log-prob values come from the rollout's graph
-        either way (flowrl.trainer.policy); see flowrl.models.regional_compile.COMPILE_ROUNDINGS.
+        either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     """
 
     max_batch_rows: int = 32
     decode_chunk_size: int = 16
     compile: bool = False
-    compile_rounding: str = "eager"
+    compile_rounding: CompileRounding = "eager"
     num_replicas: int = 1
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
-        check_compile_rounding(self.compile_rounding, "engine.compile_rounding")
+        _check_choice("engine.compile_rounding", self.compile_rounding, get_args(CompileRounding))
         if self.compile_rounding != "eager" and not self.compile:
             raise ValueError(f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
                              "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'")

@@ -34,20 +34,38 @@ from flowrl.engine.request import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
-from flowrl.models.regional_compile import COMPILE_BACKENDS, check_compile_rounding
 
 logger = logging.getLogger(__name__)
 
 
 def _compile_backend(compile: bool | str) -> str:
+    from typing import get_args
+
+    from flowrl.config.sections import CompileBackend
+
+    backends = get_args(CompileBackend)
     if compile is True:
         return "inductor"
-    if isinstance(compile, str) and compile in COMPILE_BACKENDS:
+    if isinstance(compile, str) and compile in backends:
         return compile
     raise ValueError(
         f"compile={compile!r} is not valid; use False, True (torch.compile with inductor) or a "
-        f"backend name in {COMPILE_BACKENDS}"
+        f"backend name in {backends}"
     )
+
+
+def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> list[str]:
+    """The engine's `compile` option: flowrl.accel's one entry (imported here, so an engine
+    without compile never loads torch's compiler); returns the compiled modules' names."""
+    if not compile:
+        if rounding != "eager":
+            raise ValueError(f"compile_rounding={rounding!r} applies to compiled modules only; "
+                             "pass compile=True or leave compile_rounding at 'eager'")
+        return []
+    backend = _compile_backend(compile)
+    from flowrl.accel import compile_adapter
+
+    return compile_adapter(adapter, backend, rounding)
 
 
 class DiffusionEngine:
@@ -59,13 +77,9 @@ class DiffusionEngine:
                  compile: bool | str = False, autocast_dtype: torch.dtype | None = None, compile_rounding: str = "eager"):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
-        # the adapter's hot modules, in place (the trainer shares them). See FlowModelAdapter.
-        # compile_rounding: "eager" or "fused" (flowrl.models.regional_compile.COMPILE_ROUNDINGS).
-        check_compile_rounding(compile_rounding)
-        if compile_rounding != "eager" and not compile:
-            raise ValueError(f"compile_rounding={compile_rounding!r} applies to compiled modules only; "
-                             "pass compile=True or leave compile_rounding at 'eager'")
-        self.compiled_modules = adapter.compile_modules(_compile_backend(compile), compile_rounding) if compile else []
+        # the adapter's hot modules with flowrl's fast paths, in place (the trainer shares them).
+        # compile_rounding: "eager" or "fused" (flowrl.config.CompileRounding). See flowrl.accel.
+        self.compiled_modules = _compile(adapter, compile, compile_rounding)
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)
         self.set_mixed_precision(autocast_dtype)  # the transformer under torch.autocast, or not
@@ -85,7 +99,7 @@ class DiffusionEngine:
     def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                         max_batch_rows: int = 32, decode_chunk_size: int = 16, compile: bool | str = False,
                         compile_rounding: str = "eager", **adapter_kwargs) -> "DiffusionEngine":
-        from flowrl.models.base import load_adapter
+        from flowrl.models.registry import load_adapter
 
         if isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

@@ -14,22 +14,18 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   as host floats, which the engine passes so that an adapter can look up per-timestep work
   without reading the device (Qwen-Image's modulation table); results do not depend on it.
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
-- `compile_modules(backend, rounding)`: regional torch.compile of the hot modules in place (the engine's
-  `compile` option); results stay the same function of the inputs.
 
-The adapter knows nothing about requests, scheduling or rewards.
+The adapter knows nothing about requests, scheduling or rewards, nor about compilation: the
+engine's `compile` option hands an adapter to flowrl.accel.compile_adapter, which compiles its
+modules in place (results stay the same function of the inputs). Which pipeline is which family:
+flowrl.models.registry.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-from flowrl.models.fused_mlp import fuse_gelu_epilogues
-from flowrl.models.regional_compile import compile_in_place, is_compiled_in_place, take_checkpoints_inside
 
 
 @dataclass
@@ -136,11 +132,6 @@ class FlowModelAdapter:
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
 
-    # Inductor settings of this family's no-grad graphs (rollout), on top of INDUCTOR_OPTIONS
-    # (measured per family and mode: a setting that pays on one model's rollout kernels need not on
-    # another model's, nor on the training graphs; see compile_in_place).
-    no_grad_inductor_options: dict = {}
-
     def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
         """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
         self.pipeline = pipeline
@@ -179,59 +170,3 @@ class FlowModelAdapter:
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
-
-    def modules_to_compile(self) -> list[tuple[str, torch.nn.Module]]:
-        """(name, module) pairs that `compile_modules` compiles: every transformer block (regional
-        compilation: identical blocks share one compiled graph, so compile time stays short)."""
-        return [(f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(self.transformer.transformer_blocks)]
-
-    def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
-        """torch.compile the hot modules in place (see `compile_in_place`); returns their names.
-        Per-row timesteps are ordinary tensor inputs, and the batch dim is dynamic, so changing
-        batch sizes reuse one graph (plus one for batch 1). Idempotent."""
-        # GELU inside the MLP's first GEMM: -0.17 ms per Qwen-Image block at B=16 (H200).
-        fuse_gelu_epilogues(self.transformer)
-        names = []
-        for name, module in self.modules_to_compile():
-            compile_in_place(module, backend, rounding, self.no_grad_inductor_options)
-            names.append(name)
-        # Gradient checkpointing enabled before this call (as the trainer does) takes its
-        # checkpoints inside the compiled blocks; enabled later, diffusers' own wraps them.
-        take_checkpoints_inside(self.transformer)
-        return names
-
-    def is_compiled(self) -> bool:
-        """Whether `compile_modules` compiled this adapter's modules."""
-        return any(is_compiled_in_place(module) for _, module in self.modules_to_compile())
-
-
-def read_model_family(path: str | Path) -> str:
-    """Return "sd3" or "qwen_image" from a local diffusers folder's model_index.json."""
-    path = Path(path)
-    index = path / "model_index.json"
-    if not index.is_file():
-        raise ValueError(
-            f"model.path={str(path)!r} is not a diffusers checkpoint folder (no model_index.json); "
-            "pass the folder written by `save_pretrained`, or build a tiny one with "
-            "`flowrl make-tiny --kind sd3 OUT`"
-        )
-    class_name = json.loads(index.read_text())["_class_name"]
-    families = {"StableDiffusion3Pipeline": "sd3", "QwenImagePipeline": "qwen_image"}
-    if class_name not in families:
-        raise ValueError(
-            f"model.path={str(path)!r} holds a {class_name}, which flowrl does not support; "
-            f"supported pipelines: {', '.join(families)}"
-        )
-    return families[class_name]
-
-
-def load_adapter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options) -> FlowModelAdapter:
-    """Load the adapter of the family stored at `path` (a local diffusers folder)."""
-    family = read_model_family(path)
-    if family == "sd3":
-        from flowrl.models.sd3 import SD3Adapter
-
-        return SD3Adapter.from_pretrained(path, device=device, dtype=dtype, **options)
-    from flowrl.models.qwen_image import QwenImageAdapter
-
-    return QwenImageAdapter.from_pretrained(path, device=device, dtype=dtype, **options)

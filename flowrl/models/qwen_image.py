@@ -6,6 +6,8 @@ seed gives the same start as the pipeline. Text: Qwen2.5-VL hidden states throug
 own chat-template encoder, variable length per prompt; batched rows are right-padded and masked.
 Schedule: dynamic shift with mu from the packed image token count. Timestep scaling: sigma.
 CFG is "true CFG" with the guided vector rescaled to the cond vector's norm, as the pipeline does.
+Compiling (flowrl.accel.compile_adapter) installs `transformer_call_hook`, the one place where the
+fast path meets the adapter; without it the transformer runs as diffusers wrote it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models import qwen_modulation
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, rows_to_device, to_uint8
-from flowrl.models.qwen_block import prepare_for_compile
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 from flowrl.models.schedule import schedule_sigmas
 
@@ -28,18 +28,12 @@ class QwenImageAdapter(FlowModelAdapter):
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     )
-    # Inductor stores a pointwise result in its own buffer once its expression passes
-    # `realize_opcount_threshold` operations (default 30). With compile_rounding "eager", the
-    # emulated bf16 casts push expressions past it: first the q/k RMSNorm + RoPE one (its rotated
-    # q and k were stored in float32 and rounded by three more kernels; one B=16 block 7.285 ->
-    # 7.076 ms on an H200, docs/benchmarks.md run 17). Rollout graphs now build q and k with a
-    # hand-written kernel (flowrl.models.qk_norm_rope), and the threshold still keeps the first
-    # LayerNorm + modulation kernel at 0.072 ms instead of 0.105 (block 7.071 vs 7.085 ms, run 22).
-    # No-grad graphs only: the training graphs keep inductor's default, the configuration whose
-    # rollout-vs-trainer gap runs 20-23 measured. (Run 18 timed a 544 ms training step with the
-    # threshold in them too, against 256 ms without in run 14; later runs found that figure
-    # varying up to 1.7x between runs of identical graphs, so that comparison is not settled.)
-    no_grad_inductor_options = {"realize_opcount_threshold": 200}
+    # Set by flowrl.accel.compile_adapter; None runs diffusers' forward as is. Called in `velocity`
+    # as hook(num_rows, row_sigmas) with the forward's row count and its rows' sigmas as host
+    # floats (None when the caller passed no sigma_values); returns (pad, attention_kwargs):
+    # whether a batch of one runs as two identical rows (row 0 kept), and extra attention kwargs
+    # for the blocks (or None). Results stay the same function of the inputs either way.
+    transformer_call_hook = None
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):
         super().__init__(pipeline, device, dtype, max_sequence_length)
@@ -47,10 +41,6 @@ class QwenImageAdapter(FlowModelAdapter):
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.latent_channels = self.vae.config.z_dim
         self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
-        # Rollout forwards read each block's modulation from a per-timestep table
-        # (flowrl/models/qwen_modulation.py); False computes it in every forward.
-        self.modulation_table = True
-        self._modulation: qwen_modulation.ModulationTable | None = None
         decode_single_frames_in_2d(self.vae)  # taken only inside `decode` (see flowrl/models/qwen_vae.py)
 
     @classmethod
@@ -111,6 +101,10 @@ class QwenImageAdapter(FlowModelAdapter):
             self._sigma_cache[key] = schedule_sigmas(self.scheduler, num_steps, image_seq_len=seq_len, linear_base=True)
         return self._sigma_cache[key]
 
+    def schedule_sigma_values(self) -> list[float]:
+        """Every sigma of the schedules `sigmas` has built so far, as host floats."""
+        return [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
+
     # --- transformer ---------------------------------------------------------------------------
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None):
         hidden, timestep, encodings, cfg_rows = cfg_forward_inputs(latents, sigmas, cond, uncond)
@@ -120,49 +114,21 @@ class QwenImageAdapter(FlowModelAdapter):
         lengths = {e.embeds.shape[0] for e in encodings}
         h, w = self._latent_hw(height, width)
         rows = hidden.shape[0]
-        # Compiled blocks run a batch of 1 as 2 identical rows (see compile_in_place). Doing it here,
-        # before the input projections lay the rows out sequence-major, lets batch 1 reuse the
-        # blocks' batch >= 2 graph instead of compiling one for a batch-major layout.
-        padded = rows == 1 and getattr(self.transformer, "_flowrl_compile_ready", False)
+        padded, attention_kwargs = False, None
+        if self.transformer_call_hook is not None:
+            row_sigmas = None if sigma_values is None else list(sigma_values) + [sigma_values[i] for i in cfg_rows]
+            padded, attention_kwargs = self.transformer_call_hook(rows, row_sigmas)
         repeat = (lambda t: torch.cat([t, t])) if padded else (lambda t: t)  # noqa: E731
-        table_rows = None
-        if sigma_values is not None:
-            row_sigmas = list(sigma_values) + [sigma_values[i] for i in cfg_rows]
-            table_rows = self._modulation_rows(row_sigmas * (1 + padded))
         out = self.transformer(
             hidden_states=repeat(hidden.to(self.dtype)),
             timestep=repeat(timestep.to(self.dtype)),
             encoder_hidden_states=repeat(embeds.to(self.dtype)),
             encoder_hidden_states_mask=repeat(mask) if len(lengths) > 1 else None,
             img_shapes=[[(1, h // 2, w // 2)]] * (rows + padded),
-            attention_kwargs=None if table_rows is None else {qwen_modulation.ROWS_KEY: table_rows},
+            attention_kwargs=attention_kwargs,
             return_dict=False,
         )[0][:rows].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)
-
-    def _modulation_rows(self, row_sigmas: list[float]) -> torch.Tensor | None:
-        """Device indices of each row's timestep in the modulation table (flowrl.models.qwen_modulation),
-        or None where the table does not apply: with grad (the trainer), with `modulation_table`
-        off, or on blocks the table cannot serve."""
-        if torch.is_grad_enabled() or not self.modulation_table:
-            return None
-        if self._modulation is None:
-            if not qwen_modulation.applicable(self.transformer):
-                return None
-            self._modulation = qwen_modulation.ModulationTable(self.transformer)
-        def schedule() -> list[float]:  # read only when the table is built, not at every step
-            return [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
-
-        rows = rows_to_device(self._modulation.rows(row_sigmas, self.device.type, schedule), self.device)
-        torch._dynamo.maybe_mark_dynamic(rows, 0)  # one compiled graph for every batch size, as the activations
-        return rows
-
-    def compile_modules(self, backend: str = "inductor", rounding: str = "eager") -> list[str]:
-        """Regional compile, after switching the transformer to real-arithmetic RoPE and
-        sequence-major blocks (flowrl/models/qwen_block.py); the switch happens once and changes
-        no parameter."""
-        prepare_for_compile(self.transformer)
-        return super().compile_modules(backend, rounding)
 
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()

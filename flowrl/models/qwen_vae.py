@@ -3,9 +3,7 @@
 The Qwen-Image VAE is a causal video VAE: every convolution is a Conv3d with a kernel of 3 in
 time, padded with 2 zero frames in front. A text-to-image decode is one frame with no frame
 cache, so 2 of the 3 time taps of every 3x3x3 kernel multiply zeros: two thirds of the decoder's
-FLOPs are wasted. On an H200, decoding 16 images at 512 px took 257 ms stock and 135 ms this way
-(45.5 vs 17.6 TFLOP; benchmarks/qwen_vae_decode.py, docs/benchmarks.md run 10): from 1.2% to 0.6%
-of a 50-step Qwen-Image rollout.
+FLOPs are wasted (benchmarks/qwen_vae_decode.py times both ways).
 
 `decode_single_frames_in_2d(vae)` switches every causal Conv3d of the VAE, per instance, to a
 forward that recognises that case (one frame, no cache, front padding of kernel-1 frames, time

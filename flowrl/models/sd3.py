@@ -30,7 +30,7 @@ class SD3Adapter(FlowModelAdapter):
         self.latent_channels = self.transformer.config.in_channels
         self._sigma_cache: dict[int, torch.Tensor] = {}
         # cuDNN's convolutions run NHWC on the GPU; an NCHW VAE makes every conv transpose its
-        # input and output (measured: ~9% of a 2-step SD3.5 rollout's device time on an H200).
+        # input and output, a sizeable share of a short rollout's device time.
         self.vae_memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
         self.vae.to(memory_format=self.vae_memory_format)
 
@@ -78,11 +78,6 @@ class SD3Adapter(FlowModelAdapter):
             return_dict=False,
         )[0].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
-
-    def modules_to_compile(self) -> list[tuple[str, torch.nn.Module]]:
-        # The VAE decoder too: GroupNorm + SiLU + convs at full resolution cost about a fifth of a
-        # 10-step 512px rollout in eager mode, and fusing the elementwise work pays there.
-        return super().modules_to_compile() + [("vae.decoder", self.vae.decoder)]
 
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()

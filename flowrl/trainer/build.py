@@ -24,7 +24,7 @@ def tiny_model_cache_dir() -> Path:
 
 def check_model_path(model_cfg) -> Path | None:
     """The model folder (None: the embedded tiny model); ValueError when it is unusable."""
-    from flowrl.models.base import read_model_family
+    from flowrl.models.registry import read_model_family
 
     if model_cfg.path is None:
         return None

@@ -6,9 +6,12 @@ the KL term is the same module with the adapter switched off (`adapter_disabled`
 copy of the model.
 
 LoRA weights are float32 master weights (AdamW updates in bf16 would mostly round away), but the
-low-rank product runs in the activations' dtype, and in the rollout's compiled graphs inside the
-base projection's cuBLAS calls: flowrl.models.lora_linear, whose forward every adapted Linear gets.
-Rollout and trainer call the same forward, so their log-probs stay comparable.
+low-rank product runs in the activations' dtype (`forward_in_activation_dtype`, which every
+adapted Linear gets). peft's own forward casts the activations to float32 instead, which on a
+bf16 model makes every adapted projection two float32 GEMMs on CUDA cores plus float32 copies of
+its input and output. Rollout and trainer call the same forward, so their log-probs stay
+comparable. (A compiled model's rollout graphs add the low-rank term inside the base projection's
+cuBLAS calls instead: flowrl.accel.lora_fold, installed by flowrl.accel.compile_adapter.)
 
 Saved LoRA weights use the diffusers LoRA format (`pytorch_lora_weights.safetensors` with
 `transformer.`-prefixed keys plus the adapter config as metadata), so `pipe.load_lora_weights(dir)`
@@ -22,8 +25,7 @@ import types
 from pathlib import Path
 
 import torch
-
-from flowrl.models import lora_linear
+import torch.nn.functional as F
 
 _PEFT_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora", "orthogonal": "orthogonal"}
 
@@ -44,15 +46,30 @@ def _check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
+def forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A peft LoRA Linear's forward computing base(x) + (x A^T)(s B)^T with the float32 master
+    weights A and s B cast to x's dtype (module docstring); anything this does not cover (adapter
+    disabled or merged, extra arguments, DoRA and other variants) runs peft's forward."""
+    if self.disable_adapters or self.merged or args or kwargs or self.lora_variant:
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x)
+    for name in self.active_adapters:
+        if name in self.lora_A:
+            down = self.lora_A[name].weight.to(x.dtype)
+            up = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)
+            result = result + F.linear(F.linear(self.lora_dropout[name](x), down), up)
+    return result
+
+
 def _compute_lora_in_activation_dtype(transformer: torch.nn.Module) -> int:
-    """Route every peft LoRA Linear under `transformer` through
-    flowrl.models.lora_linear.forward_in_activation_dtype, per instance; returns how many."""
+    """Route every peft LoRA Linear under `transformer` through `forward_in_activation_dtype`,
+    per instance (marked `_flowrl_lora_forward`); returns how many."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     count = 0
     for module in transformer.modules():
         if type(module) is LoraLinear:
-            module.forward = types.MethodType(lora_linear.forward_in_activation_dtype, module)
+            module.forward = types.MethodType(forward_in_activation_dtype, module)
             module._flowrl_lora_forward = True
             count += 1
     return count

@@ -17,10 +17,9 @@ and only its GRADIENTS from the second (`value + (graded - graded.detach())`, ex
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
 gradient is that of the same function up to rounding. It costs one no-grad forward per scored
 micro-batch, unless those values are known already (`with_values`; flowrl.trainer.update reuses
-the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Measured on an H200 (docs/benchmarks.md runs 37-39): at the Qwen
-recipe's settings the grad graph's log-probs differ from the rollout's by mean 1.9e-5, above that
-recipe's clip range of 1e-5, and the no-grad pass's by 9.3e-10; at the SD3.5 recipe's by up to
-2.8e-4 against 0.
+the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Why: at the
+recipes' settings the grad graph's log-probs can differ from the rollout's by more than a tight
+clip range, while the no-grad pass's match them (`flowrl bench logprob` measures both gaps).
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[Pr
     """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
     its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
     engine padded its forward. Each stacked tensor goes to the device in one copy and the rows
-    are views of it (a copy per row and tensor was 104 host-blocking copies per scored SD3.5
-    micro-batch of 8 with CFG; docs/benchmarks.md run 39)."""
+    are views of it (a copy per row and tensor would be a hundred host-blocking copies per
+    scored micro-batch with CFG)."""
     mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
     width = mask.shape[1]
     # Lengths from the host mask (no device read-back); an all-False row keeps the full width.
@@ -109,7 +108,9 @@ def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
     (`trainer.lora.dropout`) draws one mask in the value pass and another in the grad pass, so the
     values would not be those of the function whose gradient is taken; such a model keeps the
     grad pass's own values and gradients."""
-    return adapter.is_compiled() and not any(
+    from flowrl.accel import is_compiled
+
+    return is_compiled(adapter) and not any(
         isinstance(module, torch.nn.Dropout) and module.p > 0 for module in adapter.transformer.modules())
 
 

@@ -74,11 +74,13 @@ class FlowGRPOTrainer:
         if cfg.engine.compile:
             # After LoRA injection, so the compiled blocks trace the modules that are trained; the
             # engine and the trainer share them (compilation is in place).
-            self.engine.compiled_modules = self.adapter.compile_modules(rounding=cfg.engine.compile_rounding)
+            from flowrl.accel import compile_adapter
+
+            self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
             print(f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
-                  "rollout, validation and update take longer (measured on an H200: Qwen-Image's rollout graphs "
-                  "33 s, SD3.5-medium's VAE decoder 196-250 s)", flush=True)
+                  "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
+                  "half a minute, SD3.5-medium's VAE decoder a few minutes)", flush=True)
         self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
         s = cfg.rollout.sampling
         self.spec = TransitionSpec(s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale)

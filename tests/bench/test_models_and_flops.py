@@ -70,7 +70,7 @@ def test_counting_flops_leaves_compiled_modules_compiled():
     from torch.profiler import ProfilerActivity, profile
 
     from flowrl.bench.flops import count_flops
-    from flowrl.models.regional_compile import compile_in_place
+    from flowrl.accel.regional_compile import compile_in_place
 
     class Block(torch.nn.Module):  # a forward outside torch's files, which dynamo never traces
         def __init__(self):

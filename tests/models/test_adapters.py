@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.engine import DiffusionEngine, SamplingParams
-from flowrl.models.base import read_model_family
+from flowrl.models.registry import read_model_family
 
 
 def _pipeline(path):
@@ -101,3 +101,17 @@ def test_unknown_folder_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="model_index.json"):
         load_adapter(tmp_path)
+
+
+def test_registry_and_config_name_the_same_families():
+    """flowrl.models.registry is the one list of families; the config's `model.family` accepts
+    each of its names (and "auto"), and each adapter class carries its registry name."""
+    from flowrl.config.sections import ModelConfig
+    from flowrl.models.registry import FAMILIES
+
+    for family, adapter_class in FAMILIES.values():
+        assert adapter_class.family == family
+        ModelConfig(family=family).validate()
+    ModelConfig(family="auto").validate()
+    with pytest.raises(ValueError, match="model.family"):
+        ModelConfig(family="flux").validate()

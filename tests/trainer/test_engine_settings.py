@@ -1,18 +1,18 @@
 """Engine settings of the config reach the engine the trainer builds (none is accepted and ignored)."""
 
-from flowrl.models.sd3 import SD3Adapter
+import flowrl.accel
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 def test_engine_compile_compiles_the_trained_modules(make_cfg, monkeypatch):
     calls = []
 
-    def fake_compile(self, backend="inductor", rounding="eager"):
+    def fake_compile(adapter, backend="inductor", rounding="eager", **switches):
         # Called after LoRA injection: the blocks hold the trained LoRA layers.
-        calls.append((any("lora_A" in name for name, _ in self.transformer.named_parameters()), backend, rounding))
+        calls.append((any("lora_A" in name for name, _ in adapter.transformer.named_parameters()), backend, rounding))
         return ["transformer.transformer_blocks.0"]
 
-    monkeypatch.setattr(SD3Adapter, "compile_modules", fake_compile)
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", fake_compile)
     trainer = FlowGRPOTrainer(make_cfg("engine.compile=true", "trainer.lora.enabled=true", "engine.compile_rounding=fused"))
     assert calls == [(True, "inductor", "fused")]
     assert trainer.engine.compiled_modules == ["transformer.transformer_blocks.0"]

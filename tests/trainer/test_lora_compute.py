@@ -1,5 +1,5 @@
 """LoRA's low-rank product runs in the activations' dtype over float32 master weights
-(flowrl.models.lora_linear.forward_in_activation_dtype, installed by flowrl.trainer.lora): values, gradients, and the cases that
+(flowrl.trainer.lora.forward_in_activation_dtype, installed by flowrl.trainer.lora): values, gradients, and the cases that
 keep peft's own forward."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import flowrl.accel
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
@@ -128,8 +129,8 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
     rollout's): a grad graph that rounds differently then no longer moves the first update's ratio."""
     from flowrl.models.sd3 import SD3Adapter
 
-    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: compiled)
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
     trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
                                        "algorithm.old_log_prob=recompute", "algorithm.clip_range=1e-6",
                                        f"engine.compile={str(compiled).lower()}"))
@@ -149,10 +150,8 @@ def test_lora_dropout_keeps_the_grad_pass_values(make_cfg, monkeypatch, dropout)
     """With LoRA dropout the train-mode forward is random: a value pass would draw one dropout mask
     and the grad pass another, so a compiled trainer then keeps the grad pass's own values (and
     the recompute's values are not reused for it either)."""
-    from flowrl.models.sd3 import SD3Adapter
-
-    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: True)
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
     trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true",
                                        f"trainer.lora.dropout={dropout}", "engine.compile=true"))
     assert trainer.updater.values_from_no_grad is (dropout == 0.0)
@@ -207,8 +206,8 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import PolicyUpdater
 
-    monkeypatch.setattr(SD3Adapter, "compile_modules", lambda self, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(SD3Adapter, "is_compiled", lambda self: True)
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
 
     def run(force_value_pass: bool):
         trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=2",

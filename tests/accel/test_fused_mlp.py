@@ -1,12 +1,13 @@
-"""The GELU-epilogue MLP op (flowrl.models.fused_mlp): same function and gradients as the
-unfused module, switched in without changing parameters, and bypassed where it must be."""
+"""The GELU-epilogue MLP op (flowrl.accel.fused_mlp): same function and gradients as the
+unfused module, switched in without changing parameters, and bypassed where it must be or
+where `gelu_epilogue=False` says so."""
 
 from __future__ import annotations
 
 import torch
 
 from flowrl.bench.models import build_bench_model
-from flowrl.models.fused_mlp import fuse_gelu_epilogues, linear_gelu_tanh
+from flowrl.accel.fused_mlp import fuse_gelu_epilogues, linear_gelu_tanh
 
 
 def test_op_matches_unfused_math_and_gradients():
@@ -26,7 +27,7 @@ def test_op_matches_unfused_math_and_gradients():
 def test_switch_keeps_velocity_and_state_dict_and_falls_back_under_lora(monkeypatch):
     from peft import LoraConfig, inject_adapter_in_model
 
-    import flowrl.models.fused_mlp as fused_mlp
+    import flowrl.accel.fused_mlp as fused_mlp
 
     adapter = build_bench_model("tiny-sd3", "cpu", torch.float32).adapter
     blocks = len(adapter.transformer.transformer_blocks)
@@ -62,7 +63,7 @@ def test_compiled_module_raises_the_recompile_limit_in_the_calling_thread():
     the raised limit, or regional compilation silently falls back to eager after 8 graphs."""
     import threading
 
-    from flowrl.models.regional_compile import compile_in_place
+    from flowrl.accel.regional_compile import compile_in_place
 
     module = torch.nn.Linear(4, 4)
     compile_in_place(module, "eager")
@@ -83,7 +84,7 @@ def test_mixed_dtypes_and_autocast_take_the_module_path(monkeypatch):
     import pytest
     from diffusers.models.attention import FeedForward
 
-    import flowrl.models.fused_mlp as fused_mlp
+    import flowrl.accel.fused_mlp as fused_mlp
 
     ff = FeedForward(8, activation_fn="gelu-approximate")
     assert fuse_gelu_epilogues(ff) == 1
@@ -97,4 +98,9 @@ def test_mixed_dtypes_and_autocast_take_the_module_path(monkeypatch):
     assert len(calls) == 1  # autocast: the module's own (casting) path
     with pytest.raises(RuntimeError, match="dtype"):  # the module's own error, not the op's
         ff(x.double())
+    assert len(calls) == 1
+    from flowrl.accel.options import AccelOptions
+
+    assert fuse_gelu_epilogues(ff, AccelOptions(gelu_epilogue=False)) == 1  # switched off: the module's path
+    torch.testing.assert_close(ff(x), FeedForward.forward(ff, x), rtol=0, atol=0)
     assert len(calls) == 1

@@ -1,7 +1,7 @@
-"""flowrl.models.lora_linear: in compiled graphs without grad (the rollout's) a LoRA projection is
+"""flowrl.accel.lora_fold: in compiled graphs without grad (the rollout's) a LoRA projection is
 one op that accumulates the low-rank term inside the base GEMM's output; it computes the same
-function, applies only to adapters it computes, casts as autocast would, and training graphs keep
-the differentiable expression."""
+function, applies only to adapters it computes (and not with `lora_fold=False`), casts as autocast
+would, and training graphs keep the differentiable expression."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import copy
 import pytest
 import torch
 
-from flowrl.models import joint_linear, lora_linear
+from flowrl.accel import lora_fold
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image import joint_linear
 
 
 class _Projections(torch.nn.Module):
@@ -20,8 +22,9 @@ class _Projections(torch.nn.Module):
         self.other = torch.nn.Linear(width, out, bias=bias)
 
 
-def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "other")):
-    """Linear layers with the trainer's LoRA forward (flowrl.trainer.lora), B made nonzero."""
+def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "other"), options=AccelOptions()):
+    """Linear layers with the trainer's LoRA forward (flowrl.trainer.lora), B made nonzero, on the
+    folding forward as compile_adapter installs it."""
     from flowrl.trainer.lora import inject_lora
 
     torch.manual_seed(0)
@@ -32,6 +35,7 @@ def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "othe
         for name, param in module.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
+    assert lora_fold.fold_lora_projections(module, options) == len(targets)
     return module
 
 
@@ -52,16 +56,17 @@ def _calls_op(graph, name: str) -> bool:
     return any(node.op == "call_function" and name in str(node.target) for node in graph.graph.nodes)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_rollout_graph_runs_the_folded_op_with_the_expressions_values(bias):
-    layer = _adapted(bias=bias).proj
+@pytest.mark.parametrize("bias, fold", [(True, True), (False, True), (True, False)])
+def test_rollout_graph_runs_the_folded_op_with_the_expressions_values(bias, fold):
+    """With `lora_fold=False` the rollout graph keeps the expression instead."""
+    layer = _adapted(bias=bias, options=AccelOptions(lora_fold=fold)).proj
     x = torch.randn(3, 5, 24)
     graphs = []
     compiled = torch.compile(layer, backend=_recording_backend(graphs), dynamic=False)
     with torch.no_grad():
         got = compiled(x)
         want = _expression(layer, x)
-    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear")
+    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear") is fold
     assert got.shape == (3, 5, 16)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # float32: only the summation order differs
     assert not torch.equal(layer.base_layer(x), want)  # the low-rank term is there to be lost
@@ -86,18 +91,17 @@ def test_training_graph_keeps_the_differentiable_expression():
 
 
 @pytest.mark.parametrize("low_rank_first", [True, False])
-def test_bf16_op_rounds_where_its_gemm_order_says(monkeypatch, low_rank_first):
+def test_bf16_op_rounds_where_its_gemm_order_says(low_rank_first):
     """In bf16 the op's first GEMM writes a rounded output and the second accumulates its float32
     product into it before rounding once more: within half a bf16 step of (first output, rounded)
     + (second product, unrounded). The shipped order writes the low-rank term plus bias first; the
     expression (each term rounded on its own, then their sum) is not that close."""
-    monkeypatch.setattr(lora_linear, "LOW_RANK_FIRST", low_rank_first)
     layer = _adapted(torch.bfloat16).proj
     x = torch.randn(256, 24, dtype=torch.bfloat16)
     a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
     down, up, base = a.to(torch.bfloat16), (b * s).to(torch.bfloat16), layer.base_layer
     with torch.no_grad():
-        got = lora_linear.lora_linear(x, base.weight, base.bias, down, up)
+        got = lora_fold.lora_linear(x, base.weight, base.bias, down, up, low_rank_first)
         low_rank_input = x @ down.t()  # bf16, as the op keeps it
         if low_rank_first:
             want = torch.addmm(base.bias, low_rank_input, up.t()).float() + x.float() @ base.weight.float().t()
@@ -110,15 +114,14 @@ def test_bf16_op_rounds_where_its_gemm_order_says(monkeypatch, low_rank_first):
     assert not ((expression.float() - want).abs() <= half_step).all()
 
 
-def test_both_gemm_orders_compute_the_same_function(monkeypatch):
+def test_both_gemm_orders_compute_the_same_function():
     layer = _adapted().proj
     x = torch.randn(40, 24)
     a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
     outputs = []
     for low_rank_first in (True, False):
-        monkeypatch.setattr(lora_linear, "LOW_RANK_FIRST", low_rank_first)
         with torch.no_grad():
-            outputs.append(lora_linear.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s))
+            outputs.append(lora_fold.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s, low_rank_first))
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(outputs[0], _expression(layer, x), atol=1e-6, rtol=1e-6)
@@ -141,21 +144,20 @@ def test_fold_applies_only_to_adapters_it_computes():
     from peft import LoraConfig
 
     module = _adapted()
-    assert lora_linear.folds(module.proj) and not lora_linear.folds(torch.nn.Linear(2, 2))
-    assert not lora_linear.folds(_adapted(dropout=0.1).proj)  # dropout: the op has none
-    layer = copy.deepcopy(module.proj)
-    layer._flowrl_lora_fold = False  # the benchmark switch
-    assert not lora_linear.folds(layer)
+    assert lora_fold.folds(module.proj) and not lora_fold.folds(torch.nn.Linear(2, 2))
+    assert not lora_fold.folds(_adapted(dropout=0.1).proj)  # dropout: the op has none
+    assert not lora_fold.folds(_adapted(options=AccelOptions(lora_fold=False)).proj)  # the switch
     layer = copy.deepcopy(module.proj)
     layer.enable_adapters(False)  # the KL reference
-    assert not lora_linear.folds(layer)
+    assert not lora_fold.folds(layer)
     layer = copy.deepcopy(module.proj)
     layer.update_layer("second", r=2, lora_alpha=2, config=LoraConfig(r=2, lora_alpha=2))
     layer.set_adapter(["default", "second"])  # two active adapters
-    assert not lora_linear.folds(layer)
+    assert not lora_fold.folds(layer)
     from peft import inject_adapter_in_model  # peft's own forward (not flowrl's): left alone
     plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), _Projections())
-    assert not lora_linear.folds(plain.proj)
+    assert lora_fold.fold_lora_projections(plain) == 0 and not lora_fold.folds(plain.proj)
+
 
 
 @pytest.mark.parametrize("bias", [True, False])

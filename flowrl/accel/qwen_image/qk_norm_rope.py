@@ -2,9 +2,10 @@
 head, the rotary embedding, and the join of the text and image tokens into one buffer.
 
 The compiled rollout (no-grad graphs) calls it instead of inductor's kernel for the same
-expression, because inductor's reached about 2.0-2.6 TB/s on an H200 for this pure streaming work
-(read q of both streams, write the joint q; docs/benchmarks.md). The arithmetic rounds where eager
-PyTorch does, step for step (diffusers' RMSNorm, then `qwen_block._rotate`):
+expression, because inductor's stays well below the memory bandwidth on this pure streaming work
+(read q of both streams, write the joint q), while one program per token and a block of its rows
+streams it once. The arithmetic rounds where eager PyTorch does, step for step (diffusers'
+RMSNorm, then `block._rotate`):
 
     r   = rsqrt(mean(x_f32^2) + eps)            per (token, row, head), float32
     y   = bf16(bf16(x_f32 * r) * weight)        RMSNorm: cast to the weight's dtype, then scale

@@ -1,4 +1,4 @@
-"""Gradient checkpointing of blocks compiled in place (flowrl.models.regional_compile): the
+"""Gradient checkpointing of blocks compiled in place (flowrl.accel.regional_compile): the
 checkpoint is taken inside each block's compiled grad graph, with the values and gradients of
 the same model without checkpointing and the activation memory of a checkpointed one."""
 
@@ -9,7 +9,8 @@ import torch
 
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import saved_activation_bytes
-from flowrl.models.regional_compile import checkpoint_inside
+from flowrl.accel import compile_adapter, is_compiled
+from flowrl.accel.regional_compile import checkpoint_inside
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen", "tiny-sd3"])
@@ -19,9 +20,9 @@ def test_checkpoint_inside_compiled_blocks_keeps_values_and_saves_memory(model):
     transformer = adapter.transformer
     params = make_trainable(transformer, 4, adapter.default_lora_targets)
     transformer.enable_gradient_checkpointing()  # before compiling, as the trainer does
-    assert not adapter.is_compiled()
-    adapter.compile_modules("inductor")
-    assert adapter.is_compiled()  # the trainer then takes log-prob values from the no-grad graph
+    assert not is_compiled(adapter)
+    compile_adapter(adapter, "inductor")
+    assert is_compiled(adapter)  # the trainer then takes log-prob values from the no-grad graph
     assert transformer._gradient_checkpointing_func is checkpoint_inside
     block = transformer.transformer_blocks[0]
     routed = []

@@ -1,14 +1,14 @@
-"""flowrl.models.joint_linear: two streams' projections written into one joint buffer give what
-projecting and joining give, bit for bit, eagerly and inside a compiled graph with a dynamic
-batch; modules it cannot compute (here a wrapper around a Linear) are left to the ordinary path
-(LoRA projections whose low-rank term folds: tests/models/test_lora_linear.py)."""
+"""flowrl.accel.qwen_image.joint_linear: two streams' projections written into one joint buffer
+give what projecting and joining give, bit for bit, eagerly and inside a compiled graph with a
+dynamic batch; modules it cannot compute (here a wrapper around a Linear) are left to the ordinary
+path (LoRA projections whose low-rank term folds: tests/accel/test_lora_fold.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flowrl.models import joint_linear
+from flowrl.accel.qwen_image import joint_linear
 
 
 def _streams(dtype, batch=3, txt_tokens=5, img_tokens=11, width=24):

@@ -1,22 +1,18 @@
 """One hand-written GPU kernel for the adaptive-norm work around Qwen-Image's GEMMs: LayerNorm +
 modulation, gate + residual, and both at once.
 
-A sequence-major Qwen-Image block (flowrl.models.qwen_block) runs, per stream:
+A sequence-major Qwen-Image block (flowrl.accel.qwen_image.block) runs, per stream:
 
     x_in  = LN(x) * (1 + scale1) + shift1                  before attention
     x     = x + gate1 * attn_out;  x_in = LN(x) * (1 + scale2) + shift2
     x     = x + gate2 * mlp_out                              the block's output
 
 where shift, scale and gate are per row (B, D) and the rest (L, B, D). Every input and output of
-these three steps is a GEMM's input or output (or the block's), so nothing fuses across them;
-inductor's kernels for them took 0.082, 0.123 and 0.120 ms per B=16 image stream on an H200
-(docs/benchmarks.md run 23), against 0.056, 0.112 and 0.084 ms for the bytes they move at 3.6
-TB/s. This kernel streams each row of D values once: one program per (token, row) loads it,
-reduces it in registers and writes the results. Measured on an H200 (docs/benchmarks.md run 29,
-one B=16 forward, alternating on one GPU): 426.4 -> 422.0 ms with this kernel, 418.7 ms with it
-and the modulation table (flowrl.models.qwen_modulation). That run's kernel rounded with plain
-casts (see `_round_bf16`); the integer rounding since adds a few integer ops per value to a
-kernel bound by memory traffic.
+these three steps is a GEMM's input or output (or the block's), so nothing fuses across them,
+and inductor's kernels for them stay well short of the time the bytes they move need. This kernel
+streams each row of D values once: one program per (token, row) loads it, reduces it in
+registers and writes the results. Its rounding is done in integer arithmetic (see
+`_round_bf16`), a few integer ops per value in a kernel bound by memory traffic.
 
 The arithmetic rounds where eager PyTorch does in bfloat16 (float32 math, bf16 results):
 
@@ -29,7 +25,7 @@ only in its float32 reduction order. The compiled rollout (no-grad graphs, CUDA)
 training graphs keep the PyTorch expression, which autograd differentiates. Under autocast (a
 rollout with the trainer's mixed precision) those are not eager's rounding points: LayerNorm
 returns float32 there and the modulated input is rounded once, by the next linear layer; the
-block then keeps the PyTorch expression (`qwen_block._norm_kernel_applies`). Without Triton (CPU
+block then keeps the PyTorch expression (`block._norm_kernel_applies`). Without Triton (CPU
 builds) `available()` is False and callers keep the PyTorch expression.
 """
 
@@ -65,7 +61,7 @@ if triton is not None:
         # float32 -> the nearest bfloat16 value (ties to even), kept in float32, in integer
         # arithmetic. A plain cast pair does not hold on the GPU: with Triton's FP fusion on (its
         # default), LLVM turns `x + bf16(g * y)` into one `fma.rn.bf16`, so the product is never
-        # rounded (gate + residual values off eager's by up to several bf16 steps, run 29).
+        # rounded (gate + residual values off eager's by up to several bf16 steps).
         # Integer ops are opaque to that contraction. Finite inputs only (NaN, Inf not preserved).
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)

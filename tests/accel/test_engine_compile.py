@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from flowrl.accel import compile_adapter
 from flowrl.bench.models import build_bench_model
 from flowrl.engine import SamplingParams
 from flowrl.engine.engine import DiffusionEngine
@@ -43,7 +44,8 @@ def test_compiled_engine_matches_eager(name):
                 torch.testing.assert_close(b.all_latents, a.all_latents, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(b.all_log_probs, a.all_log_probs, atol=1e-5, rtol=1e-5)
         if name == "tiny-qwen":  # the compiled blocks read their modulation from the per-timestep table
-            assert compiled_model.adapter._modulation.builds >= 1 and eager_model.adapter._modulation is None
+            assert compiled_model.adapter.transformer_call_hook.table.builds >= 1
+            assert eager_model.adapter.transformer_call_hook is None
         # Idempotent: a second engine on the same adapter does not wrap the modules again.
         again = DiffusionEngine(compiled_model.adapter, compile="aot_eager")
         assert again.compiled_modules == compiled.compiled_modules
@@ -70,7 +72,7 @@ def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
     torch._dynamo.reset()
     bench = build_bench_model(name, "cuda", torch.bfloat16)
     if compile:
-        bench.adapter.compile_modules(compile)
+        compile_adapter(bench.adapter, compile)
     executor = Executor(bench.adapter)
     params = PARAMS.replace(num_inference_steps=6, guidance_scale=guidance)
     cond, uncond = bench.adapter.encode_prompts(["a cat", ""])
@@ -96,7 +98,7 @@ def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
 def test_real_rope_attention_equals_diffusers_processor():
     """The compile-friendly Qwen-Image attention computes the same function as diffusers' own
     processor, padded text (mask) included."""
-    from flowrl.models.qwen_block import RealRopeQwenAttention, _real_rope_tables
+    from flowrl.accel.qwen_image.block import RealRopeQwenAttention, _real_rope_tables
 
     adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
     enc = adapter.encode_prompts(["long prompt", "short"])
@@ -131,7 +133,7 @@ def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
 
 def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkeypatch):
     """Qwen-Image blocks: calls without autograd (rollout) run a compiled function with the
-    adapter's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
+    family's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
     compiled = []
     real_compile = torch.compile
 
@@ -148,7 +150,7 @@ def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkey
 
     monkeypatch.setattr(torch, "compile", recording)
     adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
-    blocks = len(adapter.compile_modules())
+    blocks = len(compile_adapter(adapter))
     tuned = [r for r in compiled if r["options"].get("realize_opcount_threshold") == 200]
     plain = [r for r in compiled if "realize_opcount_threshold" not in r["options"]]
     assert len(tuned) == len(plain) == blocks == len(compiled) // 2
@@ -161,7 +163,7 @@ def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkey
     adapter.velocity(*args)  # grad mode
     assert [r["calls"] for r in tuned + plain] == [1] * (2 * blocks)
     compiled.clear()
-    build_bench_model("tiny-sd3", "cpu", torch.float32).adapter.compile_modules()
+    compile_adapter(build_bench_model("tiny-sd3", "cpu", torch.float32).adapter)
     assert compiled and all("realize_opcount_threshold" not in r["options"] for r in compiled)
 
 

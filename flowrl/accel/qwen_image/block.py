@@ -1,15 +1,17 @@
 """Qwen-Image transformer blocks as the engine compiles them: real-arithmetic RoPE, a
 sequence-major memory layout, and hand-written kernels and a modulation table for the rollout.
 
-The first two change how the same math runs, both installed per instance by
-`prepare_for_compile` (QwenImageAdapter.compile_modules), both exact in float32
-(tests/models/test_qwen_block.py):
+All are installed per instance by `prepare_for_compile` (flowrl.accel.compile_adapter). The first
+two change how the same math runs and are exact in float32 (tests/accel/test_qwen_block.py); the
+others serve only rollout forwards (no grad), are exact up to bf16 rounding, and each has a
+switch of flowrl.accel.options.AccelOptions (named below; a block reads them from
+`block._flowrl_accel`):
 
 1. Rotary embeddings in real arithmetic (`_rotate`, tables from `_real_rope_tables`): diffusers
    rotates with complex tensors, for which inductor generates no code, so they would run eagerly
    (several extra float32 passes over q and k per block).
 
-2. Sequence-major activations. Joint attention runs over [text tokens, image tokens]. With
+2. Sequence-major activations (`sequence_major`). Joint attention runs over [text tokens, image tokens]. With
    diffusers' batch-major (B, L, D) activations that join is a copy of q, k and v into a joint
    buffer (for v, whose producers are GEMMs, a kernel of its own), and the split of the attention
    output back into the two streams is another copy of the whole output. Stored sequence-major
@@ -17,28 +19,27 @@ The first two change how the same math runs, both installed per instance by
    blocks), each stream is a contiguous run of rows of the joint buffer: cuDNN attention writes
    its output in its query's layout, so the two output projections read their rows in place.
    (Inductor writes a GEMM's output only into a buffer of its own, so the v join is a copy,
-   except in rollout graphs: item 3.)
-   Measured on an H200, B=16: the compiled forward 0.5% (eager rounding) to 0.8% (fused)
-   faster, and the compiled training step 286 -> 256 ms (docs/benchmarks.md runs 10, 14, 15).
+   except in rollout graphs: item 3.) The training step gains most, its graphs copying more.
    The transformer's input projections (`img_in`, `txt_in`) hand the first block sequence-major
    tensors through forward hooks, every block returns that layout, and the final norm reads it.
    A block also accepts batch-major tensors (then the layout costs copies, not correctness).
 
 3. In the rollout's compiled graphs (no grad), the joint q and k are built by a hand-written
-   Triton kernel (flowrl.models.qk_norm_rope: RMSNorm, rotation and the text/image join, with
-   eager's rounding points), 0.160 -> 0.113 ms per B=16 block on an H200 (run 22). Training
-   graphs and eager runs keep the PyTorch expression (`_normed_rotated`). There, too, the text and
-   image v projections write into one joint buffer (flowrl.models.joint_linear) instead of being
+   Triton kernel (flowrl.accel.qwen_image.qk_norm_rope: RMSNorm, rotation and the text/image
+   join, with eager's rounding points; `qk_kernel`). Training graphs and eager runs keep the
+   PyTorch expression (`_normed_rotated`). There, too, the text and image v projections write
+   into one joint buffer (flowrl.accel.qwen_image.joint_linear; `joint_v`) instead of being
    copied into it. Both take LoRA-wrapped projections too: in these graphs the low-rank term is
-   accumulated inside the projection's GEMM output (flowrl.models.lora_linear).
+   accumulated inside the projection's GEMM output (flowrl.accel.lora_fold).
 
 4. Also in the rollout's compiled graphs, each stream's LayerNorm + modulation, gate + residual,
-   and the two together run in one hand-written kernel (flowrl.models.modulated_norm) instead of
-   inductor's three, with eager's rounding points.
+   and the two together run in one hand-written kernel (flowrl.accel.qwen_image.modulated_norm;
+   `norm_kernel`) instead of inductor's three, with eager's rounding points.
 
 5. The modulation parameters come from the block's `img_mod` / `txt_mod` GEMMs, or, when the
    forward's `joint_attention_kwargs` carry table rows (rollout forwards without grad), from a
-   per-timestep table computed once per weight version (flowrl.models.qwen_modulation).
+   per-timestep table computed once per weight version (flowrl.accel.qwen_image.modulation;
+   `modulation_table`).
 
 Blocks that need features this forward does not implement (per-token modulation of the edit
 models, `zero_cond_t`, attention kwargs) run diffusers' own forward with the real-RoPE processor.
@@ -51,7 +52,12 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flowrl.models import joint_linear, lora_linear, modulated_norm, qk_norm_rope, qwen_modulation
+import flowrl.accel.qwen_image.joint_linear as joint_linear
+import flowrl.accel.qwen_image.modulated_norm as modulated_norm
+import flowrl.accel.qwen_image.qk_norm_rope as qk_norm_rope
+from flowrl.accel.lora_fold import folds
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image.modulation import ROWS_KEY
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,9 +65,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     complex product (re + i im)(cos_k + i sin_k), in real arithmetic, in float32. The tables are
     expanded to the head width (see `_real_rope_tables`) and broadcast against x by the caller:
     cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...), so out = x * cos + swap_pairs(x) *
-    sin. This pair-swap form compiles to a kernel 2.4x faster than unbinding and re-stacking the
-    pairs (0.17 vs 0.41 ms for q and k of a B=16 block with RMSNorm, H200;
-    benchmarks/qwen_block_parts.py)."""
+    sin. This pair-swap form compiles to a much faster kernel than unbinding and re-stacking the
+    pairs (benchmarks/qwen_block_parts.py times both)."""
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos + swapped * sin).type_as(x)
@@ -118,38 +123,38 @@ def _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim: int):
 def _plain_qk_projections(attn) -> bool:
     """The q and k projections of both streams produce plain GEMM outputs in the rollout's graphs:
     nn.Linear, or LoRA Linears whose low-rank term is accumulated inside the GEMM's output there
-    (flowrl.models.lora_linear). Left to inductor, a LoRA projection's output is a sum that would
+    (flowrl.accel.lora_fold). Left to inductor, a LoRA projection's output is a sum that would
     have to be stored before the hand-written kernel reads it."""
-    return all(type(p) is torch.nn.Linear or lora_linear.folds(p)
+    return all(type(p) is torch.nn.Linear or folds(p)
                for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
 
 
-def _joint_kernel_applies(attn, img_q: torch.Tensor, rope) -> bool:
+def _joint_kernel_applies(attn, img_q: torch.Tensor, rope, options: AccelOptions) -> bool:
     """Whether a sequence-major block builds its joint q and k with the hand-written kernel
-    (flowrl.models.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
+    (flowrl.accel.qwen_image.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
     graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
     q/k projections and norms the kernel reproduces. Autocast does not change RMSNorm or the
     rotation, so the kernel applies under it, and the joint v projection casts its inputs as
-    autocast would (flowrl.models.joint_linear). `attn._flowrl_joint_kernel = False` turns it
-    off, and with it the joint v projection; `attn._flowrl_joint_v = False` only the latter
-    (benchmark A/B)."""
-    return (getattr(attn, "_flowrl_joint_kernel", True) and not torch.is_grad_enabled()
+    autocast would (flowrl.accel.qwen_image.joint_linear). `options.qk_kernel` off turns it off,
+    and with it the joint v projection; `options.joint_v` off only the latter."""
+    return (options.qk_kernel and not torch.is_grad_enabled()
             and torch.compiler.is_compiling() and _plain_qk_projections(attn)
             and all(qk_norm_rope.applicable(img_q, norm, rope)
                     for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)))
 
 
-def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope):
+def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, options: AccelOptions):
     """The joint (L_txt + L_img, B, H, Dh) q, k, v of sequence-major streams, text rows first."""
     q_pair = (_split_heads(attn, attn.add_q_proj(txt)), _split_heads(attn, attn.to_q(img)))
     k_pair = (_split_heads(attn, attn.add_k_proj(txt)), _split_heads(attn, attn.to_k(img)))
-    if not _joint_kernel_applies(attn, q_pair[1], rope):
+    if not _joint_kernel_applies(attn, q_pair[1], rope, options):
         v_pair = (_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img)))
         return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
     q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
     k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-    if getattr(attn, "_flowrl_joint_v", True) and joint_linear.applies(attn.add_v_proj, attn.to_v):
-        return q, k, _split_heads(attn, joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v))
+    if options.joint_v and joint_linear.applies(attn.add_v_proj, attn.to_v):
+        v = joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v, options.lora_low_rank_first)
+        return q, k, _split_heads(attn, v)
     return q, k, torch.cat((_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img))))
 
 
@@ -172,12 +177,13 @@ class RealRopeQwenAttention:
         return img_out, attn.to_add_out(out[:, :seq_txt].contiguous())
 
 
-def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torch.Tensor | None, rope):
+def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torch.Tensor | None, rope,
+                     options: AccelOptions = AccelOptions()):
     """RealRopeQwenAttention's math on sequence-major streams img (L_img, B, D), txt (L_txt, B, D);
     returns the two streams' outputs, sequence-major. The joint buffers are (L, B, H, Dh) with the
     text rows first, so each stream is a contiguous block of rows (see the module docstring)."""
     # (L, B, H, Dh) -> the (B, H, L, Dh) view SDPA takes; no copy.
-    q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope))
+    q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope, options))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=_joint_mask(text_mask, img.shape[1], img.shape[0]))
     out = out.permute(2, 0, 1, 3).flatten(2).to(q.dtype)  # (L, B, H*Dh): a view when cuDNN kept q's layout
     seq_txt = txt.shape[0]
@@ -195,12 +201,12 @@ def _autocast_on(x: torch.Tensor) -> bool:
 
 def _norm_kernel_applies(block, img: torch.Tensor) -> bool:
     """Whether a sequence-major block runs its LayerNorm + modulation and gate + residual steps
-    with the hand-written kernel (flowrl.models.modulated_norm): as the q/k kernel, only inside a
-    compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it reproduces, and
-    not under autocast (the trainer's mixed precision; run 35: with the kernel, a rollout under
-    bf16 autocast and the trainer's graph differed by a log-prob gap of mean 2.4e-5).
-    `block._flowrl_norm_kernel = False` turns it off (benchmark A/B)."""
-    return (getattr(block, "_flowrl_norm_kernel", True) and not torch.is_grad_enabled()
+    with the hand-written kernel (flowrl.accel.qwen_image.modulated_norm): as the q/k kernel, only
+    inside a compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it
+    reproduces, with `norm_kernel` on, and not under autocast (the trainer's mixed precision,
+    whose rounding points the kernel does not reproduce: with it, a rollout under bf16 autocast
+    and the trainer's graph would differ by a log-prob gap)."""
+    return (block._flowrl_accel.norm_kernel and not torch.is_grad_enabled()
             and torch.compiler.is_compiling() and not _autocast_on(img)
             and all(modulated_norm.applicable(img, norm) for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)))
 
@@ -234,21 +240,22 @@ def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_
     """QwenImageTransformerBlock.forward's math on sequence-major activations (module docstring).
     Same signature and return value ((text, image) states of diffusers' shapes)."""
     kwargs = dict(joint_attention_kwargs or {})
-    table_rows = kwargs.pop(qwen_modulation.ROWS_KEY, None)
+    table_rows = kwargs.pop(ROWS_KEY, None)
     if modulate_index is not None or self.zero_cond_t or kwargs:
         return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                                   image_rotary_emb, joint_attention_kwargs, modulate_index)
     img, txt = hidden_states.transpose(0, 1), encoder_hidden_states.transpose(0, 1)  # (L, B, D)
     if table_rows is None:
         img_mod, txt_mod = self.img_mod(temb), self.txt_mod(temb)
-    else:  # rows of the per-timestep table (flowrl.models.qwen_modulation), no GEMM
+    else:  # rows of the per-timestep table (flowrl.accel.qwen_image.modulation), no GEMM
         img_mod, txt_mod = self._flowrl_modulation.index_select(1, table_rows).unbind(0)
     img_mod1, img_mod2 = img_mod.chunk(2, dim=-1)
     txt_mod1, txt_mod2 = txt_mod.chunk(2, dim=-1)
     kernel = _norm_kernel_applies(self, img)
     img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1, kernel)
     txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1, kernel)
-    img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb)
+    img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb,
+                                          self._flowrl_accel)
     img, img_in, img_gate2 = _residual_modulated_input(img, img_gate1, img_attn, self.img_norm2, img_mod2, kernel)
     txt, txt_in, txt_gate2 = _residual_modulated_input(txt, txt_gate1, txt_attn, self.txt_norm2, txt_mod2, kernel)
     img = _gated_residual(img, img_gate2, self.img_mlp(img_in), kernel)
@@ -263,20 +270,36 @@ def _sequence_major_output(module, args, output: torch.Tensor) -> torch.Tensor:
     return output.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-def prepare_for_compile(transformer: torch.nn.Module, sequence_major: bool = True) -> bool:
+def prepare_block(block: torch.nn.Module, options: AccelOptions = AccelOptions()) -> None:
+    """Switch one QwenImageTransformerBlock, per instance, to the real-RoPE processor and (with
+    `options.sequence_major`) the sequence-major forward, reading its switches from `options`.
+    Its inputs must then come in that layout (prepare_for_compile's hooks store them so)."""
+    block.attn.set_processor(RealRopeQwenAttention())
+    if options.sequence_major:
+        block.forward = types.MethodType(_sequence_major_forward, block)
+    block._flowrl_accel = options
+
+
+def prepare_for_compile(transformer: torch.nn.Module, options: AccelOptions = AccelOptions()) -> bool:
     """Switch a QwenImageTransformer2DModel, per instance, to real-arithmetic RoPE and (unless
-    sequence_major is False: the batch-major baseline that benchmarks compare against)
+    `options.sequence_major` is off: the batch-major baseline that benchmarks compare against)
     sequence-major blocks; see the module docstring. Parameters and state_dict keys are unchanged.
-    Returns False when it was switched already."""
+    Returns False when it was switched already; the blocks then take the new `options`, whose
+    layout must be the first call's."""
     if getattr(transformer, "_flowrl_compile_ready", False):
-        return False
-    transformer.set_attn_processor(RealRopeQwenAttention())
-    transformer.pos_embed.register_forward_hook(_real_rope_tables)
-    if sequence_major:
+        if transformer._flowrl_sequence_major != options.sequence_major:
+            raise ValueError(f"sequence_major={options.sequence_major} but this transformer's blocks run "
+                             f"sequence_major={transformer._flowrl_sequence_major} already; the layout is fixed "
+                             "by the first compile_adapter call")
         for block in transformer.transformer_blocks:
-            block.forward = types.MethodType(_sequence_major_forward, block)
+            block._flowrl_accel = options
+        return False
+    transformer.pos_embed.register_forward_hook(_real_rope_tables)
+    for block in transformer.transformer_blocks:
+        prepare_block(block, options)
+    if options.sequence_major:
         transformer.img_in.register_forward_hook(_sequence_major_output)
         transformer.txt_in.register_forward_hook(_sequence_major_output)
-    transformer._flowrl_sequence_major = sequence_major
+    transformer._flowrl_sequence_major = options.sequence_major
     transformer._flowrl_compile_ready = True
     return True

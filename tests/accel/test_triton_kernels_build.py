@@ -1,11 +1,10 @@
 """The hand-written Triton kernels build for Hopper (sm_90) without a GPU, with every scalar typing
 the kernels meet, and torch's analysis of them finds only their outputs written.
 
-Each of these broke a GPU run once (docs/benchmarks.md runs 29-32): LLVM joining a product and
-the add after it into one FMA across a bf16 rounding point (run 29), `eps` typed float64 at
-inductor's launch so that float64 values reached a 32-bit bitcast (runs 30-31), and `eps` as a
-Python float constant in torch's kernel analysis, whose failure makes every argument count as
-written, so that an output passed twice aliases (run 32). Needs Triton (a CUDA build of torch
+Each guards a failure seen once on a GPU: LLVM joining a product and the add after it into one
+FMA across a bf16 rounding point, `eps` typed float64 at inductor's launch so that float64 values
+reached a 32-bit bitcast, and `eps` as a Python float constant in torch's kernel analysis, whose
+failure makes every argument count as written, so that an output passed twice aliases. Needs Triton (a CUDA build of torch
 brings it; CPU installs skip these tests); nothing runs on a device.
 """
 
@@ -18,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from flowrl.models import modulated_norm, qk_norm_rope  # noqa: E402
+from flowrl.accel.qwen_image import modulated_norm, qk_norm_rope  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

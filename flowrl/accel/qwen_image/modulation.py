@@ -1,10 +1,9 @@
 """Qwen-Image's per-block modulation read from a table of the rollout's timesteps.
 
 Every Qwen-Image block turns the timestep embedding into its adaptive-norm parameters with two
-GEMMs, one per stream (3072 -> 18432 each). At a rollout's 16 rows those are pure weight reads,
-2 x 113 MB per block at every step: 0.068 ms of a 7.1 ms block on an H200, about 1% of a rollout
-(docs/benchmarks.md run 23). A rollout steps through a fixed schedule, so every row's timestep
-is one of a few dozen values. `ModulationTable` computes every block's two modulations for those
+GEMMs, one per stream (3072 -> 18432 each). At a rollout's few rows those are pure weight reads,
+2 x 113 MB per block at every step. A rollout steps through a fixed schedule, so every row's
+timestep is one of a few dozen values. `ModulationTable` computes every block's two modulations for those
 values in one pass (M = the table's rows instead of M = B at every step) and a forward gathers
 its rows; inside a compiled block the gather becomes an indexed load of the kernels that apply
 the modulation.
@@ -20,7 +19,7 @@ the modulation.
   reach those layers in full fine-tuning), and only where the table computes what the block
   would: plain SiLU + nn.Linear modulation layers (not LoRA-wrapped), a time embedding that
   depends on the timestep alone, blocks running flowrl's sequence-major forward
-  (flowrl.models.qwen_block).
+  (flowrl.accel.qwen_image.block).
 
 Numerics: the table's GEMM has M = its capacity and the block's M = B; cuBLAS may round a row
 differently with M, as it may between a rollout's B = 16 and a trainer micro-batch. The

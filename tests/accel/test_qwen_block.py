@@ -1,4 +1,4 @@
-"""Qwen-Image blocks as the engine compiles them (flowrl.models.qwen_block): the same function and
+"""Qwen-Image blocks as the engine compiles them (flowrl.accel.qwen_image.block): the same function and
 gradients as diffusers' blocks in float32, activations kept sequence-major from block to block,
 diffusers' forward where the sequence-major one does not apply, and a batch of one reusing the
 compiled batch >= 2 graph."""
@@ -10,8 +10,13 @@ import copy
 import pytest
 import torch
 
+from flowrl.accel import compile_adapter
+from flowrl.accel.lora_fold import fold_lora_projections
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image import block as qwen_block
+from flowrl.accel.qwen_image import joint_linear
+from flowrl.accel.qwen_image.block import prepare_for_compile
 from flowrl.bench.models import build_bench_model
-from flowrl.models.qwen_block import prepare_for_compile
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +105,7 @@ def test_batch_of_one_reuses_the_compiled_graph(stock, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counting_backend))
     torch._dynamo.reset()
     adapter = copy.deepcopy(stock)
-    adapter.compile_modules()
+    compile_adapter(adapter)
     with torch.no_grad():
         for rows in (3, 1, 2):
             reference = stock.velocity(*_velocity_args(stock, rows, ragged=False))
@@ -143,10 +148,9 @@ def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock)
 def test_lora_wrapped_projections_take_the_rollout_kernels_when_their_term_folds(stock):
     """The q/k kernel and the joint v projection need plain GEMM outputs: plain projections, or
     the trainer's LoRA projections, whose rollout graphs accumulate the low-rank term inside the
-    GEMM's output (flowrl.models.lora_linear). With LoRA dropout that fold does not apply, and
+    GEMM's output (flowrl.accel.lora_fold). With LoRA dropout that fold does not apply, and
     neither do the kernels."""
     from flowrl.config.sections import LoraConfig
-    from flowrl.models import joint_linear, qwen_block
     from flowrl.trainer.lora import apply_trainable
 
     attn = stock.transformer.transformer_blocks[0].attn
@@ -155,6 +159,7 @@ def test_lora_wrapped_projections_take_the_rollout_kernels_when_their_term_folds
         adapter = copy.deepcopy(stock)
         apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, dropout=dropout,
                                                         target_modules=list(adapter.default_lora_targets)))
+        fold_lora_projections(adapter.transformer)  # as compile_adapter does
         attn = adapter.transformer.transformer_blocks[0].attn
         assert qwen_block._plain_qk_projections(attn) is applies
         assert joint_linear.applies(attn.add_v_proj, attn.to_v) is applies
@@ -183,17 +188,28 @@ def test_compiled_lora_rollout_graph_folds_the_low_rank_terms(stock):
         calls.append(a[0].shape)
         return real_op(*a)
 
-    adapter.compile_modules(backend="aot_eager")
-    from flowrl.models import lora_linear
-    original, lora_linear.lora_linear = lora_linear.lora_linear, counted
-    try:
-        with torch.no_grad():
-            compiled = adapter.velocity(*args)
-    finally:
-        lora_linear.lora_linear = original
+    from flowrl.accel import lora_fold
+
+    def compiled_velocity(**switches):
+        compile_adapter(adapter, backend="aot_eager", **switches)
+        calls.clear()
+        original, lora_fold.lora_linear = lora_fold.lora_linear, counted
+        try:
+            with torch.no_grad():
+                return adapter.velocity(*args)
+        finally:
+            lora_fold.lora_linear = original
+
+    compiled = compiled_velocity()
     blocks = len(adapter.transformer.transformer_blocks)
     assert len(calls) == 8 * blocks  # q, k, v and output projections of both streams
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    # Called again with the switch off, the compiled graphs retrace without the op (an A/B in one
+    # process), and back on, with it.
+    torch.testing.assert_close(compiled_velocity(lora_fold=False), eager, atol=1e-5, rtol=1e-5)
+    assert calls == []
+    compiled_velocity(lora_fold=True)
+    assert len(calls) == 8 * blocks
 
 
 @pytest.mark.gpu
@@ -203,8 +219,6 @@ def test_cudnn_attention_output_feeds_the_projections_without_a_copy():
     contiguous slice the output projections read in place."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from flowrl.models import qwen_block
-
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     torch.manual_seed(0)  # Qwen-Image's head width (128), two heads
@@ -256,10 +270,7 @@ def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
     the hand-written kernels on or off (with `lora`, also the fold of the low-rank terms into the
     projections' GEMMs), and the arguments of one call (4 rows, 16 text and 256 image tokens).
     `lora`: the trainer's rank-8 adapter on the attention projections, B nonzero."""
-    import types
-
-    from flowrl.models import qwen_block
-    from flowrl.models.regional_compile import compile_in_place
+    from flowrl.accel.regional_compile import compile_in_place
 
     block = _cuda_block()
     if lora:
@@ -271,13 +282,9 @@ def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
         for name, param in block.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(std=0.05)
-        for module in block.modules():
-            if hasattr(module, "lora_A"):
-                module._flowrl_lora_fold = use_kernels
-    block.attn.set_processor(qwen_block.RealRopeQwenAttention())
-    block.forward = types.MethodType(qwen_block._sequence_major_forward, block)
-    block.attn._flowrl_joint_kernel = use_kernels
-    block._flowrl_norm_kernel = use_kernels
+    options = AccelOptions(qk_kernel=use_kernels, norm_kernel=use_kernels, lora_fold=use_kernels)
+    qwen_block.prepare_block(block, options)
+    fold_lora_projections(block, options)
     compile_in_place(block, "inductor", "eager")
     torch.manual_seed(1)
     img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
@@ -288,11 +295,11 @@ def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
 
 
 def test_qk_kernel_reproduces_only_diffusers_rmsnorm():
-    """flowrl.models.qk_norm_rope.applicable: never on the CPU, and never for a norm whose rounding
+    """flowrl.accel.qwen_image.qk_norm_rope.applicable: never on the CPU, and never for a norm whose rounding
     it does not reproduce (torch's own RMSNorm), whatever the device."""
     from diffusers.models.normalization import RMSNorm
 
-    from flowrl.models import qk_norm_rope
+    from flowrl.accel.qwen_image import qk_norm_rope
 
     x = torch.zeros(2, 3, 4, 128, dtype=torch.bfloat16)
     rope = ((torch.ones(2, 128), torch.zeros(2, 128)),) * 2
@@ -305,12 +312,12 @@ def test_qk_kernel_reproduces_only_diffusers_rmsnorm():
 
 @pytest.mark.gpu
 def test_joint_norm_rope_kernel_rounds_like_pytorch():
-    """flowrl.models.qk_norm_rope on CUDA against the PyTorch expression it replaces (RMSNorm +
+    """flowrl.accel.qwen_image.qk_norm_rope on CUDA against the PyTorch expression it replaces (RMSNorm +
     rotation + join) in bf16: equal up to the mean's reduction order and rsqrt's last bit, which
     move a small fraction of the elements by a bf16 step of the normed values."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from flowrl.models import qk_norm_rope, qwen_block
+    from flowrl.accel.qwen_image import qk_norm_rope
 
     attn = _cuda_block(heads=3).attn
     rope = (_tables(200), _tables(13))  # 5 rows x 3 heads: a token's rows fill part of a program
@@ -348,7 +355,7 @@ def test_compiled_rollout_block_uses_the_kernel_and_agrees(lora):
         code = "\n".join(code)
         assert ("joint_norm_rope" in code) == use_kernel
         assert ("joint_linear" in code) == use_kernel  # v written into the joint buffer
-        assert ("_modulated_norm_kernel" in code) == use_kernel  # flowrl.models.modulated_norm
+        assert ("_modulated_norm_kernel" in code) == use_kernel  # flowrl.accel.qwen_image.modulated_norm
         assert ("lora_linear" in code) == (use_kernel and lora)  # q, k and the output projections
         outputs[use_kernel] = torch.cat([t.float().flatten() for t in out])
         if use_kernel:
@@ -364,14 +371,12 @@ def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
     """Under bf16 autocast (a rollout with the trainer's mixed precision) LayerNorm returns
     float32, so the modulated input is rounded once, by the next linear layer. The modulated-norm
     kernel rounds as a bf16 model without autocast does, so it may not run there (with it, the
-    rollout's and trainer's log-probs differed by mean 2.4e-5, run 35). The q/k kernel's RMSNorm
+    rollout's and trainer's log-probs differed by mean 2.4e-5). The q/k kernel's RMSNorm
     and rotation are the same under autocast, and the joint v projection casts its inputs as
     autocast does, so both stay."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._inductor.utils import run_and_get_code
-
-    from flowrl.models import qwen_block
 
     block, kwargs = _compiled_sequence_major_block(use_kernels=True)
     with torch.no_grad():
@@ -389,12 +394,12 @@ def test_compiled_rollout_block_under_autocast_keeps_autocast_rounding():
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [3072, 320])  # Qwen-Image's width, and one that is no power of two
 def test_modulated_norm_kernel_rounds_like_pytorch(width):
-    """flowrl.models.modulated_norm on CUDA against the block's PyTorch expressions in bf16: the
+    """flowrl.accel.qwen_image.modulated_norm on CUDA against the block's PyTorch expressions in bf16: the
     gate + residual bit for bit; LayerNorm + modulation equal up to the float32 reduction order
     of the mean and variance, which moves a small fraction of the values by one bf16 step."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from flowrl.models import modulated_norm
+    from flowrl.accel.qwen_image import modulated_norm
 
     torch.manual_seed(0)
     x, y = (torch.randn(37, 5, width, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))

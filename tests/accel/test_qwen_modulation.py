@@ -1,6 +1,7 @@
-"""Qwen-Image's per-timestep modulation table (flowrl.models.qwen_modulation): the blocks'
-function unchanged, one build per weight version and schedule, rebuilt after in-place weight
-updates, never used with grad, and skipped where it cannot reproduce the block."""
+"""Qwen-Image's per-timestep modulation table (flowrl.accel.qwen_image.modulation, read through
+the adapter's call hook): the blocks' function unchanged, one build per weight version and
+schedule, rebuilt after in-place weight updates, never used with grad, skipped where it cannot
+reproduce the block, and off with `modulation_table=False`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 
 from flowrl.bench.models import build_bench_model
 from flowrl.engine import DiffusionEngine, SamplingParams
-from flowrl.models import qwen_modulation
-from flowrl.models.qwen_block import prepare_for_compile
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image import install, modulation
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def stock():
 @pytest.fixture
 def prepared(stock):
     adapter = copy.deepcopy(stock)
-    prepare_for_compile(adapter.transformer)
+    install(adapter)  # what compile_adapter installs, without compiling
     return adapter
 
 
@@ -47,11 +48,11 @@ def test_table_rows_give_the_blocks_own_modulation(prepared, steps, cfg):
     sigmas = prepared.sigmas(8, 64, 64).tolist()
     direct, table = _velocities(prepared, [sigmas[i] for i in steps], cfg)
     torch.testing.assert_close(table, direct, atol=2e-6, rtol=1e-6)  # float32: GEMM row-count rounding only
-    assert prepared._modulation.builds == 1
+    assert prepared.transformer_call_hook.table.builds == 1
     # The build covered the whole schedule: every step of it is a table row.
-    assert set(sigmas) <= set(prepared._modulation.keys)
+    assert set(sigmas) <= set(prepared.transformer_call_hook.table.keys)
     block = prepared.transformer.transformer_blocks[0]
-    assert block._flowrl_modulation.shape == (2, qwen_modulation.MIN_CAPACITY, block.img_mod[1].out_features)
+    assert block._flowrl_modulation.shape == (2, modulation.MIN_CAPACITY, block.img_mod[1].out_features)
 
 
 def test_rows_with_and_without_cfg_in_one_forward(prepared):
@@ -65,7 +66,7 @@ def test_rows_with_and_without_cfg_in_one_forward(prepared):
         direct = prepared.velocity(latents, sigma, cond, uncond, guidance, h, w)
         table = prepared.velocity(latents, sigma, cond, uncond, guidance, h, w, sigma_values=values)
     torch.testing.assert_close(table, direct, atol=2e-6, rtol=1e-6)
-    assert prepared._modulation.builds == 1
+    assert prepared.transformer_call_hook.table.builds == 1
 
 
 def test_in_place_weight_updates_rebuild_the_table(prepared):
@@ -73,17 +74,17 @@ def test_in_place_weight_updates_rebuild_the_table(prepared):
     values = [sigmas[2], sigmas[4]]
     _velocities(prepared, values)
     _velocities(prepared, values)
-    assert prepared._modulation.builds == 1  # nothing changed: no second build
+    assert prepared.transformer_call_hook.table.builds == 1  # nothing changed: no second build
     block = prepared.transformer.transformer_blocks[1]
     embed = prepared.transformer.time_text_embed.timestep_embedder.linear_2
     for update in (lambda: block.txt_mod[1].weight.add_(0.05),  # an optimizer step's kind of write
                    lambda: block.img_mod[1].bias.copy_(torch.randn_like(block.img_mod[1].bias)),  # load_state_dict
                    lambda: embed.weight.mul_(1.1)):  # the time embedding feeds every row of the table
-        builds = prepared._modulation.builds
+        builds = prepared.transformer_call_hook.table.builds
         with torch.no_grad():
             update()
         direct, table = _velocities(prepared, values)
-        assert prepared._modulation.builds == builds + 1
+        assert prepared.transformer_call_hook.table.builds == builds + 1
         torch.testing.assert_close(table, direct, atol=2e-6, rtol=1e-6)
 
 
@@ -94,7 +95,7 @@ def test_capacity_grows_in_powers_of_two(prepared):
     assert block._flowrl_modulation.shape[1] == 128
     direct, table = _velocities(prepared, [0.123, schedule[7]])  # a key outside every schedule
     torch.testing.assert_close(table, direct, atol=2e-6, rtol=1e-6)
-    assert prepared._modulation.keys[0.123] == len(prepared._modulation.keys) - 1
+    assert prepared.transformer_call_hook.table.keys[0.123] == len(prepared.transformer_call_hook.table.keys) - 1
 
 
 def test_grad_mode_computes_the_modulation_in_the_forward(prepared):
@@ -104,7 +105,7 @@ def test_grad_mode_computes_the_modulation_in_the_forward(prepared):
     weight.requires_grad_(True)
     out = prepared.velocity(*_args(prepared, [sigmas[1]]), sigma_values=[sigmas[1]])
     out.square().mean().backward()
-    assert prepared._modulation is None
+    assert prepared.transformer_call_hook.table is None
     assert weight.grad is not None and weight.grad.abs().sum() > 0
 
 
@@ -113,21 +114,21 @@ def test_table_skipped_where_it_cannot_reproduce_the_block(stock, prepared):
     # diffusers' own blocks (engine.compile off: no sequence-major forward): the hint changes nothing
     eager = copy.deepcopy(stock)
     direct, hinted = _velocities(eager, [sigmas[1]])
-    assert eager._modulation is None and torch.equal(direct, hinted)
+    assert eager.transformer_call_hook is None and torch.equal(direct, hinted)
     # a LoRA on a modulation layer: its output is no longer the plain Linear the table holds
     from peft import LoraConfig
 
     prepared.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["img_mod.1"], init_lora_weights=False))
-    assert not qwen_modulation.applicable(prepared.transformer)
+    assert not modulation.applicable(prepared.transformer)
     direct, hinted = _velocities(prepared, [sigmas[1]])
-    assert prepared._modulation is None and torch.equal(direct, hinted)
+    assert prepared.transformer_call_hook.table is None and torch.equal(direct, hinted)
 
 
 def test_switch_off_computes_in_every_forward(prepared):
-    prepared.modulation_table = False
+    install(prepared, AccelOptions(modulation_table=False))
     sigmas = prepared.sigmas(8, 64, 64).tolist()
     direct, hinted = _velocities(prepared, [sigmas[1]])
-    assert prepared._modulation is None and torch.equal(direct, hinted)
+    assert prepared.transformer_call_hook.table is None and torch.equal(direct, hinted)
 
 
 def test_engine_rollouts_build_once_per_weight_version(prepared):
@@ -137,14 +138,14 @@ def test_engine_rollouts_build_once_per_weight_version(prepared):
     params = SamplingParams(height=64, width=64, num_inference_steps=5, noise_level=0.7, seed=3)
     try:
         first = engine.generate_batched("a cat", 3, params)
-        assert prepared._modulation.builds == 1
+        assert prepared.transformer_call_hook.table.builds == 1
         again = engine.generate_batched("a cat", 3, params)
-        assert prepared._modulation.builds == 1
+        assert prepared.transformer_call_hook.table.builds == 1
         for a, b in zip(first, again):
             assert torch.equal(a.all_log_probs, b.all_log_probs)
         with torch.no_grad():
             prepared.transformer.transformer_blocks[0].img_mod[1].weight.add_(0.01)
         engine.generate_batched("a cat", 3, params)
-        assert prepared._modulation.builds == 2
+        assert prepared.transformer_call_hook.table.builds == 2
     finally:
         engine.shutdown()

@@ -1,9 +1,9 @@
 """GELU(tanh) applied inside the MLP's first GEMM (cuBLASLt epilogue) on CUDA.
 
 SD3 and Qwen-Image MLPs are Linear -> GELU(tanh) -> Linear. Compiled, the GELU is a separate
-kernel that reads and writes the 4x-wide activation (at B=16, 512 px, Qwen-Image: 0.25 ms per
-block); cuBLASLt can apply it to the accumulator before the result leaves the GEMM. Measured on
-an H200 (benchmarks/qwen_block_parts.py): 1.98 ms instead of 2.15 ms per Qwen-Image block.
+kernel that reads and writes the 4x-wide activation; cuBLASLt can apply it to the accumulator
+before the result leaves the GEMM, so that pass over the activation disappears
+(benchmarks/qwen_block_parts.py times both).
 
 `linear_gelu_tanh` is a custom op so that inductor keeps it as one opaque call (it would
 otherwise split it back into GEMM + GELU). Forward and backward:
@@ -17,7 +17,8 @@ the trainer relies on).
 `fuse_gelu_epilogues(module)` switches every diffusers FeedForward whose first layer is a tanh
 GELU to the op, per instance (parameter names and state_dict unchanged). A call falls back to
 the module's own forward when the projection is not a plain biased nn.Linear (LoRA wraps it),
-its dtype differs from the input's, or autocast is on (the op does not cast).
+its dtype differs from the input's, autocast is on (the op does not cast), or the adapter was
+compiled with `gelu_epilogue=False` (flowrl.accel.options.AccelOptions).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from flowrl.accel.options import AccelOptions
 
 
 @torch.library.custom_op("flowrl::linear_gelu_tanh", mutates_args=())
@@ -62,8 +65,8 @@ linear_gelu_tanh.register_autograd(_backward, setup_context=_setup_context)
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     proj = self.net[0].proj
-    fusable = (type(proj) is torch.nn.Linear and proj.bias is not None and proj.weight.dtype == hidden_states.dtype
-               and not torch.is_autocast_enabled(hidden_states.device.type))
+    fusable = (self._flowrl_accel.gelu_epilogue and type(proj) is torch.nn.Linear and proj.bias is not None
+               and proj.weight.dtype == hidden_states.dtype and not torch.is_autocast_enabled(hidden_states.device.type))
     if not fusable:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     hidden_states = linear_gelu_tanh(hidden_states, proj.weight, proj.bias)
@@ -72,9 +75,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     return hidden_states
 
 
-def fuse_gelu_epilogues(module: torch.nn.Module) -> int:
-    """Route every tanh-GELU FeedForward under `module` through `linear_gelu_tanh`; returns how
-    many. Idempotent."""
+def fuse_gelu_epilogues(module: torch.nn.Module, options: AccelOptions = AccelOptions()) -> int:
+    """Route every tanh-GELU FeedForward under `module` through `linear_gelu_tanh` (unless
+    `options.gelu_epilogue` is off); returns how many. Idempotent; a later call's options replace
+    the earlier ones."""
     from diffusers.models.activations import GELU
     from diffusers.models.attention import FeedForward
 
@@ -82,5 +86,6 @@ def fuse_gelu_epilogues(module: torch.nn.Module) -> int:
     for ff in module.modules():
         if isinstance(ff, FeedForward) and isinstance(ff.net[0], GELU) and ff.net[0].approximate == "tanh":
             ff.forward = types.MethodType(_fused_forward, ff)
+            ff._flowrl_accel = options
             count += 1
     return count

@@ -1,10 +1,10 @@
-"""Regional torch.compile of a model's hot modules, in place: the engine's and the trainer's
-`engine.compile`.
+"""Regional torch.compile of a model's hot modules, in place: what `flowrl.accel.compile_adapter`
+does to each block (the engine's and the trainer's `engine.compile`).
 
 Each module (a transformer block, SD3's VAE decoder) keeps its parameters, names, hooks and
 state_dict; only its call goes through compiled graphs: one for calls with grad (the trainer), one
 for calls without (the rollout, the old-log-prob recompute), with the batch dim dynamic. Where
-inductor rounds low-precision intermediates is a setting (COMPILE_ROUNDINGS). With gradient
+inductor rounds low-precision intermediates is a setting (EMULATE_PRECISION_CASTS). With gradient
 checkpointing, the checkpoint is taken inside the compiled grad graph (`checkpoint_inside`).
 """
 
@@ -16,38 +16,29 @@ import torch
 import torch._inductor.config
 import torch.utils.checkpoint
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+from flowrl.accel.options import COMPILE_ROUNDINGS, check_backend, check_compile_rounding
 
 # Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
 # whichever thread compiles (the engine thread compiles the rollout graph, the trainer's thread
 # the grad-mode graph; torch 2.13 keeps config overrides per thread).
 INDUCTOR_OPTIONS = {
-    # Tune each generated kernel's launch configuration by coordinate descent: +1.5% img/s on a
-    # compiled SD3.5-medium rollout on an H200 (docs/benchmarks.md), paid once at compile time.
+    # Tune each generated kernel's launch configuration by coordinate descent: a small gain in
+    # rollout throughput, paid once at compile time.
     "coordinate_descent_tuning": True,
 }
 
-# compile rounding -> inductor's emulate_precision_casts.
+# compile rounding (flowrl.config.CompileRounding) -> inductor's emulate_precision_casts.
 # - "eager": low-precision intermediates inside fused kernels are rounded exactly where eager
 #   rounds them. Otherwise the trainer's grad-mode graph, which inductor fuses differently (it
 #   keeps some activations for backward), rounds at other points than the rollout's no-grad graph
-#   and log-probs drift: tiny Qwen-Image in bf16 on CPU, rollout vs trainer, mean 4.8e-5 / max
-#   3.4e-4 without it, exactly 0 with it (tests/bench/test_bench_cli.py); Qwen-Image on an H200,
-#   mean 2.5e-5 / max 4.8e-5 without it, 3.4e-6 / 9.7e-6 with it.
-# - "fused": rounding only where a kernel writes its output: that log-prob gap. It was 2.1-3.6%
-#   faster on a Qwen-Image rollout on an H200 (three A/B runs, each on one GPU), until the
-#   Qwen-Image adapter's no-grad inductor option removed the kernels that eager rounding had
-#   added (QwenImageAdapter.no_grad_inductor_options; docs/benchmarks.md runs 14-18).
+#   and log-probs drift (tiny Qwen-Image in bf16 on CPU, rollout vs trainer: a gap without it,
+#   exactly 0 with it; tests/bench/test_bench_cli.py).
+# - "fused": rounding only where a kernel writes its output: that log-prob gap, for a little
+#   speed where eager rounding adds kernels.
 # Either way a compiled trainer takes its log-prob values from the no-grad graph and only the
 # gradients from the grad graph (flowrl.trainer.policy), so these gaps no longer reach the ratio.
-COMPILE_ROUNDINGS = {"eager": True, "fused": False}
-
-
-def check_compile_rounding(rounding: str, field: str = "compile_rounding") -> str:
-    if rounding not in COMPILE_ROUNDINGS:
-        raise ValueError(f"{field}={rounding!r} is unknown; use one of {tuple(COMPILE_ROUNDINGS)} "
-                         "(eager: rounding where eager PyTorch rounds, the default; fused: only where kernels write)")
-    return rounding
+EMULATE_PRECISION_CASTS = {"eager": True, "fused": False}
+assert tuple(EMULATE_PRECISION_CASTS) == COMPILE_ROUNDINGS
 
 
 def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
@@ -86,25 +77,24 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
     row 0 (the padding row only costs compute; the real row's result is the same function of its
     inputs, up to batch-shape rounding like any batch).
 
-    rounding: where inductor's kernels round low-precision intermediates (see COMPILE_ROUNDINGS).
+    rounding: where inductor's kernels round low-precision intermediates (see EMULATE_PRECISION_CASTS).
     no_grad_options: inductor settings, on top of INDUCTOR_OPTIONS, for calls without autograd
     (the rollout, old-log-prob recompute): those calls run a second compiled function with
-    them, calls with grad the plain one (FlowModelAdapter.no_grad_inductor_options).
+    them, calls with grad the plain one (a family's settings, e.g. flowrl.accel.qwen_image).
     A module compiled already with other settings is an error, not silently kept.
 
     Gradient checkpointing: `module._flowrl_checkpointed_call(*args)` runs a grad call with the
     checkpoint inside a third compiled function (see `checkpoint_inside`).
     """
-    if backend not in COMPILE_BACKENDS:
-        raise ValueError(f"compile backend={backend!r} is unknown; use one of {COMPILE_BACKENDS}")
+    check_backend(backend)
     check_compile_rounding(rounding)
-    compiled_with = getattr(module, "_flowrl_compile_settings", None)
+    compiled_with = compiled_settings(module)
     if compiled_with is not None:
         if compiled_with != (backend, rounding):
             raise ValueError(f"module is compiled already with (backend, rounding)={compiled_with}; "
                              f"it cannot be recompiled with {(backend, rounding)} in this process")
         return False
-    options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": COMPILE_ROUNDINGS[rounding]} if backend == "inductor" else None
+    options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding]} if backend == "inductor" else None
     compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
     compiled_no_grad = compiled
     if backend == "inductor" and no_grad_options:
@@ -137,9 +127,9 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
     return True
 
 
-def is_compiled_in_place(module: torch.nn.Module) -> bool:
-    """Whether `compile_in_place` compiled `module`."""
-    return getattr(module, "_flowrl_compile_settings", None) is not None
+def compiled_settings(module: torch.nn.Module) -> tuple[str, str] | None:
+    """The (backend, rounding) `compile_in_place` compiled `module` with; None if it did not."""
+    return getattr(module, "_flowrl_compile_settings", None)
 
 
 def _checkpointed(call):
@@ -164,12 +154,10 @@ def checkpoint_inside(module: torch.nn.Module, *args):
     module gets diffusers' own non-reentrant checkpoint.
 
     Why: a checkpoint around a compiled block runs autograd hooks on every tensor the block
-    saves and a second trip through dynamo for the recompute, all host work, and the compiled
-    training step is bound by the host (docs/benchmarks.md run 36). `python
-    benchmarks/checkpoint_host_time.py` on a 2-core CPU, tiny Qwen-Image with 60 blocks (so the
-    time is the host's), one fwd + bwd of 2 samples with CFG: 229 ms inside, 350 ms around,
-    187 ms without checkpointing; activations kept 0.80, 0.51 and 5.66 MB (inside also keeps
-    each checkpoint's RNG state, 5 KB); the same log-probs in all three."""
+    saves and a second trip through dynamo for the recompute, all host work, and a compiled
+    training step is bound by the host. Inside, the recompute costs no host work of its own and
+    the log-probs are the same (`benchmarks/checkpoint_host_time.py` compares the three ways;
+    docs/performance.md)."""
     checkpointed_call = getattr(module, "_flowrl_checkpointed_call", None)
     if checkpointed_call is None:
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
@@ -181,7 +169,7 @@ def _raise_recompile_limit(minimum: int = 64) -> None:
     # block; block variants x (batch 1, batch >= 2) x (no-grad, grad) x (LoRA on/off) can pass
     # torch's default limit of 8 graphs, after which blocks silently fall back to eager.
     # torch 2.13 keeps config overrides per thread, so this runs in each calling thread (a
-    # thread-local flag keeps the per-call cost at a dict lookup: config reads cost ~3 us).
+    # thread-local flag keeps the per-call cost at a dict lookup; a config read costs more).
     if getattr(_THREAD_STATE, "recompile_limit", 0) >= minimum:
         return
     config = torch._dynamo.config

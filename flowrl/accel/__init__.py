@@ -1,0 +1,50 @@
+"""flowrl's fast paths: regional torch.compile, fused and hand-written kernels, the LoRA fold and
+per-family block fast paths, all behind one entry.
+
+    from flowrl.accel import compile_adapter
+    names = compile_adapter(adapter, backend="inductor", rounding="eager")  # every fast path on
+    compile_adapter(adapter, "inductor", "eager", norm_kernel=False)        # one switched off (A/B)
+
+`compile_adapter(adapter, backend, rounding, **switches)` compiles an adapter's hot modules in
+place (parameters, names, hooks and state_dict stay; the engine and the trainer share them) and
+returns their names. `backend` and `rounding` are flowrl.config's `CompileBackend` and
+`CompileRounding`; each switch (flowrl.accel.options.AccelOptions, all on by default) turns one
+fast path on or off. Called again on the same adapter it keeps the compiled modules and applies
+the new switches (graphs that read a changed switch retrace); backend, rounding and
+`sequence_major` are fixed by the first call. `is_compiled(adapter)` says whether it ran.
+
+Exactness rule, for every fast path here: results equal the eager path's up to bf16 rounding (in
+float32, up to summation order), and each kernel rounds where eager PyTorch rounds wherever it
+can; tests/accel/ proves each against the expression it replaces. Where a fast path cannot
+reproduce the eager function (grad mode for the rollout-only kernels, autocast for the
+modulated-norm kernel, LoRA dropout for the fold, a CPU without Triton) it steps aside and the
+eager expression runs.
+
+Layout: options.py (the switches), adapter.py (what compiling an adapter does, per family),
+regional_compile.py (torch.compile in place), fused_mlp.py (GELU in the GEMM epilogue),
+lora_fold.py (LoRA's low-rank term inside the base GEMM), qwen_image/ (Qwen-Image's block fast
+path and modulation table). The core (config, sampler, models, engine, rollout, trainer) imports
+only `compile_adapter` and `is_compiled` from here, inside the functions that need them, and the
+adapters expose one hook that this package installs into (QwenImageAdapter.transformer_call_hook).
+Importing this package loads none of torch's compiler.
+"""
+
+from __future__ import annotations
+
+
+def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager", **switches: bool) -> list[str]:
+    """Compile `adapter`'s hot modules in place with flowrl's fast paths (module docstring);
+    returns the compiled modules' names. Bad settings are a ValueError naming the choices."""
+    from flowrl.accel.adapter import compile_adapter as compile_
+
+    return compile_(adapter, backend, rounding, **switches)
+
+
+def is_compiled(adapter) -> bool:
+    """Whether `compile_adapter` compiled this adapter's modules."""
+    from flowrl.accel.adapter import is_compiled as compiled
+
+    return compiled(adapter)
+
+
+__all__ = ["compile_adapter", "is_compiled"]

@@ -1,0 +1,143 @@
+"""A LoRA projection of the rollout's compiled graphs as one op that adds the low-rank term inside
+cuBLAS: `flowrl::lora_linear`.
+
+Outside compiled graphs, and in training graphs, a LoRA Linear runs the trainer's forward
+(flowrl.trainer.lora.forward_in_activation_dtype: base(x) + (x A^T)(s B)^T in x's dtype). In a
+compiled graph without grad (the rollout's, and the trainer's value pass, which runs the same
+graph: flowrl.trainer.policy) `folded_forward` runs the projection as one custom op that inductor
+keeps whole. Left to inductor, the sum base + low-rank is a separate pass over the projection's
+output: the low-rank GEMM writes a full-width output that an add kernel (or the fused q/k kernel)
+reads again, and the hand-written q/k kernel and joint v projection of Qwen-Image blocks
+(flowrl.accel.qwen_image.block) cannot apply, because their inputs would have to be stored as sums
+first. The op instead runs x A^T, then the low-rank GEMM with the base layer's bias into the
+output, then the base GEMM accumulating into it in place (cuBLAS beta = 1, read in the GEMM's
+epilogue): no add kernel, and its output is a plain tensor those kernels take.
+
+Exactness: the base GEMM's product is not rounded on its own (the low-rank term plus bias is,
+once), so the values differ from the eager expression's by bf16 rounding (in float32 only the
+summation order differs); the trainer's log-prob values come from this same graph when the model
+is compiled, so the PPO ratio does not see it (tests/trainer/test_gpu.py). Training graphs keep
+the differentiable expression.
+
+Under autocast (the trainer's mixed precision, which rollouts share) the op's inputs are cast to
+the autocast dtype first, as autocast casts a linear layer's inputs.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from flowrl.accel.options import AccelOptions
+from flowrl.trainer.lora import forward_in_activation_dtype
+
+
+def _foldable_adapter(layer) -> str | None:
+    """The name of a peft LoRA Linear's one active plain adapter, if the folded op computes it;
+    None for an adapter disabled or merged, a variant (DoRA ...), several active adapters, dropout,
+    a bias on B, or a layer compiled with `lora_fold=False`."""
+    options = getattr(layer, "_flowrl_accel", None)
+    if options is None or not options.lora_fold or layer.disable_adapters or layer.merged or layer.lora_variant:
+        return None
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(names) != 1:
+        return None
+    name = names[0]
+    if not isinstance(layer.lora_dropout[name], torch.nn.Identity) or layer.lora_B[name].bias is not None:
+        return None
+    return name
+
+
+def low_rank_factors(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A, s B) of the adapter `_foldable_adapter` names, cast to `dtype` (the casts carry
+    gradients to the float32 master weights); None where there is none."""
+    name = _foldable_adapter(layer)
+    if name is None:
+        return None
+    return layer.lora_A[name].weight.to(dtype), (layer.lora_B[name].weight * layer.scaling[name]).to(dtype)
+
+
+def low_rank_first(layer) -> bool:
+    """The GEMM order of `layer`'s folded op (AccelOptions.lora_low_rank_first)."""
+    return layer._flowrl_accel.lora_low_rank_first
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes x in: autocast's where autocast is on for x's device."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def folds(layer) -> bool:
+    """Whether `layer` (any module) is a LoRA Linear whose rollout graphs run `flowrl::lora_linear`:
+    on `folded_forward` (installed by `fold_lora_projections`) with an adapter the op computes."""
+    return isinstance(getattr(layer, "base_layer", None), torch.nn.Linear) and _foldable_adapter(layer) is not None
+
+
+def _in_rollout_graph() -> bool:
+    return not torch.is_grad_enabled() and torch.compiler.is_compiling()
+
+
+def folded_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The trainer's LoRA forward, with the projection as `flowrl::lora_linear` in rollout graphs
+    (module docstring)."""
+    if not (args or kwargs) and _in_rollout_graph() and isinstance(self.base_layer, torch.nn.Linear):
+        dtype = compute_dtype(x)
+        factors = low_rank_factors(self, dtype)
+        if factors is not None:
+            base = self.base_layer
+            bias = None if base.bias is None else base.bias.to(dtype)
+            return lora_linear(x.to(dtype), base.weight.to(dtype), bias, *factors, low_rank_first(self))
+    return forward_in_activation_dtype(self, x, *args, **kwargs)
+
+
+def fold_lora_projections(module: torch.nn.Module, options: AccelOptions = AccelOptions()) -> int:
+    """Put every LoRA Linear under `module` that runs the trainer's forward (flowrl.trainer.lora)
+    on `folded_forward` with `options`; returns how many. Layers on peft's own forward are left
+    alone. Idempotent; a later call's options replace the earlier ones."""
+    count = 0
+    for layer in module.modules():
+        if getattr(layer, "_flowrl_lora_forward", False):
+            layer.forward = types.MethodType(folded_forward, layer)
+            layer._flowrl_accel = options
+            count += 1
+    return count
+
+
+def _gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                down: torch.Tensor | None = None, up: torch.Tensor | None = None, low_rank_first: bool = True) -> None:
+    """out (M, N) = x (M, K) W^T + bias [+ (x down^T) up^T]: one GEMM writes out, the other
+    accumulates into it in place (cuBLAS beta = 1), so the sum needs no pass of its own.
+    low_rank_first: the low-rank GEMM with the bias writes out and the base GEMM accumulates
+    (the default), or the base GEMM with the bias writes and the low-rank GEMM accumulates."""
+    if down is not None and low_rank_first:
+        _gemm_into(torch.mm(x, down.t()), up, bias, out)
+        out.addmm_(x, weight.t())
+        return
+    _gemm_into(x, weight, bias, out)
+    if down is not None:
+        out.addmm_(torch.mm(x, down.t()), up.t())
+
+
+@torch.library.custom_op("flowrl::lora_linear", mutates_args=())
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
+                up: torch.Tensor, low_rank_first: bool) -> torch.Tensor:
+    """x (..., K) W^T + bias + (x down^T) up^T, (..., N), in x's dtype (all inputs in it)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty((rows.shape[0], weight.shape[0]))
+    linear_into(rows, weight, bias, out, down, up, low_rank_first)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@lora_linear.register_fake
+def _(x, weight, bias, down, up, low_rank_first):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

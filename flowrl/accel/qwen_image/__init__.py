@@ -1,0 +1,75 @@
+"""Qwen-Image's fast path: its blocks as the engine compiles them, and the adapter hook that feeds
+them.
+
+`install(adapter, options)` (called by flowrl.accel.compile_adapter for the "qwen_image" family)
+switches the transformer's blocks to real-arithmetic RoPE and sequence-major activations with the
+rollout kernels (`block.prepare_for_compile`), and installs `TransformerCallHook` as the adapter's
+`transformer_call_hook`: it pads a batch of one to two rows and passes each row's modulation-table
+row (`modulation.ModulationTable`). Nothing here changes parameters or state_dict keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.accel.options import AccelOptions
+from flowrl.accel.qwen_image.block import prepare_for_compile
+from flowrl.accel.qwen_image.modulation import ROWS_KEY, ModulationTable, applicable
+from flowrl.models.base import rows_to_device
+
+# Inductor stores a pointwise result in its own buffer once its expression passes
+# `realize_opcount_threshold` operations (default 30). With compile_rounding "eager", the emulated
+# bf16 casts push expressions past it: the first LayerNorm + modulation kernel of a block, for one,
+# would store its result in float32 and round it in further kernels. No-grad graphs only: the
+# training graphs keep inductor's default, the configuration whose rollout-vs-trainer log-prob gap
+# `flowrl bench logprob` measures.
+NO_GRAD_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 200}
+
+
+class TransformerCallHook:
+    """A compiled Qwen-Image adapter's `transformer_call_hook` (see QwenImageAdapter.velocity):
+    `hook(num_rows, row_sigmas)` -> (pad a batch of one to two rows?, extra attention kwargs).
+
+    Padding: compiled blocks run a batch of 1 as 2 identical rows (see compile_in_place). Doing it
+    at the model input, before the input projections lay the rows out sequence-major, lets batch 1
+    reuse the blocks' batch >= 2 graph instead of compiling one for a batch-major layout.
+
+    Modulation rows: with the rows' sigmas as host floats (the engine passes them), forwards
+    without grad read each block's modulation from the per-timestep table; `table` holds it (None
+    until first used, and where it cannot reproduce the blocks)."""
+
+    def __init__(self, adapter, options: AccelOptions):
+        self.adapter = adapter
+        self.options = options
+        self.table: ModulationTable | None = None
+
+    def __call__(self, num_rows: int, row_sigmas: list[float] | None) -> tuple[bool, dict | None]:
+        padded = num_rows == 1
+        rows = None if row_sigmas is None else self._table_rows(row_sigmas * (1 + padded))
+        return padded, None if rows is None else {ROWS_KEY: rows}
+
+    def _table_rows(self, row_sigmas: list[float]) -> torch.Tensor | None:
+        """Device indices of each row's timestep in the modulation table, or None where the table
+        does not apply: with grad (the trainer), with `modulation_table` off, or on blocks the
+        table cannot serve."""
+        if torch.is_grad_enabled() or not self.options.modulation_table:
+            return None
+        adapter = self.adapter
+        if self.table is None:
+            if not applicable(adapter.transformer):
+                return None
+            self.table = ModulationTable(adapter.transformer)
+        # The schedules are read only when the table is built, not at every step.
+        rows = rows_to_device(self.table.rows(row_sigmas, adapter.device.type, adapter.schedule_sigma_values), adapter.device)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)  # one compiled graph for every batch size, as the activations
+        return rows
+
+
+def install(adapter, options: AccelOptions = AccelOptions()) -> None:
+    """Prepare a QwenImageAdapter's transformer for compilation and install its call hook (module
+    docstring); again on the same adapter, the new `options` replace the old ones."""
+    prepare_for_compile(adapter.transformer, options)
+    if adapter.transformer_call_hook is None:
+        adapter.transformer_call_hook = TransformerCallHook(adapter, options)
+    else:
+        adapter.transformer_call_hook.options = options

@@ -1,0 +1,56 @@
+"""flowrl.accel's one entry: bad settings are errors that name the choices, settings fixed by the
+first call stay fixed, the family's regions are compiled and reported, and importing the core
+(or flowrl.accel itself) loads none of torch's compiler."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flowrl.accel import compile_adapter, is_compiled
+from flowrl.bench.models import build_bench_model
+
+
+@pytest.fixture
+def sd3():
+    return build_bench_model("tiny-sd3", "cpu", torch.float32).adapter
+
+
+def test_bad_settings_name_the_choices(sd3):
+    with pytest.raises(ValueError, match=r"backend='turbo' is unknown; use one of \('inductor', 'aot_eager', 'eager'\)"):
+        compile_adapter(sd3, "turbo")
+    with pytest.raises(ValueError, match=r"compile_rounding='fast' is unknown"):
+        compile_adapter(sd3, "eager", "fast")
+    with pytest.raises(ValueError, match="unknown switch norm_kernels=False; the switches are gelu_epilogue, "):
+        compile_adapter(sd3, "eager", norm_kernels=False)
+    with pytest.raises(ValueError, match="switch lora_fold=0 must be True or False"):
+        compile_adapter(sd3, "eager", lora_fold=0)
+    assert not is_compiled(sd3)  # nothing was changed by a refused call
+
+
+def test_regions_and_idempotence(sd3):
+    names = compile_adapter(sd3, "eager")
+    blocks = len(sd3.transformer.transformer_blocks)
+    assert names == [f"transformer.transformer_blocks.{i}" for i in range(blocks)] + ["vae.decoder"]
+    assert is_compiled(sd3) and compile_adapter(sd3, "eager", gelu_epilogue=False) == names
+    with pytest.raises(ValueError, match="compiled already"):
+        compile_adapter(sd3, "aot_eager")
+
+
+def test_qwen_layout_is_fixed_by_the_first_call():
+    adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
+    compile_adapter(adapter, "eager", sequence_major=False)
+    assert adapter.transformer_call_hook is not None
+    with pytest.raises(ValueError, match="sequence_major=True but this transformer's blocks run sequence_major=False"):
+        compile_adapter(adapter, "eager")
+
+
+def test_importing_the_core_loads_no_compiler():
+    code = ("import sys, flowrl.accel, flowrl.engine.engine, flowrl.trainer.trainer, flowrl.trainer.policy, "
+            "flowrl.rollout.agent_loop, flowrl.config, flowrl.models\n"
+            "loaded = [m for m in sys.modules if m.startswith(('torch._inductor', 'flowrl.accel.'))]\n"
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
