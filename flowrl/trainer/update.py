@@ -95,7 +95,7 @@ class PolicyUpdater:
     def update(self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, weights: torch.Tensor, step: int) -> dict:
         """Run the update of training step `step`; returns its metrics (see module docstring)."""
         t0 = time.perf_counter()
-        num_rows, window = tensors["all_timesteps"].shape
+        num_rows, window = tensors["sigmas"].shape
         if window == 0:
             raise ValueError("the rollouts have no SDE window steps; set rollout.sampling.sde_window_size >= 1")
         train_steps = self.trained_steps(num_rows, window, step)

@@ -17,7 +17,7 @@ def _rollout(trainer):
         row["uid"] = f"u{i}"
     batch = RolloutBatch.from_rows(rows).repeat(trainer.cfg.rollout.n)
     out = trainer.agent_loop.generate_sequences(batch)
-    return {k: v for k, v in out.batch.items() if k != "responses"}
+    return {k: v for k, v in out.batch.items() if k != "images"}
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
@@ -233,7 +233,7 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
             if force_value_pass:
                 patch.setattr(PolicyUpdater, "_score", lambda self, *a, known_log_prob=None, **k: score(self, *a, **k))
             metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
-        return metrics, calls["no_grad"], tensors["all_timesteps"].shape[1]
+        return metrics, calls["no_grad"], tensors["sigmas"].shape[1]
 
     metrics, no_grad_forwards, window = run(False)
     forced, forced_no_grad_forwards, _ = run(True)
