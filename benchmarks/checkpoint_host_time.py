@@ -26,7 +26,7 @@ from flowrl.bench.logprob import PROMPT, _rollout_tensors
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import resolve_device_dtype, saved_activation_bytes, synchronize
 from flowrl.engine.engine import DiffusionEngine
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 from flowrl.accel.regional_compile import take_checkpoints_inside
 from flowrl.trainer.policy import TransitionSpec, score_transitions
 

@@ -15,16 +15,21 @@ reduced by a MEAN over the non-batch dims, one scalar per (row, step).
 sample owns its generator, so the engine draws the noise) or scores a given next latent (training:
 `next_latents=` the stored one). Both paths share the same mean/std code, which is what keeps
 rollout and trainer log-probs equal.
+
+This module is tensor math only: it knows nothing about models, engines, configs or training
+(the list of step types is `flowrl.sampling_params.SdeType`, plain data).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-SDE_TYPES = ("sde", "cps")
+from flowrl.sampling_params import SdeType
+
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -57,7 +62,7 @@ def sde_step(
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
     noise_level: torch.Tensor | float,
-    sde_type: str = "sde",
+    sde_type: SdeType = "sde",
     noise: torch.Tensor | None = None,
     next_latents: torch.Tensor | None = None,
     sigma_first_step: torch.Tensor | float | None = None,
@@ -73,8 +78,8 @@ def sde_step(
         None uses s itself, so callers whose schedule starts at 1 must pass it (the engine and
         the trainer pass schedule[1]).
     """
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type={sde_type!r} is unknown; use one of {SDE_TYPES}")
+    if sde_type not in get_args(SdeType):
+        raise ValueError(f"sde_type={sde_type!r} is unknown; use one of {get_args(SdeType)}")
     if (noise is None) == (next_latents is None):
         raise ValueError("pass exactly one of noise= (sample the next latent) or next_latents= (score it)")
     x = latents.float()

@@ -15,7 +15,7 @@ from flowrl.config import (
     config_to_yaml,
     load_config,
 )
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -193,3 +193,60 @@ def test_docs_mention_every_key():
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     missing = [key for key in _flatten(config_to_dict(FlowRLConfig())) if key.rsplit(".", 1)[-1] not in text]
     assert not missing, f"docs/config.md does not mention {missing}"
+
+
+def _choice_fields(cls, prefix: str = ""):
+    """(dotted key, choices) of every Literal-typed field under the dataclass cls."""
+    from flowrl.config.sections import field_types, literal_choices
+
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            yield from _choice_fields(tp, f"{prefix}{name}.")
+        elif literal_choices(tp) is not None:
+            yield f"{prefix}{name}", literal_choices(tp)
+
+
+def test_every_choice_field_rejects_other_values_naming_field_and_choices():
+    fields = dict(_choice_fields(FlowRLConfig))
+    assert {"model.dtype", "algorithm.std_mode", "trainer.lora.init", "rollout.sampling.sde_type"} <= set(fields)
+    # Settings some choices need to be valid at all (a compile rounding needs compile on).
+    needs = {"engine.compile_rounding": ["engine.compile=true"]}
+    for key, choices in fields.items():
+        for choice in choices:  # every choice loads
+            assert load_config(None, [*needs.get(key, []), f"{key}={choice}"])
+        listed = ", ".join(map(repr, choices))
+        with pytest.raises(ValueError) as error:
+            load_config(None, [f"{key}=bogus"])
+        assert str(error.value) == f"{key}='bogus' is invalid: use one of {listed}"
+
+
+def test_validate_checks_choices_of_a_section_built_in_code():
+    from flowrl.config import AlgorithmConfig, LoraConfig
+
+    with pytest.raises(ValueError, match=r"^algorithm\.zero_std_policy='never' is invalid: use one of 'keep', 'drop'$"):
+        AlgorithmConfig(zero_std_policy="never").validate()
+    with pytest.raises(ValueError, match=r"^trainer\.lora\.init='xavier' is invalid"):
+        LoraConfig(init="xavier").validate()
+
+
+def test_code_that_maps_a_choice_list_covers_exactly_its_choices():
+    from typing import get_args
+
+    from flowrl.config.sections import MixedPrecision
+    from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+
+    assert tuple(MIXED_PRECISION_DTYPES) == get_args(MixedPrecision)
+
+
+def test_sampling_params_and_config_stay_light():
+    """SamplingParams is plain data (no torch); the config pulls in no torch, models, accel, engine,
+    rollout or trainer."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flowrl.sampling_params; assert 'torch' not in sys.modules, 'torch'; "
+            "import flowrl.config; assert 'torch' not in sys.modules, 'torch'; "
+            "bad = [m for m in sys.modules if m.startswith(('flowrl.models', 'flowrl.accel', 'flowrl.engine', "
+            "'flowrl.rollout', 'flowrl.trainer'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

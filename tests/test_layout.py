@@ -17,9 +17,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flowrl"
 CORE = ("flowrl.config", "flowrl.sampler", "flowrl.sampling_params", "flowrl.models", "flowrl.engine",
         "flowrl.rollout", "flowrl.trainer")
 ACCEL_ENTRY = {"compile_adapter", "is_compiled"}
-# config reads SamplingParams from flowrl.engine.request until SamplingParams becomes a module of
-# its own (issue 19); then this exemption goes.
-CONFIG_MAY_IMPORT = {"flowrl.engine.request"}
 
 
 def _modules() -> dict[str, Path]:
@@ -127,8 +124,6 @@ def test_config_imports_nothing_of_models_engine_or_accel():
             continue
         for imported, names, line in _imports(module, module_level_only=False):
             for target in _targets(imported, names) or {imported}:
-                if target in CONFIG_MAY_IMPORT:
-                    continue
                 if any(_within(target, p) for p in ("flowrl.models", "flowrl.engine", "flowrl.accel")):
                     bad.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert not bad, "\n".join(bad)

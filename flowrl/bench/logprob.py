@@ -36,7 +36,7 @@ from flowrl.bench.report import (
     JsonReport, environment, format_table, median, peak_memory_gb, profile_lines, profile_summary, quiet_libraries,
     reset_peak_memory, resolve_device_dtype, time_runs,
 )
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, takes_values_from_no_grad
 
 PROMPT = "a photo of a red bicycle leaning on a white wall"

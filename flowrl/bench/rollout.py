@@ -30,7 +30,7 @@ from flowrl.bench.report import (
     reset_peak_memory, resolve_device_dtype, time_runs,
 )
 from flowrl.bench.summary import lora_label
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 
 EAGER_MODES = ("pipeline-serial", "pipeline-batched", "engine-batched", "engine-concurrent")
 COMPILED_MODES = ("engine-batched-compiled", "engine-concurrent-compiled", "pipeline-batched-compiled")

@@ -1,12 +1,12 @@
 """Loading flowrl configs: defaults <- YAML file <- `key=value` overrides, with strict keys and
-types, converted back to the plain dataclasses of `flowrl.config.sections` and validated.
+types (a `Literal` field takes only its choices), converted back to the plain dataclasses of
+`flowrl.config.sections` and validated. Like the sections, it knows nothing about models or engines.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
 import re
 import types
@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flowrl.config.sections import FlowRLConfig
+from flowrl.config.sections import FlowRLConfig, check_choice, field_types, literal_choices
 
 # ---- Loading: defaults <- YAML file <- overrides; strict keys and types; back to dataclasses ----
 
@@ -114,13 +114,10 @@ def _build(layers: list[tuple[str, object]]) -> FlowRLConfig:
     return cfg.validate()
 
 
-@functools.lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
 def _describe(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return f"one of {', '.join(map(repr, args))}"
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if arg is type(None) else _describe(arg) for arg in args)
     if origin is tuple:
@@ -152,15 +149,15 @@ def _check_value(tp, value, key: str, source: str) -> None:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ValueError(f"{source}: {key or 'the config'}={value!r} must be a mapping of keys "
-                             f"({', '.join(_hints(tp))}); write e.g. {key or 'rollout'}.<key>=<value>")
+                             f"({', '.join(field_types(tp))}); write e.g. {key or 'rollout'}.<key>=<value>")
         for name, item in value.items():
             full_key = f"{key}.{name}" if key else str(name)
-            if name not in _hints(tp):
-                close = difflib.get_close_matches(str(name), list(_hints(tp)), n=1)
+            if name not in field_types(tp):
+                close = difflib.get_close_matches(str(name), list(field_types(tp)), n=1)
                 prefix = f"{key}." if key else ""
-                fix = f"did you mean {prefix}{close[0]}?" if close else f"valid keys: {', '.join(_hints(tp))}"
+                fix = f"did you mean {prefix}{close[0]}?" if close else f"valid keys: {', '.join(field_types(tp))}"
                 raise ValueError(f"{source}: unknown key {full_key!r} (value {item!r}); {fix}")
-            _check_value(_hints(tp)[name], item, full_key, source)
+            _check_value(field_types(tp)[name], item, full_key, source)
         return
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -174,6 +171,9 @@ def _check_value(tp, value, key: str, source: str) -> None:
             except ValueError:
                 pass
         _wrong_type(source, key, value, tp)
+    choices = literal_choices(tp)
+    if choices is not None:
+        return check_choice(key, value, choices)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),

@@ -7,26 +7,31 @@ runs `validate()`. Each component receives only its own slice (`cfg.rollout`, `c
 
 Defaults are tuned for the embedded tiny CPU run (64x64 images, few steps); recipes override them.
 This module knows nothing about models, engines or trainers: it only describes and checks settings.
+
+Every choice list is a `Literal` type on its field, its one home: `check_choices` (run by each
+section's `validate()`, and by the loader on every file and override value) rejects any other
+value, naming the field and the choices. Code that needs a list as a tuple takes
+`typing.get_args` of the type (`StdMode`, `MixedPrecision`, `OldLogProbSource`, and
+`flowrl.sampling_params.SdeType`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
+import typing
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 
-DTYPES = ("float32", "bfloat16", "float16")
-MODEL_FAMILIES = ("auto", "sd3", "qwen_image")
-ADV_ESTIMATORS = ("flow_grpo",)
-STD_MODES = ("global", "group")
-OLD_LOG_PROB_SOURCES = ("rollout", "recompute")
-ZERO_STD_POLICIES = ("keep", "drop")
-MIXED_PRECISION = ("no", "bf16", "fp16")
-LORA_INITS = ("default", "gaussian", "pissa", "olora", "orthogonal")
+# Choice lists that code outside this module needs too.
+StdMode = Literal["global", "group"]
+OldLogProbSource = Literal["rollout", "recompute"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
 
@@ -35,9 +40,28 @@ def _fail(key: str, value, fix: str):
     raise ValueError(f"{key}={value!r} is invalid: {fix}")
 
 
-def _check_choice(key: str, value, choices: tuple) -> None:
+@functools.lru_cache(maxsize=None)
+def field_types(cls) -> dict:
+    """Field name -> resolved annotation of a config dataclass."""
+    return typing.get_type_hints(cls)
+
+
+def literal_choices(tp) -> tuple | None:
+    """The values a `Literal[...]` annotation allows; None for any other annotation."""
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
+def check_choice(key: str, value, choices: tuple) -> None:
     if value not in choices:
         _fail(key, value, f"use one of {', '.join(map(repr, choices))}")
+
+
+def check_choices(section, prefix: str) -> None:
+    """Every `Literal`-typed field of the dataclass `section` holds one of its choices."""
+    for name, tp in field_types(type(section)).items():
+        choices = literal_choices(tp)
+        if choices is not None:
+            check_choice(f"{prefix}.{name}", getattr(section, name), choices)
 
 
 def _check_min(key: str, value, minimum, strict: bool = False) -> None:
@@ -57,13 +81,12 @@ class ModelConfig:
     """
 
     path: str | None = None
-    family: str = "auto"
-    dtype: str = "float32"
+    family: Literal["auto", "sd3", "qwen_image"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
 
     def validate(self) -> "ModelConfig":
-        _check_choice("model.family", self.family, MODEL_FAMILIES)
-        _check_choice("model.dtype", self.dtype, DTYPES)
+        check_choices(self, "model")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             _fail("model.device", self.device, "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         return self
@@ -113,7 +136,7 @@ class EngineConfig:
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
-        _check_choice("engine.compile_rounding", self.compile_rounding, get_args(CompileRounding))
+        check_choices(self, "engine")
         if self.compile_rounding != "eager" and not self.compile:
             raise ValueError(f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
                              "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'")
@@ -190,22 +213,19 @@ class AlgorithmConfig:
     train_timestep_fraction: fraction of each sample's SDE-window steps that are trained.
     """
 
-    adv_estimator: str = "flow_grpo"
-    std_mode: str = "global"
+    adv_estimator: Literal["flow_grpo"] = "flow_grpo"
+    std_mode: StdMode = "global"
     std_eps: float = 1e-4
     adv_clip_max: float = 5.0
-    zero_std_policy: str = "keep"
+    zero_std_policy: Literal["keep", "drop"] = "keep"
     zero_std_threshold: float = 1e-6
     clip_range: float = 1e-4
     kl_beta: float = 0.0
-    old_log_prob: str = "rollout"
+    old_log_prob: OldLogProbSource = "rollout"
     train_timestep_fraction: float = 1.0
 
     def validate(self) -> "AlgorithmConfig":
-        _check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
-        _check_choice("algorithm.std_mode", self.std_mode, STD_MODES)
-        _check_choice("algorithm.zero_std_policy", self.zero_std_policy, ZERO_STD_POLICIES)
-        _check_choice("algorithm.old_log_prob", self.old_log_prob, OLD_LOG_PROB_SOURCES)
+        check_choices(self, "algorithm")
         for name in ("std_eps", "adv_clip_max", "clip_range"):
             _check_min(f"algorithm.{name}", getattr(self, name), 0.0, strict=True)
         _check_min("algorithm.kl_beta", self.kl_beta, 0.0)
@@ -226,13 +246,13 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    init: str = "gaussian"
+    init: Literal["default", "gaussian", "pissa", "olora", "orthogonal"] = "gaussian"
     dropout: float = 0.0
 
     def validate(self) -> "LoraConfig":
+        check_choices(self, "trainer.lora")
         _check_min("trainer.lora.rank", self.rank, 1)
         _check_min("trainer.lora.alpha", self.alpha, 0.0, strict=True)
-        _check_choice("trainer.lora.init", self.init, LORA_INITS)
         if not 0.0 <= self.dropout < 1.0:
             _fail("trainer.lora.dropout", self.dropout, "must be in [0, 1)")
         if self.enabled and not self.target_modules:
@@ -268,7 +288,7 @@ class TrainerConfig:
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
-    mixed_precision: str = "no"
+    mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     save_every: int = 10
@@ -279,6 +299,7 @@ class TrainerConfig:
     num_val_images: int = 4
 
     def validate(self) -> "TrainerConfig":
+        check_choices(self, "trainer")
         for name in ("total_steps", "epochs", "prompts_per_step", "update_epochs",
                      "micro_batch_size", "grad_accum", "log_every"):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
@@ -288,7 +309,6 @@ class TrainerConfig:
         _check_min("trainer.grad_clip", self.grad_clip, 0.0, strict=True)
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             _fail("trainer.betas", self.betas, "both Adam betas must be in [0, 1), e.g. [0.9, 0.999]")
-        _check_choice("trainer.mixed_precision", self.mixed_precision, MIXED_PRECISION)
         if not self.output_dir:
             _fail("trainer.output_dir", self.output_dir, "give a folder for checkpoints and metrics")
         if not self.resume:
@@ -307,7 +327,9 @@ class TrainerConfig:
 class RewardConfig:
     """What scores the images (the rewards' slice).
 
-    name / options: a single registered reward and its options. components: a weighted sum of
+    name / options: a single registered reward and its options (the reward registry,
+        `flowrl.rewards.registered_rewards()`, is the one list of names; the trainer checks the
+        name against it before loading the model). components: a weighted sum of
         rewards instead, each {name, weight (1.0), options ({}), optional (False: a failure
         raises; True: the row gets NaN and is excluded)}; set name=null when using components.
     route_by_data_source: data_source -> reward name, for datasets that mix tasks.

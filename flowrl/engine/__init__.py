@@ -1,16 +1,17 @@
 """The diffusion rollout engine: continuous batching at denoising-step granularity.
 
-Public names: `DiffusionEngine`, `SamplingParams`, `DiffusionOutput`.
+Public names: `DiffusionEngine`, `SamplingParams` (re-exported from `flowrl.sampling_params`, its
+home), `DiffusionOutput`.
 """
 
 from flowrl.engine.output import DiffusionOutput
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 
 __all__ = ["DiffusionEngine", "SamplingParams", "DiffusionOutput"]
 
 
 def __getattr__(name):
-    # The engine imports torch and diffusers; keep `from flowrl.engine import SamplingParams` light.
+    # The engine imports diffusers and the model code; `import flowrl.engine` loads them on first use.
     if name == "DiffusionEngine":
         from flowrl.engine.engine import DiffusionEngine
 

@@ -30,7 +30,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.executor import Executor
 from flowrl.engine.output import DiffusionOutput
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
 from flowrl.models.base import FlowModelAdapter, PromptEncoding

@@ -7,6 +7,9 @@ unpacks the results back into the samples. Nothing in `step` reads a device valu
 host, so on a GPU the loop never waits for the device between steps. With `autocast_dtype` set
 (the trainer's mixed precision), the transformer runs under the same torch.autocast as the
 trainer's forward, so rollout and trainer log-probs agree.
+
+The executor knows nothing about queues or scheduling (which samples step together is
+scheduler.py's choice) nor about training: it runs the device work it is handed.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Executor:
     @torch.no_grad()
     def step(self, group: list[SampleState]) -> int:
         """Advance every sample of `group` by one denoising step. Returns the rows forwarded."""
+        # 1. per-row inputs: latents, and the step's scalars in one host-to-device copy
         p0 = group[0].params
         latents = torch.stack([s.latents for s in group])
         in_window = [s.in_window(s.step) for s in group]
@@ -64,6 +68,7 @@ class Executor:
             [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
             [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
         ]).unbind(0)
+        # 2. one guided forward for every row (CFG rows inside the adapter)
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
@@ -71,6 +76,7 @@ class Executor:
                 latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width,
                 sigma_values=sigma_values,
             )
+        # 3. noise from each sample's own generator, for its SDE-window steps only
         if any(in_window):
             noise = torch.stack([
                 torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
@@ -79,6 +85,7 @@ class Executor:
             ])
         else:  # ODE step for every row: no noise is drawn, so no generator advances
             noise = torch.zeros_like(latents)
+        # 4. the shared sampler step, once per step type present in the group
         next_latents = torch.empty_like(latents)
         log_prob = torch.empty(len(group), dtype=torch.float32, device=self.device)
         for sde_type in {s.params.sde_type for s in group}:
@@ -94,6 +101,7 @@ class Executor:
             else:
                 next_latents.index_copy_(0, idx, result.next_latents)
                 log_prob.index_copy_(0, idx, result.log_prob)
+        # 5. back into the samples: trajectory and log-probs of window steps, the new latents
         for i, (s, w) in enumerate(zip(group, in_window)):
             if w:
                 if not s.trajectory:
@@ -147,8 +155,8 @@ class Executor:
             image=image,
             all_latents=torch.stack(s.trajectory).cpu(),
             all_log_probs=log_probs,
-            all_timesteps=torch.tensor(s.sigmas[start:end], dtype=torch.float32),
-            all_next_timesteps=torch.tensor(s.sigmas[start + 1 : end + 1], dtype=torch.float32),
+            sigmas=torch.tensor(s.sigmas[start:end], dtype=torch.float32),
+            next_sigmas=torch.tensor(s.sigmas[start + 1 : end + 1], dtype=torch.float32),
             prompt_embeds=to_host(s.cond.embeds),
             prompt_embeds_mask=to_host(s.cond.mask),
             pooled_prompt_embeds=to_host(s.cond.pooled),

@@ -1,31 +1,16 @@
 """DiffusionOutput: what the engine returns for one sample (FLOWGRPO.md section 3).
 
-Scale of the "timesteps": `all_timesteps[k]` is the sigma (noise level in [0, 1]) at which window
-step k starts; `all_next_timesteps[k]` the sigma it ends at. The trainer recomputes the step from
-(all_latents[k], all_timesteps[k], all_next_timesteps[k]) and scores all_latents[k + 1].
+`sigmas[k]` is the noise level in [0, 1] at which SDE-window step k starts, `next_sigmas[k]` the
+one it ends at. The trainer recomputes step k from (all_latents[k], sigmas[k], next_sigmas[k]) and
+scores all_latents[k + 1]. This module is the output's contract only: it knows nothing about
+models, scheduling or training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-
-# Tensor fields stacked row-wise into a RolloutBatch after rollout.
-TENSOR_FIELDS = (
-    "image",
-    "all_latents",
-    "all_log_probs",
-    "all_timesteps",
-    "all_next_timesteps",
-    "prompt_embeds",
-    "prompt_embeds_mask",
-    "pooled_prompt_embeds",
-    "negative_prompt_embeds",
-    "negative_prompt_embeds_mask",
-    "negative_pooled_prompt_embeds",
-)
 
 
 @dataclass
@@ -37,7 +22,7 @@ class DiffusionOutput:
         latent after each window step (latent layout is the adapter's model-input layout).
     all_log_probs: (W,) float32 log-prob of each window transition (mean over latent elements),
         or None when log-probs were not requested.
-    all_timesteps / all_next_timesteps: (W,) float32 sigmas at the start / end of each window step.
+    sigmas / next_sigmas: (W,) float32 noise levels at the start / end of each window step.
     prompt_embeds (L, D) model dtype; prompt_embeds_mask (L,) bool; pooled_prompt_embeds (P,) or
         None (SD3 only). negative_*: the same for the uncond row, None without CFG.
     seed: the seed of this sample's generator. policy_version: the engine's policy version when
@@ -49,8 +34,8 @@ class DiffusionOutput:
     image: torch.Tensor
     all_latents: torch.Tensor
     all_log_probs: torch.Tensor | None
-    all_timesteps: torch.Tensor
-    all_next_timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    next_sigmas: torch.Tensor
     prompt_embeds: torch.Tensor
     prompt_embeds_mask: torch.Tensor
     pooled_prompt_embeds: torch.Tensor | None
@@ -62,15 +47,14 @@ class DiffusionOutput:
     sde_window: tuple[int, int]
     guidance_scale: float
     timings: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         # One home for the contract's invariants.
-        num_window = self.all_timesteps.shape[0]
+        num_window = self.sigmas.shape[0]
         assert self.image.dtype == torch.uint8 and self.image.dim() == 3 and self.image.shape[0] == 3
         assert self.all_latents.dtype == torch.float32
         assert self.all_latents.shape[0] == num_window + 1
-        assert self.all_next_timesteps.shape == self.all_timesteps.shape
+        assert self.next_sigmas.shape == self.sigmas.shape
         if self.all_log_probs is not None:
             assert self.all_log_probs.shape == (num_window,)
             assert self.all_log_probs.dtype == torch.float32

@@ -3,6 +3,7 @@
 Holds everything that belongs to one sample (its generator, latents, position in its schedule,
 SDE window, recorded trajectory and log-probs, the future its caller waits on), so the scheduler
 can reason about samples without touching tensors and the executor can step any mix of them.
+It holds state only: it does no device work and knows nothing about scheduling policy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 from flowrl.models.base import PromptEncoding
 
 _ids = itertools.count()

@@ -22,20 +22,20 @@ from typing import Callable
 
 import numpy as np
 
-from flowrl.engine.request import SamplingParams
+from flowrl.sampling_params import SamplingParams
 from flowrl.rollout.balancer import LeastInFlightBalancer
 from flowrl.rollout.batch import RolloutBatch, stack_rows
 
 logger = logging.getLogger(__name__)
 
 KNOWN_AGENTS = ("diffusion",)
-# DiffusionOutput field -> RolloutBatch tensor field.
+# DiffusionOutput field -> RolloutBatch tensor field (a sample's `image` is one row of `images`).
 OUTPUT_TO_BATCH = {
-    "image": "responses",
+    "image": "images",
     "all_latents": "all_latents",
     "all_log_probs": "all_log_probs",
-    "all_timesteps": "all_timesteps",
-    "all_next_timesteps": "all_next_timesteps",
+    "sigmas": "sigmas",
+    "next_sigmas": "next_sigmas",
     "prompt_embeds": "prompt_embeds",
     "prompt_embeds_mask": "prompt_embeds_mask",
     "pooled_prompt_embeds": "pooled_prompt_embeds",
@@ -119,6 +119,7 @@ class AgentLoop:
         if len(batch) == 0:
             raise ValueError("generate_sequences got an empty batch; pass at least one row")
         t0 = time.perf_counter()
+        # 1. every row's prompt, seed and sampling params
         base_params = self.config.val_sampling if validation else self.config.sampling
         base_seed = self.config.val_seed if validation else self.config.seed
         offset = 0 if validation else self.rows_generated
@@ -126,6 +127,7 @@ class AgentLoop:
         prompts = [str(p) for p in batch.non_tensor_batch["raw_prompt"]]
         params = [self._row_params(batch, i, base_params).replace(seed=seeds[i]) for i in range(len(batch))]
 
+        # 2. submit: one batched call per group when provably safe, else one request per row
         reason = self.batched_path_blocker(batch, params)
         futures: list[Future] = []
         if reason is None:
@@ -139,6 +141,7 @@ class AgentLoop:
                 logger.warning("agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch))
             for i in range(len(batch)):
                 futures += self.balancer.submit(prompts[i], params[i])
+        # 3. wait for every sample (each handed to on_sample_done as soon as it is done)
         callbacks_done = []
         if on_sample_done is not None:
             for i, f in enumerate(futures):
@@ -154,6 +157,7 @@ class AgentLoop:
         # on_sample_done call has returned when generate_sequences does.
         for event in callbacks_done:
             event.wait()
+        # 4. the samples' tensors and metadata attached to the batch's rows
         if not validation:
             self.rows_generated += len(batch)
         return self._assemble(batch, outputs, reason, time.perf_counter() - t0)

@@ -1,11 +1,18 @@
 """RolloutBatch: rows of prompts and, after rollout, their samples (shaped like verl's DataProto).
 
 A batch has three parts:
-- `batch`: dict of tensors whose first dim is the row (after rollout: `responses` uint8 images,
-  `all_latents`, `all_log_probs`, `all_timesteps`, `all_next_timesteps`, prompt embeddings/masks);
+- `batch`: dict of tensors whose first dim is the row (after rollout: `images` (3, H, W) uint8,
+  `all_latents`, `all_log_probs`, `sigmas`, `next_sigmas`, prompt embeddings and masks; see
+  flowrl.engine.output.DiffusionOutput for each one's shape);
 - `non_tensor_batch`: dict of numpy object arrays with one entry per row (`raw_prompt`,
   `negative_prompt`, `agent_name`, `uid`, `data_source`, `ground_truth`, `seed`, extra fields);
 - `meta_info`: free-form dict about the whole batch (timings, counters).
+
+For a verl user: the three parts, `uid`, `raw_prompt`, `data_source`, `ground_truth`,
+`all_latents` and `all_log_probs` keep verl / verl-omni's names. Two kinds of tensor are named for
+what they hold instead: verl's `responses` (pixels here, not tokens) is `images`, and verl-omni's
+`all_timesteps` (on the scheduler's timestep scale) is `sigmas`, the noise levels in [0, 1] at
+which the window steps start, with the levels they end at stored beside them as `next_sigmas`.
 
 Rows sharing a `uid` are one prompt's group. `stack_rows` turns per-sample tensors into `batch`.
 Serialization is one safetensors file whose header metadata carries the non-tensor part as JSON

@@ -13,17 +13,19 @@ them (`algorithm.zero_std_policy=drop`).
 NaN rewards (an optional reward that failed on a row) are excluded from every mean and std and
 their rows get advantage 0 and `is_valid=False`, so they never move the policy.
 
-This module is numpy only: it knows nothing about models or tensors on devices.
+This module is numpy only: it knows nothing about models or tensors on devices (from flowrl it
+takes only the `StdMode` choice list of the config).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
-STD_MODES = ("global", "group")
+from flowrl.config.sections import StdMode
 
 
 @dataclass
@@ -51,7 +53,7 @@ def group_rows(uids: Sequence) -> dict:
 def compute_group_advantages(
     rewards: Sequence[float] | np.ndarray,
     uids: Sequence,
-    std_mode: str = "global",
+    std_mode: StdMode = "global",
     std_eps: float = 1e-4,
     adv_clip_max: float = 5.0,
     zero_std_threshold: float = 1e-6,
@@ -60,8 +62,8 @@ def compute_group_advantages(
     rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
     if len(uids) != rewards.shape[0]:
         raise ValueError(f"uids has {len(uids)} entries for {rewards.shape[0]} rewards; pass one uid per row")
-    if std_mode not in STD_MODES:
-        raise ValueError(f"algorithm.std_mode={std_mode!r} is unknown; use one of {STD_MODES}")
+    if std_mode not in get_args(StdMode):
+        raise ValueError(f"algorithm.std_mode={std_mode!r} is unknown; use one of {get_args(StdMode)}")
     if not std_eps > 0 or not adv_clip_max > 0:
         raise ValueError(f"std_eps={std_eps} and adv_clip_max={adv_clip_max} must both be > 0")
     is_valid = np.isfinite(rewards)

@@ -10,7 +10,8 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
                            folder without it is incomplete and ignored.
 
 A checkpoint is written to a temporary folder and renamed into place, so a crash mid-write never
-leaves a folder that looks complete.
+leaves a folder that looks complete. It knows parameters by name, the optimizer and the RNGs;
+what the trainer's own state means (the `state.json` entries it passes) it leaves to the trainer.
 """
 
 from __future__ import annotations

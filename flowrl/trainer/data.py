@@ -5,7 +5,8 @@ Every row becomes a dict with `raw_prompt` (the prompt text), `negative_prompt`,
 A .txt file has one prompt per line (blank lines skipped).
 
 `PromptSampler` walks the dataset in epochs, shuffled per epoch from (seed, epoch) alone, so its
-whole state is two integers (epoch, position) that a checkpoint stores in JSON.
+whole state is two integers (epoch, position) that a checkpoint stores in JSON. This module
+knows nothing about models, rollouts or training: rows are plain dicts.
 """
 
 from __future__ import annotations

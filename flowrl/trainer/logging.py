@@ -6,6 +6,8 @@
   logging.wandb is on (imported only then).
 - `save_image_grid`: validation images with their rewards as captions (PNG).
 - `plot_reward_curve`: reward mean per step from metrics.jsonl (PNG), written at the end.
+
+It knows nothing about training itself: it writes the numbers and images it is given.
 """
 
 from __future__ import annotations

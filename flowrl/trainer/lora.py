@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_PEFT_INITS = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora", "orthogonal": "orthogonal"}
+
+
+def _peft_init(init: str):
+    """peft's `init_lora_weights` value for trainer.lora.init (whose choices the config's Literal
+    holds): True selects peft's default (kaiming A, zero B); the others are peft's own names."""
+    return True if init == "default" else init
 
 
 def _all_module_names(module: torch.nn.Module) -> list[str]:
@@ -82,22 +87,19 @@ def apply_trainable(transformer: torch.nn.Module, lora_cfg) -> list[torch.nn.Par
     (module docstring). Full fine-tuning (lora.enabled=false): every
     transformer parameter trains."""
     transformer.requires_grad_(False)
-    if not getattr(lora_cfg, "enabled", True):
+    if not lora_cfg.enabled:
         transformer.requires_grad_(True)
         return [p for p in transformer.parameters() if p.requires_grad]
     from peft import LoraConfig
 
-    targets = list(getattr(lora_cfg, "target_modules"))
+    targets = list(lora_cfg.target_modules)
     _check_targets(transformer, targets)
-    init = getattr(lora_cfg, "init", "gaussian")
-    if init not in _PEFT_INITS:
-        raise ValueError(f"trainer.lora.init={init!r} is unknown; use one of {sorted(_PEFT_INITS)}")
     config = LoraConfig(
         r=int(lora_cfg.rank),
         lora_alpha=float(lora_cfg.alpha),
         target_modules=targets,
-        init_lora_weights=_PEFT_INITS[init],
-        lora_dropout=float(getattr(lora_cfg, "dropout", 0.0)),
+        init_lora_weights=_peft_init(lora_cfg.init),
+        lora_dropout=float(lora_cfg.dropout),
     )
     transformer.add_adapter(config)
     params = _lora_as_flowrl_trains_it(transformer)

@@ -17,9 +17,13 @@ and only its GRADIENTS from the second (`value + (graded - graded.detach())`, ex
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
 gradient is that of the same function up to rounding. It costs one no-grad forward per scored
 micro-batch, unless those values are known already (`with_values`; flowrl.trainer.update reuses
-the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Why: at the
-recipes' settings the grad graph's log-probs can differ from the rollout's by more than a tight
-clip range, while the no-grad pass's match them (`flowrl bench logprob` measures both gaps).
+the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Why it matters:
+with a small clip range (the recipes use 1e-4 and below), the grad graph's rounding alone can move
+the ratio out of the clip range before any update; the no-grad pass's values do not
+(`flowrl bench logprob` measures both gaps).
+
+This module knows the adapter interface and the sampler, nothing about the optimizer or the
+rollout engine.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from flowrl import sampler
+from flowrl.config.sections import MixedPrecision
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.sampling_params import SdeType
 
 # trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
 # of the rollout engine's: DiffusionEngine.set_mixed_precision).
-MIXED_PRECISION_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -45,7 +51,7 @@ class TransitionSpec:
     width: int
     num_inference_steps: int
     noise_level: float
-    sde_type: str
+    sde_type: SdeType
     guidance_scale: float
 
 
@@ -53,8 +59,8 @@ def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[Pr
     """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
     its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
     engine padded its forward. Each stacked tensor goes to the device in one copy and the rows
-    are views of it (a copy per row and tensor would be a hundred host-blocking copies per
-    scored micro-batch with CFG)."""
+    are views of it: a copy per row and tensor would block the host once per row, tensor and
+    scored step."""
     mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
     width = mask.shape[1]
     # Lengths from the host mask (no device read-back); an all-False row keeps the full width.
@@ -73,8 +79,8 @@ def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, devi
     rows = torch.arange(step_index.shape[0])
     latents = tensors["all_latents"][rows, step_index].to(device, torch.float32)
     next_latents = tensors["all_latents"][rows, step_index + 1].to(device, torch.float32)
-    sigma = tensors["all_timesteps"][rows, step_index].to(device, torch.float32)
-    sigma_next = tensors["all_next_timesteps"][rows, step_index].to(device, torch.float32)
+    sigma = tensors["sigmas"][rows, step_index].to(device, torch.float32)
+    sigma_next = tensors["next_sigmas"][rows, step_index].to(device, torch.float32)
     return latents, next_latents, sigma, sigma_next
 
 
@@ -94,7 +100,7 @@ class _StepInputs:
 
 
 def _step_inputs(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device) -> _StepInputs:
-    sigma_values = tensors["all_timesteps"][torch.arange(step_index.shape[0]), step_index].tolist()
+    sigma_values = tensors["sigmas"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     cond = _encodings(tensors, "", device)
     uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowrl import sampler as sde
-from flowrl.trainer import checkpoint as ckpt
+from flowrl import sampler
+from flowrl.trainer import checkpoint
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
@@ -93,7 +93,7 @@ class FlowGRPOTrainer:
         self.step = 0
         self.policy_version = 0
         self.config_dict = config_to_dict(cfg)
-        resume_from = ckpt.resolve_resume(tcfg.resume, self.output_dir)
+        resume_from = checkpoint.resolve_resume(tcfg.resume, self.output_dir)
         if resume_from is not None:
             self._restore(resume_from)
         log = cfg.logging
@@ -107,7 +107,7 @@ class FlowGRPOTrainer:
         if s.sde_window is not None or s.sde_window_size is None:
             return None if s.sde_window is None else tuple(s.sde_window)
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence([self.cfg.trainer.seed, step, 7]).generate_state(1)[0]))
-        return sde.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
+        return sampler.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
 
     def train_step(self) -> dict:
         """Run training step self.step + 1; returns its metrics."""
@@ -147,7 +147,7 @@ class FlowGRPOTrainer:
         # 3. update (the engine is idle: generate_sequences returned every sample)
         if keep.any():
             rows_kept = np.flatnonzero(keep)
-            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "responses"}
+            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
             metrics.update(self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]),
                                                torch.ones(len(rows_kept)), step))
             self.policy_version = self.updater.num_optimizer_steps
@@ -192,7 +192,7 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
         out = self.agent_loop.generate_sequences(batch, validation=True)
-        images = out.batch["responses"]
+        images = out.batch["images"]
         prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
         scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
         grid = save_image_grid(images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png")
@@ -206,11 +206,11 @@ class FlowGRPOTrainer:
         state = {"policy_version": self.policy_version, "data": self.prompts.state_dict(),
                  "rows_generated": self.agent_loop.rows_generated,
                  "num_optimizer_steps": self.updater.num_optimizer_steps}
-        return ckpt.save_checkpoint(self.output_dir, self.step, self.adapter, self.updater.optimizer,
+        return checkpoint.save_checkpoint(self.output_dir, self.step, self.adapter, self.updater.optimizer,
                                     self.param_names, state, self.config_dict)
 
     def _restore(self, path: Path) -> None:
-        restored = ckpt.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
+        restored = checkpoint.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])

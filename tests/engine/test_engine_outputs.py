@@ -16,8 +16,8 @@ def assert_valid(out, params):
     assert out.all_latents.dtype == torch.float32 and out.all_latents.shape[0] == w + 1
     assert out.all_log_probs.shape == (w,) and out.all_log_probs.dtype == torch.float32
     assert torch.isfinite(out.all_log_probs).all() and torch.isfinite(out.all_latents).all()
-    assert out.all_timesteps.shape == out.all_next_timesteps.shape == (w,)
-    assert (out.all_next_timesteps < out.all_timesteps).all()
+    assert out.sigmas.shape == out.next_sigmas.shape == (w,)
+    assert (out.next_sigmas < out.sigmas).all()
     assert out.prompt_embeds_mask.dtype == torch.bool
     assert out.prompt_embeds.shape[0] == out.prompt_embeds_mask.shape[0]
 
@@ -65,7 +65,7 @@ def test_explicit_and_drawn_windows(engine, params):
     out = engine.generate("a cat", params.replace(sde_window=(2, 4)))
     assert out.sde_window == (2, 4) and out.all_latents.shape[0] == 3
     sigmas = engine.adapter.sigmas(params.num_inference_steps, 64, 64)
-    torch.testing.assert_close(out.all_timesteps, sigmas[2:4])
+    torch.testing.assert_close(out.sigmas, sigmas[2:4])
     drawn = engine.generate_batched("a cat", 3, params.replace(sde_window_size=2, sde_window_range=(0, 4)))
     windows = {o.sde_window for o in drawn}
     assert len(windows) == 1  # one window per engine call, shared by the group

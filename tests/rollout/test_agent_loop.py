@@ -50,7 +50,7 @@ def test_flag_on_and_off_give_identical_outputs_and_layout(engine):
     assert off.meta_info["num_batched_groups"] == 0 and off.meta_info["num_single_requests"] == 8
     assert "enable_batched_diffusion" in off.meta_info["fallback_reason"]
     assert_same_samples(on, off)
-    assert on.batch["responses"].shape == (8, 3, 64, 64) and on.batch["responses"].dtype == torch.uint8
+    assert on.batch["images"].shape == (8, 3, 64, 64) and on.batch["images"].dtype == torch.uint8
     assert on.batch["all_log_probs"].shape == (8, 3)
     # Rows of a group got consecutive seeds, and different groups different seeds.
     seeds = list(on.non_tensor_batch["seed"])

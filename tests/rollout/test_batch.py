@@ -117,8 +117,8 @@ def test_length_mismatches_name_the_field():
         batch.add_tensors({"all_log_probs": torch.zeros(2, 4)})
     with pytest.raises(ValueError, match="'seed' has 4 rows"):
         batch.add_non_tensors({"seed": [1, 2, 3, 4]})
-    with pytest.raises(ValueError, match="'responses'"):
-        RolloutBatch({"responses": torch.zeros(2, 3)}, {"raw_prompt": ["a", "b", "c"]})
+    with pytest.raises(ValueError, match="'images'"):
+        RolloutBatch({"images": torch.zeros(2, 3)}, {"raw_prompt": ["a", "b", "c"]})
 
 
 def test_add_non_tensors_replaces_a_column():
@@ -137,7 +137,7 @@ def test_union_merges_and_rejects_conflicts():
 
 def _sample(length: int, with_negative: bool, rng: torch.Generator) -> dict:
     return {
-        "responses": torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=rng),
+        "images": torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=rng),
         "all_log_probs": torch.randn(3, generator=rng),
         "prompt_embeds": torch.randn(length, 5, generator=rng) + 1.0,  # never exactly zero
         "prompt_embeds_mask": torch.ones(length, dtype=torch.bool),
@@ -153,7 +153,7 @@ def test_stack_rows_pads_variable_length_fields():
     rows = [_sample(length, False, rng) for length in lengths]
     stacked = stack_rows(rows)
     assert "pooled_prompt_embeds" not in stacked and "negative_prompt_embeds" not in stacked
-    assert stacked["responses"].shape == (4, 3, 8, 8) and stacked["responses"].dtype == torch.uint8
+    assert stacked["images"].shape == (4, 3, 8, 8) and stacked["images"].dtype == torch.uint8
     assert stacked["prompt_embeds"].shape == (4, max(lengths), 5)
     assert stacked["prompt_embeds_mask"].dtype == torch.bool
     assert stacked["prompt_embeds_mask"].sum(1).tolist() == lengths

@@ -18,7 +18,7 @@ def _rollout(trainer):
         row["uid"] = f"u{i}"
     batch = RolloutBatch.from_rows(rows).repeat(trainer.cfg.rollout.n)
     out = trainer.agent_loop.generate_sequences(batch)
-    return {k: v for k, v in out.batch.items() if k != "responses"}
+    return {k: v for k, v in out.batch.items() if k != "images"}
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
@@ -204,7 +204,7 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
     values and no second no-grad forward runs; the update is the one the value pass gives. With a
     KL term the mean's value is needed, so the value pass runs."""
     from flowrl.models.sd3 import SD3Adapter
-    from flowrl.trainer.update import PolicyUpdater
+    from flowrl.trainer.update import Scoring
 
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
@@ -226,13 +226,16 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
             calls["no_grad"] += not torch.is_grad_enabled()
             return velocity(self, *args, **kwargs)
 
-        score = PolicyUpdater._score
+        # The strategy is chosen once: the recompute's values before the first optimizer step
+        # (no KL term), the value pass everywhere else.
+        reuses = kl_beta == 0
+        assert trainer.updater.scoring == Scoring("recompute" if reuses else "value_pass", "value_pass")
+        if force_value_pass:
+            trainer.updater.scoring = Scoring("value_pass", "value_pass")
         with monkeypatch.context() as patch:
             patch.setattr(SD3Adapter, "velocity", counted)
-            if force_value_pass:
-                patch.setattr(PolicyUpdater, "_score", lambda self, *a, known_log_prob=None, **k: score(self, *a, **k))
             metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
-        return metrics, calls["no_grad"], tensors["all_timesteps"].shape[1]
+        return metrics, calls["no_grad"], tensors["sigmas"].shape[1]
 
     metrics, no_grad_forwards, window = run(False)
     forced, forced_no_grad_forwards, _ = run(True)
@@ -241,3 +244,15 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
     assert no_grad_forwards == (scored if kl_beta == 0 else forced_no_grad_forwards)
     assert metrics["actor/ratio_max"] == 1.0 and metrics["actor/grad_norm"] > 0.0
     assert metrics["actor/grad_norm"] == forced["actor/grad_norm"]
+
+
+@pytest.mark.parametrize("values_from_no_grad, old_log_prob, kl_beta, expected", [
+    (False, "recompute", 0.0, ("grad_pass", "grad_pass")),  # eager: one graph, its own values
+    (True, "rollout", 0.0, ("value_pass", "value_pass")),  # no recompute to reuse
+    (True, "recompute", 0.0, ("recompute", "value_pass")),  # reused until the first optimizer step
+    (True, "recompute", 0.1, ("value_pass", "value_pass")),  # the KL needs the mean's value too
+])
+def test_scoring_is_chosen_once_from_the_settings(values_from_no_grad, old_log_prob, kl_beta, expected):
+    from flowrl.trainer.update import Scoring
+
+    assert Scoring.choose(values_from_no_grad, old_log_prob, kl_beta) == Scoring(*expected)

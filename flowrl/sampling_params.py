@@ -1,16 +1,22 @@
 """Sampling parameters of one request, and their validation.
 
-`SamplingParams` is plain data (no torch) so configs, the agent loop and the HTTP layer can use it.
-`validate()` checks everything that does not depend on the model; the engine adds the model's
-size multiple. Every error names the field, the value and the fix.
+`SamplingParams` is plain data shared by the config, the agent loop, the engine and the sampler.
+It knows nothing about torch, models or engines and imports only the standard library, so
+importing it never pulls in the engine or torch's compiler. `validate()` checks everything that
+does not depend on the model; the engine adds the model's size multiple. Every error names the
+field, the value and the fix.
+
+`SdeType` is the one list of step types; `flowrl.sampler` implements each of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal, get_args
 
-SDE_TYPES = ("sde", "cps")
+# "sde": Flow-GRPO's SDE step; "cps": the coefficient-preserving step (FLOWGRPO.md section 1).
+SdeType = Literal["sde", "cps"]
 
 
 @dataclass
@@ -41,13 +47,12 @@ class SamplingParams:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     noise_level: float = 0.7
-    sde_type: str = "sde"
+    sde_type: SdeType = "sde"
     sde_window: tuple[int, int] | None = None
     sde_window_size: int | None = None
     sde_window_range: tuple[int, int] | None = None
     seed: int | None = None
     logprobs: bool = True
-    extra: dict = field(default_factory=dict)
 
     @property
     def uses_cfg(self) -> bool:
@@ -55,9 +60,6 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def validate(self, size_multiple: int = 1) -> "SamplingParams":
         """Raise ValueError naming the bad field; return self when all is well."""
@@ -76,9 +78,9 @@ class SamplingParams:
                 f"SamplingParams.num_inference_steps={self.num_inference_steps!r} must be an "
                 "integer >= 1"
             )
-        if self.sde_type not in SDE_TYPES:
+        if self.sde_type not in get_args(SdeType):
             raise ValueError(
-                f"SamplingParams.sde_type={self.sde_type!r} is unknown; use one of {SDE_TYPES}"
+                f"SamplingParams.sde_type={self.sde_type!r} is unknown; use one of {get_args(SdeType)}"
             )
         if not (self.noise_level >= 0.0):
             raise ValueError(f"SamplingParams.noise_level={self.noise_level!r} must be >= 0")
