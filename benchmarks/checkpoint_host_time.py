@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from flowrl.accel.regional_compile import take_checkpoints_inside
 from flowrl.bench.logprob import PROMPT, _rollout_tensors
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import resolve_device_dtype, saved_activation_bytes, synchronize
 from flowrl.engine.engine import DiffusionEngine
 from flowrl.sampling_params import SamplingParams
-from flowrl.accel.regional_compile import take_checkpoints_inside
 from flowrl.trainer.policy import TransitionSpec, score_transitions
 
 
@@ -49,15 +49,28 @@ def main() -> None:
     transformer = adapter.transformer
     if args.model.startswith("tiny-"):
         transformer.transformer_blocks = torch.nn.ModuleList(
-            [copy.deepcopy(transformer.transformer_blocks[0]) for _ in range(args.blocks)])
+            [copy.deepcopy(transformer.transformer_blocks[0]) for _ in range(args.blocks)]
+        )
     params = make_trainable(transformer, args.lora_rank, adapter.default_lora_targets)
     engine = DiffusionEngine(adapter, max_batch_rows=4 * args.samples, compile="inductor")  # compiles in place
-    sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=3,
-                              guidance_scale=args.guidance_scale, noise_level=0.7, seed=0)
+    sampling = SamplingParams(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=3,
+        guidance_scale=args.guidance_scale,
+        noise_level=0.7,
+        seed=0,
+    )
     tensors = _rollout_tensors(engine.generate_batched(PROMPT, args.samples, sampling))
     engine.shutdown()
-    spec = TransitionSpec(height=args.size, width=args.size, num_inference_steps=3, noise_level=0.7,
-                          sde_type="sde", guidance_scale=args.guidance_scale)
+    spec = TransitionSpec(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=3,
+        noise_level=0.7,
+        sde_type="sde",
+        guidance_scale=args.guidance_scale,
+    )
     step_index = torch.zeros(args.samples, dtype=torch.long)
     log_probs: dict[str, torch.Tensor] = {}
 
@@ -72,11 +85,15 @@ def main() -> None:
         transformer.enable_gradient_checkpointing()
         take_checkpoints_inside(transformer)
 
-    modes = {"inside": inside,
-             "around": transformer.enable_gradient_checkpointing,  # diffusers' own checkpoint function
-             "none": transformer.disable_gradient_checkpointing}
-    print(f"{args.model}, {len(transformer.transformer_blocks)} blocks, {args.samples} samples x "
-          f"{2 if args.guidance_scale > 1 else 1} rows, {device}, {dtype}")
+    modes = {
+        "inside": inside,
+        "around": transformer.enable_gradient_checkpointing,  # diffusers' own checkpoint function
+        "none": transformer.disable_gradient_checkpointing,
+    }
+    print(
+        f"{args.model}, {len(transformer.transformer_blocks)} blocks, {args.samples} samples x "
+        f"{2 if args.guidance_scale > 1 else 1} rows, {device}, {dtype}"
+    )
     with torch.enable_grad():
         for mode, setup in modes.items():
             setup()
@@ -91,8 +108,10 @@ def main() -> None:
                 seconds.append(time.perf_counter() - t0)
             saved = saved_activation_bytes(lambda: forward_backward(mode), transformer)
             same = torch.equal(log_probs[mode], log_probs["inside"])
-            print(f"  checkpoint {mode:7s} {statistics.median(seconds) * 1000:9.1f} ms per fwd+bwd   "
-                  f"activations kept {saved / 2**20:9.3f} MB   log-probs equal to inside's: {same}")
+            print(
+                f"  checkpoint {mode:7s} {statistics.median(seconds) * 1000:9.1f} ms per fwd+bwd   "
+                f"activations kept {saved / 2**20:9.3f} MB   log-probs equal to inside's: {same}"
+            )
 
 
 if __name__ == "__main__":

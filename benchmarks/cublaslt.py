@@ -31,8 +31,17 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _PREF_MAX_WORKSPACE_BYTES = 1
 # name: (cublasLtMatmulAlgoConfigAttributes_t, size in bytes: the call wants the exact size)
-_CONFIG_ATTRIBUTES = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4),
-                      "custom": (5, 4), "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
+_CONFIG_ATTRIBUTES = {
+    "id": (0, 4),
+    "tile": (1, 4),
+    "splitk": (2, 4),
+    "reduction": (3, 4),
+    "swizzle": (4, 4),
+    "custom": (5, 4),
+    "stages": (6, 4),
+    "inner": (7, 2),
+    "cluster": (8, 2),
+}
 
 WORKSPACE_BYTES = 32 << 20
 
@@ -42,8 +51,13 @@ class _Algo(ctypes.Structure):
 
 
 class _HeuristicResult(ctypes.Structure):
-    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 def _check(status: int, what: str) -> None:
@@ -63,13 +77,25 @@ def _library() -> ctypes.CDLL:
     if not paths:
         raise RuntimeError("PyTorch did not load libcublasLt; direct cuBLASLt calls need a CUDA build of PyTorch")
     lib = ctypes.CDLL(sorted(paths)[0])
-    lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 12 + [ctypes.POINTER(_Algo), ctypes.c_void_p,
-                                                             ctypes.c_size_t, ctypes.c_void_p]
+    lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 12 + [
+        ctypes.POINTER(_Algo),
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    ]
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [ctypes.c_void_p] * 7 + [
-        ctypes.c_int, ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)]
+        ctypes.c_int,
+        ctypes.POINTER(_HeuristicResult),
+        ctypes.POINTER(ctypes.c_int),
+    ]
     lib.cublasLtMatmulDescSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-    lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), ctypes.c_int, ctypes.c_void_p,
-                                                         ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [
+        ctypes.POINTER(_Algo),
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
     return lib
 
 
@@ -91,8 +117,9 @@ def describe(algo: _Algo) -> dict[str, int]:
     lib, out = _library(), {}
     for name, (attribute, size) in _CONFIG_ATTRIBUTES.items():
         value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)  # little-endian: the low bytes are the value
-        status = lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
-                                                          size, ctypes.byref(written))
+        status = lib.cublasLtMatmulAlgoConfigGetAttribute(
+            ctypes.byref(algo), attribute, ctypes.byref(value), size, ctypes.byref(written)
+        )
         if status == 0:
             out[name] = value.value
     return out
@@ -104,9 +131,18 @@ class Gemm:
 
     EPILOGUES = {"none": 1, "bias": 4, "gelu_bias": 36}
 
-    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, epilogue: str = "bias",
-                 accumulate: bool = False, x_stride: int | None = None, out_stride: int | None = None,
-                 device_index: int | None = None):
+    def __init__(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        dtype: torch.dtype,
+        epilogue: str = "bias",
+        accumulate: bool = False,
+        x_stride: int | None = None,
+        out_stride: int | None = None,
+        device_index: int | None = None,
+    ):
         if epilogue not in self.EPILOGUES:
             raise ValueError(f"Gemm: epilogue={epilogue!r} is not one of {sorted(self.EPILOGUES)}")
         if dtype not in _DATA_TYPES:
@@ -125,15 +161,20 @@ class Gemm:
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
 
     def _set(self, attribute: int, value) -> None:
-        _check(_library().cublasLtMatmulDescSetAttribute(self._desc, attribute, ctypes.byref(value),
-                                                         ctypes.sizeof(value)), f"MatmulDescSetAttribute({attribute})")
+        _check(
+            _library().cublasLtMatmulDescSetAttribute(self._desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+            f"MatmulDescSetAttribute({attribute})",
+        )
 
     @staticmethod
     def _layout(data_type: int, rows: int, cols: int, leading: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
-        _check(_library().cublasLtMatrixLayoutCreate(ctypes.byref(layout), data_type, ctypes.c_uint64(rows),
-                                                     ctypes.c_uint64(cols), ctypes.c_int64(leading)),
-               "MatrixLayoutCreate")
+        _check(
+            _library().cublasLtMatrixLayoutCreate(
+                ctypes.byref(layout), data_type, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(leading)
+            ),
+            "MatrixLayoutCreate",
+        )
         return layout
 
     def candidates(self, bias: torch.Tensor | None = None, limit: int = 32) -> list[_HeuristicResult]:
@@ -146,26 +187,65 @@ class Gemm:
         preference = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "MatmulPreferenceCreate")
         size = ctypes.c_uint64(WORKSPACE_BYTES)
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size),
-                                                        ctypes.c_size_t(8)), "MatmulPreferenceSetAttribute")
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(
+                preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)
+            ),
+            "MatmulPreferenceSetAttribute",
+        )
         results, count = (_HeuristicResult * limit)(), ctypes.c_int(0)
         try:
-            _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(self.device_index), self._desc, self._a, self._b,
-                                                      self._c, self._c, preference, limit, results,
-                                                      ctypes.byref(count)), "MatmulAlgoGetHeuristic")
+            _check(
+                lib.cublasLtMatmulAlgoGetHeuristic(
+                    _handle(self.device_index),
+                    self._desc,
+                    self._a,
+                    self._b,
+                    self._c,
+                    self._c,
+                    preference,
+                    limit,
+                    results,
+                    ctypes.byref(count),
+                ),
+                "MatmulAlgoGetHeuristic",
+            )
         finally:
             lib.cublasLtMatmulPreferenceDestroy(preference)
         return [results[i] for i in range(count.value) if results[i].state == 0]
 
-    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            algo: _HeuristicResult) -> torch.Tensor:
+    def run(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+        algo: _HeuristicResult,
+    ) -> torch.Tensor:
         """out [+]= epilogue(x @ weight^T + bias) with `algo`, on the current stream."""
         if self.epilogue != "none":
             self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
         stream = torch.cuda.current_stream(self.device_index).cuda_stream
         workspace = _workspace(self.device_index)
-        _check(_library().cublasLtMatmul(
-            _handle(self.device_index), self._desc, ctypes.byref(self._alpha), weight.data_ptr(), self._a,
-            x.data_ptr(), self._b, ctypes.byref(self._beta), out.data_ptr(), self._c, out.data_ptr(), self._c,
-            ctypes.byref(algo.algo), workspace.data_ptr(), algo.workspace_size, stream), "Matmul")
+        _check(
+            _library().cublasLtMatmul(
+                _handle(self.device_index),
+                self._desc,
+                ctypes.byref(self._alpha),
+                weight.data_ptr(),
+                self._a,
+                x.data_ptr(),
+                self._b,
+                ctypes.byref(self._beta),
+                out.data_ptr(),
+                self._c,
+                out.data_ptr(),
+                self._c,
+                ctypes.byref(algo.algo),
+                workspace.data_ptr(),
+                algo.workspace_size,
+                stream,
+            ),
+            "Matmul",
+        )
         return out

@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-import torch.nn.functional as F
-
 import cublaslt
 import timing
-
+import torch
 
 WIDTH = 3072
 
@@ -59,14 +56,14 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
 
-    x, weight, bias = randn(m, k), randn(n, k, scale=k ** -0.5), randn(n, scale=0.1)
+    x, weight, bias = randn(m, k), randn(n, k, scale=k**-0.5), randn(n, scale=0.1)
     start = randn(m, n)
     out_torch, out_lt = start.clone(), start.clone()
     gemm = cublaslt.Gemm(m, n, k, dtype, epilogue=epilogue, accumulate=accumulate)
     candidates = gemm.candidates(bias if epilogue != "none" else None, limit=limit)
     variants = {"torch": torch_call(x, weight, bias, out_torch, epilogue, accumulate)}
     for index, algo in enumerate(candidates):
-        variants[f"lt{index}"] = (lambda algo=algo: gemm.run(x, weight, bias, out_lt, algo))
+        variants[f"lt{index}"] = lambda algo=algo: gemm.run(x, weight, bias, out_lt, algo)
     times = timing.alternate(variants, device, rounds, seconds)
 
     # Values: one call each from the same start (accumulating problems add to it).
@@ -75,8 +72,10 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
     reference = out_torch.float()
     flops = 2 * m * n * k
     base = statistics.median(times["torch"])
-    print(f"\n{name}: M={m} N={n} K={k} epilogue={epilogue} accumulate={accumulate}, "
-          f"{flops / 1e9:.1f} GFLOP, {len(candidates)} candidates")
+    print(
+        f"\n{name}: M={m} N={n} K={k} epilogue={epilogue} accumulate={accumulate}, "
+        f"{flops / 1e9:.1f} GFLOP, {len(candidates)} candidates"
+    )
     ranked = sorted(times, key=lambda label: statistics.median(times[label]))
     for label in ranked:
         median = statistics.median(times[label])

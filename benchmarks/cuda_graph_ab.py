@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import timing
 import torch
+from floor import velocity_call
 
 from flowrl.accel import compile_adapter
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
-
-from floor import velocity_call
-import timing
 
 
 def captured(forward):
@@ -80,7 +79,9 @@ def main() -> int:
                 print(timing.rounds_line(f"  rows {rows:3d} {variant:7s}", values))
             if "graph" in times:
                 saved = 1 - statistics.median(times["graph"]) / statistics.median(times["direct"])
-                print(f"  rows {rows:3d} graph saves {saved * 100:.2f}% of the direct time; max |output difference| {diff:.3g}")
+                print(
+                    f"  rows {rows:3d} graph saves {saved * 100:.2f}% of the direct time; max |output difference| {diff:.3g}"
+                )
     return 0
 
 

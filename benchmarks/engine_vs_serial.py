@@ -34,7 +34,9 @@ def serial_b1(adapter, prompt: str, params: SamplingParams, n: int) -> None:
                 v = adapter.velocity(x, sigmas[i : i + 1], cond, [None], g, params.height, params.width)
                 a = params.noise_level if i < params.num_inference_steps - 1 else 0.0
                 eps = torch.randn(x.shape, generator=gen, device=adapter.device)
-                x = sampler.sde_step(x, v, sigmas[i : i + 1], sigmas[i + 1 : i + 2], a, noise=eps, sigma_first_step=sigmas[1:2]).next_latents
+                x = sampler.sde_step(
+                    x, v, sigmas[i : i + 1], sigmas[i + 1 : i + 2], a, noise=eps, sigma_first_step=sigmas[1:2]
+                ).next_latents
             adapter.decode(x, params.height, params.width)
 
 
@@ -69,7 +71,11 @@ def main() -> None:
         futures = [engine.submit(prompt, params.replace(seed=j)) for j in range(args.n)]
         [f.result() for f in futures]
 
-    for fn in (lambda: engine.generate_batched(prompt, args.n, params), concurrent, lambda: serial_b1(engine.adapter, prompt, params, args.n)):
+    for fn in (
+        lambda: engine.generate_batched(prompt, args.n, params),
+        concurrent,
+        lambda: serial_b1(engine.adapter, prompt, params, args.n),
+    ):
         fn()  # warm-up
     t_batched = timed(lambda: engine.generate_batched(prompt, args.n, params), args.repeats)
     t_concurrent = timed(concurrent, args.repeats)

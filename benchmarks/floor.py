@@ -27,15 +27,14 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from timing import sustained_seconds
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl.bench import flops as flop_count
-from flowrl.bench.models import build_bench_model
 from flowrl.bench.cli import add_common_arguments, add_compile_arguments, positive_int
+from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import JsonReport, environment, format_table, quiet_libraries, resolve_device_dtype
 from flowrl.bench.rollout import PROMPT
-
-from timing import sustained_seconds
 
 
 @dataclass
@@ -83,7 +82,10 @@ class _AttentionRecorder(TorchDispatchMode):
             heads = 1
             for size in batch:
                 heads *= size
-            spec = tuple(("tensor", tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            spec = tuple(
+                ("tensor", tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
+                for a in args
+            )
             flops = 2 * heads * lq * k.shape[-2] * (d + v.shape[-1])
             self.record.attention.append(AttentionCall(func, spec, dict(kwargs), flops))
         return func(*args, **kwargs)
@@ -152,6 +154,7 @@ def _linear_replay(record: ForwardRecord, fused: bool, device, dtype):
     def run():
         for x, weight, bias in plan:
             torch.nn.functional.linear(x, weight, bias)
+
     return run, len(plan)
 
 
@@ -163,7 +166,9 @@ def _attention_replay(record: ForwardRecord, device):
             if isinstance(a, tuple) and a and a[0] == "tensor":
                 _, shape, stride, dtype = a
                 t = torch.empty_strided(shape, stride, device=device, dtype=dtype)
-                t.copy_(torch.randn(shape, device=device, dtype=torch.float32)) if dtype.is_floating_point else t.zero_()
+                t.copy_(
+                    torch.randn(shape, device=device, dtype=torch.float32)
+                ) if dtype.is_floating_point else t.zero_()
                 args.append(t)
             else:
                 args.append(a)
@@ -172,6 +177,7 @@ def _attention_replay(record: ForwardRecord, device):
     def run():
         for op, args, kwargs in calls:
             op(*args, **kwargs)
+
     return run
 
 
@@ -181,14 +187,27 @@ def run_floor(args: argparse.Namespace) -> int:
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
     rows = args.num_samples * (2 if args.guidance_scale > 1.0 else 1)
-    report = JsonReport(args.json, {
-        "benchmark": "floor", "environment": environment(device),
-        "settings": {"model": args.model, "family": bench.family, "dtype": str(dtype).replace("torch.", ""),
-                     "num_samples": args.num_samples, "rows": rows, "size": args.size, "steps": args.steps,
-                     "guidance_scale": args.guidance_scale, "seconds": args.seconds, "compile": args.compile,
-                     "compile_rounding": args.compile_rounding},
-        "parts": {},
-    })
+    report = JsonReport(
+        args.json,
+        {
+            "benchmark": "floor",
+            "environment": environment(device),
+            "settings": {
+                "model": args.model,
+                "family": bench.family,
+                "dtype": str(dtype).replace("torch.", ""),
+                "num_samples": args.num_samples,
+                "rows": rows,
+                "size": args.size,
+                "steps": args.steps,
+                "guidance_scale": args.guidance_scale,
+                "seconds": args.seconds,
+                "compile": args.compile,
+                "compile_rounding": args.compile_rounding,
+            },
+            "parts": {},
+        },
+    )
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
     report.data["peak"] = peak
     record = record_forward(adapter, rows, args.size, args.size, args.guidance_scale)
@@ -200,8 +219,12 @@ def run_floor(args: argparse.Namespace) -> int:
     def measure(name: str, fn, flops: int | None, **extra) -> None:
         with torch.no_grad():
             timing = sustained_seconds(fn, device, args.seconds)
-        parts[name] = {**timing, "flops": flops, **extra,
-                       "flop_per_second": flops / timing["seconds"] if flops else None}
+        parts[name] = {
+            **timing,
+            "flops": flops,
+            **extra,
+            "flop_per_second": flops / timing["seconds"] if flops else None,
+        }
         report.save()
         rate = f", {flops / timing['seconds'] / 1e12:.1f} TFLOP/s" if flops else ""
         print(f"[bench] {name}: {timing['seconds'] * 1e3:.2f} ms per forward{rate}", flush=True)
@@ -210,8 +233,13 @@ def run_floor(args: argparse.Namespace) -> int:
         replay, gemms = _linear_replay(record, fused, device, dtype)
         measure("linears-fused" if fused else "linears", replay, linear_flops, gemms=gemms)
         del replay
-    measure("attention", _attention_replay(record, device), attention_flops, calls=len(record.attention),
-            kernel=str(record.attention[0].op) if record.attention else None)
+    measure(
+        "attention",
+        _attention_replay(record, device),
+        attention_flops,
+        calls=len(record.attention),
+        kernel=str(record.attention[0].op) if record.attention else None,
+    )
     measure("forward", forward, None)
     if args.compile:
         from flowrl.accel import compile_adapter
@@ -223,7 +251,8 @@ def run_floor(args: argparse.Namespace) -> int:
     report.data["floor"] = {
         "seconds_per_forward": floor,
         "images_per_second_transformer_only": args.num_samples / (args.steps * floor),
-        "rows_per_forward": rows, "forward_rows_per_image": per_image,
+        "rows_per_forward": rows,
+        "forward_rows_per_image": per_image,
     }
     report.save()
     _print(report.data)
@@ -233,28 +262,35 @@ def run_floor(args: argparse.Namespace) -> int:
 def _print(data: dict) -> None:
     s, parts, floor = data["settings"], data["parts"], data["floor"]
     print()
-    print(f"== floor: {s['model']}, {s['rows']} rows per forward, {s['size']}px, {s['dtype']}, "
-          f"{data['environment'].get('gpu') or data['environment']['device']}; matmul peak "
-          f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s sustained")
+    print(
+        f"== floor: {s['model']}, {s['rows']} rows per forward, {s['size']}px, {s['dtype']}, "
+        f"{data['environment'].get('gpu') or data['environment']['device']}; matmul peak "
+        f"{data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s sustained"
+    )
     rows = []
     for name, p in parts.items():
         rate = p["flop_per_second"] / 1e12 if p.get("flop_per_second") else None
         share = p["flop_per_second"] / data["peak"]["sustained_flops"] if p.get("flop_per_second") else None
         rows.append([name, p["seconds"] * 1e3, rate, f"{share:.1%}" if share else "-", p["calls"]])
     print(format_table(["part", "ms/forward", "TFLOP/s", "of peak", "timed calls"], rows))
-    print(f"   floor (best linears + attention): {floor['seconds_per_forward'] * 1e3:.2f} ms per forward -> "
-          f"at most {floor['images_per_second_transformer_only']:.3f} img/s over {s['steps']} steps, VAE decode excluded")
+    print(
+        f"   floor (best linears + attention): {floor['seconds_per_forward'] * 1e3:.2f} ms per forward -> "
+        f"at most {floor['images_per_second_transformer_only']:.3f} img/s over {s['steps']} steps, VAE decode excluded"
+    )
     for name in ("forward", "forward-compiled"):
         if name in parts:
-            print(f"   {name} - floor: {(parts[name]['seconds'] - floor['seconds_per_forward']) * 1e3:.2f} ms "
-                  f"({parts[name]['seconds'] / floor['seconds_per_forward']:.3f} x floor)")
+            print(
+                f"   {name} - floor: {(parts[name]['seconds'] - floor['seconds_per_forward']) * 1e3:.2f} ms "
+                f"({parts[name]['seconds'] / floor['seconds_per_forward']:.3f} x floor)"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser)
-    parser.add_argument("-n", "--num-samples", type=positive_int, default=16,
-                        help="samples per forward (rows: 2x with CFG; default 16)")
+    parser.add_argument(
+        "-n", "--num-samples", type=positive_int, default=16, help="samples per forward (rows: 2x with CFG; default 16)"
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="sustained timing per part (default 3 s)")
     add_compile_arguments(parser, "also time the forward after regional torch.compile")
     return parser

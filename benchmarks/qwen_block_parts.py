@@ -24,10 +24,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from timing import sustained_seconds
 
 from flowrl.accel.qwen_image.block import _rotate
-
-from timing import sustained_seconds
 
 
 def _rotate_unbind(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,16 +65,20 @@ def main() -> int:
     x = torch.randn(tokens, width, device=device, dtype=dtype)
     w1 = torch.randn(hidden, width, device=device, dtype=dtype) / width**0.5
     b1 = torch.randn(hidden, device=device, dtype=dtype) * 0.1
-    up_compiled = torch.compile(lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1), approximate="tanh"))
+    up_compiled = torch.compile(
+        lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1), approximate="tanh")
+    )
     up_linear = torch.compile(lambda: torch.nn.functional.linear(x, w1, b1))
     up_epilogue = lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True)  # noqa: E731
     act = torch.randn(tokens, hidden, device=device, dtype=dtype)
     gelu_only = torch.compile(lambda: torch.nn.functional.gelu(act, approximate="tanh"))
     flops = 2 * tokens * width * hidden
-    for name, fn, nbytes in (("mlp-up linear only (reference)", up_linear, None),
-                             ("mlp-up linear + gelu, inductor", up_compiled, None),
-                             ("mlp-up cuBLASLt gelu epilogue", up_epilogue, None),
-                             ("gelu alone (inductor)", gelu_only, 2 * act.numel() * bytes_per)):
+    for name, fn, nbytes in (
+        ("mlp-up linear only (reference)", up_linear, None),
+        ("mlp-up linear + gelu, inductor", up_compiled, None),
+        ("mlp-up cuBLASLt gelu epilogue", up_epilogue, None),
+        ("gelu alone (inductor)", gelu_only, 2 * act.numel() * bytes_per),
+    ):
         seconds = sustained_seconds(fn, device, args.seconds)["seconds"]
         results.append((name, seconds, nbytes, None if nbytes else flops))
     diff = (up_compiled().float() - up_epilogue().float()).abs().max().item()
@@ -95,14 +98,22 @@ def main() -> int:
     norm_only = torch.compile(lambda: (_rms(q, wq), _rms(k, wk)))
     copy = lambda: (q.clone(), k.clone())  # noqa: E731
     qk_bytes = 4 * q.numel() * bytes_per  # read q, k; write both
-    for name, fn in (("q/k norm + rope, unbind/stack", current), ("q/k norm + rope, pair swap", swap),
-                     ("q/k norm only", norm_only), ("q/k copy (bandwidth floor)", copy)):
+    for name, fn in (
+        ("q/k norm + rope, unbind/stack", current),
+        ("q/k norm + rope, pair swap", swap),
+        ("q/k norm only", norm_only),
+        ("q/k copy (bandwidth floor)", copy),
+    ):
         results.append((name, sustained_seconds(fn, device, args.seconds)["seconds"], qk_bytes, None))
     a, b = current(), swap()
-    print(f"rope: max |unbind/stack - pair swap| = {max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b)):.3g}")
+    print(
+        f"rope: max |unbind/stack - pair swap| = {max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b)):.3g}"
+    )
 
-    print(f"\n{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
-          f"{args.rows} rows x {args.tokens} tokens")
+    print(
+        f"\n{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
+        f"{args.rows} rows x {args.tokens} tokens"
+    )
     for name, seconds, nbytes, nflops in results:
         extra = f"{nbytes / seconds / 1e9:8.0f} GB/s" if nbytes else f"{nflops / seconds / 1e12:8.1f} TFLOP/s"
         print(f"{name:36s} {seconds * 1e3:8.3f} ms  {extra}")

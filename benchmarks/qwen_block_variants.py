@@ -37,6 +37,7 @@ import functools
 from pathlib import Path
 
 import torch
+from timing import sustained_seconds
 from torch._inductor.utils import run_and_get_code
 
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
@@ -48,12 +49,15 @@ from flowrl.accel.qwen_image.block import prepare_block
 from flowrl.accel.regional_compile import compile_in_place
 from flowrl.models.qwen_image import QwenImageAdapter
 
-from timing import sustained_seconds
-
 LAYOUTS = ("batch-major", "sequence-major")
 # --variants option -> AccelOptions switch
-SWITCHES = {"joint_kernel": "qk_kernel", "joint_v": "joint_v", "norm_kernel": "norm_kernel", "lora_fold": "lora_fold",
-            "lora_first": "lora_low_rank_first"}
+SWITCHES = {
+    "joint_kernel": "qk_kernel",
+    "joint_v": "joint_v",
+    "norm_kernel": "norm_kernel",
+    "lora_fold": "lora_fold",
+    "lora_first": "lora_low_rank_first",
+}
 
 
 def build_block(heads: int, head_dim: int, device, dtype):
@@ -67,7 +71,9 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
     """'layout:rounding[:inductor_option=int ...]' -> (layout, rounding, extra inductor options)."""
     layout, rounding, *options = spec.split(":")
     if layout not in LAYOUTS or rounding not in ROUNDINGS:
-        raise SystemExit(f"--variants: {spec!r} is not layout:rounding with layout in {LAYOUTS}, rounding in {ROUNDINGS}")
+        raise SystemExit(
+            f"--variants: {spec!r} is not layout:rounding with layout in {LAYOUTS}, rounding in {ROUNDINGS}"
+        )
     extra = {}
     for option in options:
         key, _, value = option.partition("=")
@@ -115,9 +121,16 @@ def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim:
     tables = []
     for tokens in (image_tokens, text_tokens):
         angles = torch.rand(tokens, head_dim // 2, generator=gen).to(device) * 6.28
-        tables.append((angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2)))
-    return dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None, temb=temb,
-                image_rotary_emb=tuple(tables))
+        tables.append(
+            (angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2))
+        )
+    return dict(
+        hidden_states=img,
+        encoder_hidden_states=txt,
+        encoder_hidden_states_mask=None,
+        temb=temb,
+        image_rotary_emb=tuple(tables),
+    )
 
 
 def kernel_table(call, device, calls: int) -> list[tuple[str, float, int]]:
@@ -149,8 +162,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     parser.add_argument("--profile-calls", type=int, default=5, help="block calls profiled per variant")
-    parser.add_argument("--variants", default=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS),
-                        help="comma-separated layout:rounding[:inductor_option=int...] (default: every layout x rounding)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS),
+        help="comma-separated layout:rounding[:inductor_option=int...] (default: every layout x rounding)",
+    )
     parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -162,12 +178,16 @@ def main() -> int:
     torch.manual_seed(0)
     base = build_block(heads, head_dim, device, dtype)
     reference = None
-    print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
-          f"{args.rows} rows x ({args.text_tokens} text + {args.image_tokens} image) tokens, width {heads * head_dim}")
+    print(
+        f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
+        f"{args.rows} rows x ({args.text_tokens} text + {args.image_tokens} image) tokens, width {heads * head_dim}"
+    )
     for spec in args.variants.split(","):
         layout, rounding, extra = parse_variant(spec)
         block = variant(base, layout, rounding, backend, extra)
-        kwargs = inputs(args.rows, args.image_tokens, args.text_tokens, heads * head_dim, head_dim, layout, device, dtype)
+        kwargs = inputs(
+            args.rows, args.image_tokens, args.text_tokens, heads * head_dim, head_dim, layout, device, dtype
+        )
         with torch.no_grad():
             call = functools.partial(block, **kwargs)
             first, code = run_and_get_code(call)  # the first call compiles
@@ -180,8 +200,10 @@ def main() -> int:
         reference = out if reference is None else reference
         diff = (out - reference).abs().max().item()
         print(f"\n{spec:40s} {seconds * 1e3:8.3f} ms per block   max |out - first| {diff:.3g}")
-        print(f"    {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels per call, of which:")
-        for name, ms, count in kernels[:args.top]:
+        print(
+            f"    {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels per call, of which:"
+        )
+        for name, ms, count in kernels[: args.top]:
             print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
         del block
     return 0

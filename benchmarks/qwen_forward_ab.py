@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import timing
 import torch
+from floor import velocity_call
 
 from flowrl.accel import compile_adapter
 from flowrl.bench.models import build_bench_model
 from flowrl.bench.report import quiet_libraries
-
-from floor import velocity_call
-import timing
 
 
 def _layouts(model, device, dtype, backend, rounding, rows, size) -> dict:
@@ -55,6 +54,7 @@ def _table_kernel(model, device, dtype, backend, rounding, rows, size) -> dict:
         def run():
             compile_adapter(adapter, backend, rounding, modulation_table=table, norm_kernel=kernel)
             return forward()
+
         return run
 
     return {f"table={int(t)} kernel={int(k)}": configured(t, k) for t in (True, False) for k in (True, False)}
@@ -74,7 +74,9 @@ def main() -> int:
     quiet_libraries()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    model, dtype, backend = ("qwen-image", torch.bfloat16, "inductor") if on_gpu else ("tiny-qwen", torch.float32, "aot_eager")
+    model, dtype, backend = (
+        ("qwen-image", torch.bfloat16, "inductor") if on_gpu else ("tiny-qwen", torch.float32, "aot_eager")
+    )
     size = args.size if on_gpu else 64
     forwards = COMPARISONS[args.compare](model, device, dtype, backend, args.compile_rounding, args.rows, size)
     with torch.no_grad():

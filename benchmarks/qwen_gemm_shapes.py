@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import timing
 import torch
 import torch.nn.functional as F
-
-import timing
-
 
 
 def _epilogue_chunks(bias, x, weight_t, chunks: int):
@@ -52,7 +50,11 @@ def groups(rows: int, tokens: int, width: int, device, dtype) -> dict[str, tuple
     w_up, b_up, w_down, b_down = randn(hidden, width), randn(hidden), randn(width, hidden), randn(width)
     w_qkv, b_qkv = randn(width, width), randn(width)
     w_mod, b_mod = randn(3 * 2 * width, width), randn(3 * 2 * width)
-    temb, table, index = randn(rows, width, scale=1.0), randn(100, 3 * 2 * width), torch.arange(rows, device=device) % 100
+    temb, table, index = (
+        randn(rows, width, scale=1.0),
+        randn(100, 3 * 2 * width),
+        torch.arange(rows, device=device) % 100,
+    )
     size = 8192 if device.type == "cuda" else 256
     a, b = randn(size, size, scale=1.0), randn(size, size, scale=1.0)
     up_t = w_up.t()
@@ -67,11 +69,14 @@ def groups(rows: int, tokens: int, width: int, device, dtype) -> dict[str, tuple
         "mlp-up": (2 * m * width * hidden, mlp_up),
         "mlp-down": (2 * m * hidden * width, {"bias": lambda: torch.addmm(b_down, x_wide, w_down.t())}),
         "qkv": (2 * m * width * width, {"bias": lambda: torch.addmm(b_qkv, x, w_qkv.t())}),
-        "modulation": (2 * rows * width * 6 * width, {
-            "GEMM (per step)": lambda: torch.addmm(b_mod, F.silu(temb), w_mod.t()),
-            "gather from a table": lambda: table.index_select(0, index),
-        }),
-        "peak": (2 * size ** 3, {"8192^3": lambda: a @ b}),
+        "modulation": (
+            2 * rows * width * 6 * width,
+            {
+                "GEMM (per step)": lambda: torch.addmm(b_mod, F.silu(temb), w_mod.t()),
+                "gather from a table": lambda: table.index_select(0, index),
+            },
+        ),
+        "peak": (2 * size**3, {"8192^3": lambda: a @ b}),
     }
 
 

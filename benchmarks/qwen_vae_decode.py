@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from timing import sustained_seconds
 from torch.utils.flop_counter import FlopCounterMode
 
 from flowrl.bench.models import QWEN_IMAGE_VAE, build_random_module
 from flowrl.models.base import to_uint8
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
-
-from timing import sustained_seconds
 
 
 def main(argv=None) -> dict:
@@ -37,11 +36,17 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from diffusers import AutoencoderKLQwenImage
 
-    vae = build_random_module(AutoencoderKLQwenImage, {**QWEN_IMAGE_VAE, "base_dim": args.base_dim}, device, dtype, seed=1)
+    vae = build_random_module(
+        AutoencoderKLQwenImage, {**QWEN_IMAGE_VAE, "base_dim": args.base_dim}, device, dtype, seed=1
+    )
     decode_single_frames_in_2d(vae)
     gen = torch.Generator(device=device).manual_seed(0)
-    latents = torch.randn((args.rows, QWEN_IMAGE_VAE["z_dim"], 1, args.size // 8, args.size // 8), generator=gen,
-                          device=device, dtype=dtype)
+    latents = torch.randn(
+        (args.rows, QWEN_IMAGE_VAE["z_dim"], 1, args.size // 8, args.size // 8),
+        generator=gen,
+        device=device,
+        dtype=dtype,
+    )
 
     @torch.no_grad()
     def stock():
@@ -59,10 +64,16 @@ def main(argv=None) -> dict:
             images[name] = to_uint8(fn()[:, :, 0])
         timing = sustained_seconds(fn, device, args.seconds)
         flops = counter.get_total_flops()
-        results[name] = {"ms": timing["seconds"] * 1e3, "tflop": flops / 1e12,
-                         "tflop_per_s": flops / timing["seconds"] / 1e12}
-        print(f"{name:18s} {results[name]['ms']:9.2f} ms per decode of {args.rows}  "
-              f"{results[name]['tflop'] * 1e3:10.3f} GFLOP  {results[name]['tflop_per_s']:7.1f} TFLOP/s", flush=True)
+        results[name] = {
+            "ms": timing["seconds"] * 1e3,
+            "tflop": flops / 1e12,
+            "tflop_per_s": flops / timing["seconds"] / 1e12,
+        }
+        print(
+            f"{name:18s} {results[name]['ms']:9.2f} ms per decode of {args.rows}  "
+            f"{results[name]['tflop'] * 1e3:10.3f} GFLOP  {results[name]['tflop_per_s']:7.1f} TFLOP/s",
+            flush=True,
+        )
     diff = (images["stock-3d"].int() - images["2d-channels-last"].int()).abs().max().item()
     results["max_pixel_difference"] = diff
     results["speedup"] = results["stock-3d"]["ms"] / results["2d-channels-last"]["ms"]

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser, seconds: float) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def alternate(variants: dict[str, Callable], device: torch.device, rounds: int, seconds: float) -> dict[str, list[float]]:
+def alternate(
+    variants: dict[str, Callable], device: torch.device, rounds: int, seconds: float
+) -> dict[str, list[float]]:
     """Seconds per call of each variant in each round (each a sustained figure)."""
     times = {name: [] for name in variants}
     for _ in range(rounds):
@@ -53,7 +55,11 @@ def alternate(variants: dict[str, Callable], device: torch.device, rounds: int, 
 
 def rounds_line(label: str, values: list[float]) -> str:
     """'label  ms ms ms   median ms' for one variant's rounds."""
-    return f"{label} " + "  ".join(f"{v * 1e3:8.2f}" for v in values) + f"   median {statistics.median(values) * 1e3:8.2f} ms"
+    return (
+        f"{label} "
+        + "  ".join(f"{v * 1e3:8.2f}" for v in values)
+        + f"   median {statistics.median(values) * 1e3:8.2f} ms"
+    )
 
 
 def kernel_names(fn: Callable) -> list[str]:

@@ -12,9 +12,15 @@ import sys
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["show"], help="show: print the resolved config as YAML")
-    parser.add_argument("--config", default=None, metavar="F", help="YAML file (e.g. a recipe) applied over the defaults")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides applied last, e.g. rollout.n=16 rollout.sampling.guidance_scale=4.5")
+    parser.add_argument(
+        "--config", default=None, metavar="F", help="YAML file (e.g. a recipe) applied over the defaults"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides applied last, e.g. rollout.n=16 rollout.sampling.guidance_scale=4.5",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -126,7 +126,9 @@ def sde_step(
     )
 
 
-def ode_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+def ode_step(
+    latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+) -> torch.Tensor:
     """The Euler ODE step x' = x + v * (s' - s), in float32."""
     x = latents.float()
     return x + velocity.float() * (_per_row(sigma_next, x) - _per_row(sigma, x))
@@ -145,7 +147,9 @@ def default_sde_window(num_steps: int) -> tuple[int, int]:
     return (0, max(num_steps - 1, 0))
 
 
-def draw_sde_window(num_steps: int, size: int, window_range: tuple[int, int] | None, generator: torch.Generator) -> tuple[int, int]:
+def draw_sde_window(
+    num_steps: int, size: int, window_range: tuple[int, int] | None, generator: torch.Generator
+) -> tuple[int, int]:
     """Draw start ~ U{lo .. hi - size} and return [start, start + size)."""
     lo, hi = window_range if window_range is not None else (0, num_steps - 1)
     start = int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())

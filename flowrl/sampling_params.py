@@ -74,14 +74,9 @@ class SamplingParams:
                     f"model's size factor; use for example {lower} or {lower + size_multiple}"
                 )
         if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
-            raise ValueError(
-                f"SamplingParams.num_inference_steps={self.num_inference_steps!r} must be an "
-                "integer >= 1"
-            )
+            raise ValueError(f"SamplingParams.num_inference_steps={self.num_inference_steps!r} must be an integer >= 1")
         if self.sde_type not in get_args(SdeType):
-            raise ValueError(
-                f"SamplingParams.sde_type={self.sde_type!r} is unknown; use one of {get_args(SdeType)}"
-            )
+            raise ValueError(f"SamplingParams.sde_type={self.sde_type!r} is unknown; use one of {get_args(SdeType)}")
         if not (self.noise_level >= 0.0):
             raise ValueError(f"SamplingParams.noise_level={self.noise_level!r} must be >= 0")
         if self.sde_type == "cps" and self.noise_level > 1.0:

@@ -51,9 +51,16 @@ def test_overrides_change_exactly_their_keys():
         "reward.options.quality": 90,
         "model.path": "/models/sd35",
     }
-    texts = ["rollout.n=16", "rollout.enable_batched_diffusion=false", "rollout.sampling.guidance_scale=4.5",
-             "rollout.sampling.sde_window=[1,3]", "algorithm.clip_range=1e-5",
-             "trainer.lora.target_modules=[to_q,add_q_proj]", "reward.options.quality=90", "model.path=/models/sd35"]
+    texts = [
+        "rollout.n=16",
+        "rollout.enable_batched_diffusion=false",
+        "rollout.sampling.guidance_scale=4.5",
+        "rollout.sampling.sde_window=[1,3]",
+        "algorithm.clip_range=1e-5",
+        "trainer.lora.target_modules=[to_q,add_q_proj]",
+        "reward.options.quality=90",
+        "model.path=/models/sd35",
+    ]
     cfg = load_config(None, texts)
     before, after = _flatten(config_to_dict(load_config(None, []))), _flatten(config_to_dict(cfg))
     changed = {key for key in after if before.get(key) != after[key]}
@@ -74,21 +81,31 @@ def test_yaml_file_then_overrides_in_order(tmp_path):
 
 
 def test_yaml_output_round_trips(tmp_path):
-    cfg = load_config(None, ["rollout.sampling.sde_window_size=2", "rollout.sampling.sde_window_range=[0,4]",
-                             "trainer.mixed_precision=no", "reward.name=null",
-                             "reward.components=[{name: ocr, weight: 2.0, options: {lang: en}}, {name: jpeg_compressibility}]"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.sampling.sde_window_size=2",
+            "rollout.sampling.sde_window_range=[0,4]",
+            "trainer.mixed_precision=no",
+            "reward.name=null",
+            "reward.components=[{name: ocr, weight: 2.0, options: {lang: en}}, {name: jpeg_compressibility}]",
+        ],
+    )
     path = tmp_path / "resolved.yaml"
     path.write_text(config_to_yaml(cfg))
     assert load_config(str(path), []) == cfg
     assert config_from_dict(config_to_dict(cfg)) == cfg
 
 
-@pytest.mark.parametrize("override, key, hint", [
-    ("rollout.nn=3", "rollout.nn", "rollout.n?"),
-    ("trainer.lora.rnak=4", "trainer.lora.rank", "trainer.lora.rank?"),
-    ("rollout.sampling.guidance=4.5", "rollout.sampling.guidance", "rollout.sampling.guidance_scale?"),
-    ("rollot.n=3", "rollot", "rollout?"),
-])
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        ("rollout.nn=3", "rollout.nn", "rollout.n?"),
+        ("trainer.lora.rnak=4", "trainer.lora.rank", "trainer.lora.rank?"),
+        ("rollout.sampling.guidance=4.5", "rollout.sampling.guidance", "rollout.sampling.guidance_scale?"),
+        ("rollot.n=3", "rollot", "rollout?"),
+    ],
+)
 def test_unknown_key_names_it_and_suggests_the_closest(override, key, hint):
     with pytest.raises(ValueError) as error:
         load_config(None, [override])
@@ -102,16 +119,19 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(str(path), [])
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.n=abc", "rollout.n"),
-    ("rollout.n=2.5", "rollout.n"),
-    ("rollout.enable_batched_diffusion=2", "rollout.enable_batched_diffusion"),
-    ("trainer.betas=[0.9,0.99,0.9]", "trainer.betas"),
-    ("trainer.lr=fast", "trainer.lr"),
-    ("rollout.sampling=3", "rollout.sampling"),
-    ("trainer.lora.target_modules=to_q", "trainer.lora.target_modules"),
-    ("rollout.sampling.sde_window=[1,x]", "rollout.sampling.sde_window.1"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.n=abc", "rollout.n"),
+        ("rollout.n=2.5", "rollout.n"),
+        ("rollout.enable_batched_diffusion=2", "rollout.enable_batched_diffusion"),
+        ("trainer.betas=[0.9,0.99,0.9]", "trainer.betas"),
+        ("trainer.lr=fast", "trainer.lr"),
+        ("rollout.sampling=3", "rollout.sampling"),
+        ("trainer.lora.target_modules=to_q", "trainer.lora.target_modules"),
+        ("rollout.sampling.sde_window=[1,x]", "rollout.sampling.sde_window.1"),
+    ],
+)
 def test_wrong_type_names_key_and_value(override, key):
     with pytest.raises(ValueError) as error:
         load_config(None, [override])
@@ -119,24 +139,27 @@ def test_wrong_type_names_key_and_value(override, key):
     assert key in message and override.split("=", 1)[1].strip("[]").split(",")[-1] in message
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.n=0", "rollout.n"),
-    ("rollout.n=1", "rollout.n"),  # flow_grpo needs a group of at least two
-    ("model.dtype=float64", "model.dtype"),
-    ("model.device=gpu", "model.device"),
-    ("algorithm.std_mode=batch", "algorithm.std_mode"),
-    ("algorithm.old_log_prob=old", "algorithm.old_log_prob"),
-    ("algorithm.train_timestep_fraction=0", "algorithm.train_timestep_fraction"),
-    ("trainer.lr=-1e-4", "trainer.lr"),
-    ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
-    ("trainer.lora.init=xavier", "trainer.lora.init"),
-    ("rollout.sampling.sde_type=ode", "rollout.sampling.sde_type"),
-    ("rollout.sampling.height=65", "rollout.sampling.height"),
-    ("rollout.sampling.seed=3", "rollout.sampling.seed"),
-    ("data.train_path=prompts.csv", "data.train_path"),
-    ("engine.max_batch_rows=0", "engine.max_batch_rows"),
-    ("reward.components=[{name: ocr}]", "reward.name"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.n=0", "rollout.n"),
+        ("rollout.n=1", "rollout.n"),  # flow_grpo needs a group of at least two
+        ("model.dtype=float64", "model.dtype"),
+        ("model.device=gpu", "model.device"),
+        ("algorithm.std_mode=batch", "algorithm.std_mode"),
+        ("algorithm.old_log_prob=old", "algorithm.old_log_prob"),
+        ("algorithm.train_timestep_fraction=0", "algorithm.train_timestep_fraction"),
+        ("trainer.lr=-1e-4", "trainer.lr"),
+        ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+        ("trainer.lora.init=xavier", "trainer.lora.init"),
+        ("rollout.sampling.sde_type=ode", "rollout.sampling.sde_type"),
+        ("rollout.sampling.height=65", "rollout.sampling.height"),
+        ("rollout.sampling.seed=3", "rollout.sampling.seed"),
+        ("data.train_path=prompts.csv", "data.train_path"),
+        ("engine.max_batch_rows=0", "engine.max_batch_rows"),
+        ("reward.components=[{name: ocr}]", "reward.name"),
+    ],
+)
 def test_semantic_errors_name_the_field(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config(None, [override])
@@ -166,8 +189,10 @@ def test_slices_are_independent_dataclasses():
     assert sections == {"model", "engine", "rollout", "algorithm", "trainer", "reward", "data", "logging"}
     # A component validates its own slice without the root.
     assert cfg.rollout.validate() is cfg.rollout
-    assert cfg.trainer.resolve_grad_accum(cfg.trainer.prompts_per_step * cfg.rollout.n) * \
-        cfg.trainer.micro_batch_size >= cfg.trainer.prompts_per_step * cfg.rollout.n
+    assert (
+        cfg.trainer.resolve_grad_accum(cfg.trainer.prompts_per_step * cfg.rollout.n) * cfg.trainer.micro_batch_size
+        >= cfg.trainer.prompts_per_step * cfg.rollout.n
+    )
 
 
 def test_cli_config_show_prints_resolved_yaml(capsys):
@@ -244,9 +269,11 @@ def test_sampling_params_and_config_stay_light():
     import subprocess
     import sys
 
-    code = ("import sys, flowrl.sampling_params; assert 'torch' not in sys.modules, 'torch'; "
-            "import flowrl.config; assert 'torch' not in sys.modules, 'torch'; "
-            "bad = [m for m in sys.modules if m.startswith(('flowrl.models', 'flowrl.accel', 'flowrl.engine', "
-            "'flowrl.rollout', 'flowrl.trainer'))]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, flowrl.sampling_params; assert 'torch' not in sys.modules, 'torch'; "
+        "import flowrl.config; assert 'torch' not in sys.modules, 'torch'; "
+        "bad = [m for m in sys.modules if m.startswith(('flowrl.models', 'flowrl.accel', 'flowrl.engine', "
+        "'flowrl.rollout', 'flowrl.trainer'))]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,15 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flowrl"
-CORE = ("flowrl.config", "flowrl.sampler", "flowrl.sampling_params", "flowrl.models", "flowrl.engine",
-        "flowrl.rollout", "flowrl.trainer")
+CORE = (
+    "flowrl.config",
+    "flowrl.sampler",
+    "flowrl.sampling_params",
+    "flowrl.models",
+    "flowrl.engine",
+    "flowrl.rollout",
+    "flowrl.trainer",
+)
 ACCEL_ENTRY = {"compile_adapter", "is_compiled"}
 
 
@@ -81,7 +88,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "grey":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 walk(nxt)
         stack.pop()

@@ -81,7 +81,9 @@ def test_rows_are_independent_of_batch_mates():
     s, s_next = torch.linspace(0.9, 0.5, 5), torch.linspace(0.7, 0.3, 5)
     batched = sampler.sde_step(x, v, s, s_next, 0.7, "sde", noise=eps)
     for i in range(5):
-        single = sampler.sde_step(x[i : i + 1], v[i : i + 1], s[i : i + 1], s_next[i : i + 1], 0.7, "sde", noise=eps[i : i + 1])
+        single = sampler.sde_step(
+            x[i : i + 1], v[i : i + 1], s[i : i + 1], s_next[i : i + 1], 0.7, "sde", noise=eps[i : i + 1]
+        )
         torch.testing.assert_close(single.next_latents[0], batched.next_latents[i], atol=0, rtol=0)
         torch.testing.assert_close(single.log_prob[0], batched.log_prob[i], atol=1e-7, rtol=0)
 

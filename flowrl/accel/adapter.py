@@ -38,14 +38,18 @@ FAMILIES = {
     # The VAE decoder too: GroupNorm + SiLU + convs at full resolution cost about a fifth of a
     # 10-step 512 px rollout in eager mode, and fusing the elementwise work pays there.
     "sd3": FamilyFastPath(extra_regions=("vae.decoder",)),
-    "qwen_image": FamilyFastPath(install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS),
+    "qwen_image": FamilyFastPath(
+        install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS
+    ),
 }
 
 
 def compiled_regions(adapter) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) pairs that compile_adapter compiles: every transformer block, then the
     family's extra regions."""
-    regions = [(f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(adapter.transformer.transformer_blocks)]
+    regions = [
+        (f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(adapter.transformer.transformer_blocks)
+    ]
     for path in FAMILIES.get(adapter.family, FamilyFastPath()).extra_regions:
         module = adapter
         for part in path.split("."):
@@ -64,8 +68,10 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
     for _, module in regions:
         compiled_with = compiled_settings(module)
         if compiled_with is not None and compiled_with != (backend, rounding):
-            raise ValueError(f"module is compiled already with (backend, rounding)={compiled_with}; "
-                             f"it cannot be recompiled with {(backend, rounding)} in this process")
+            raise ValueError(
+                f"module is compiled already with (backend, rounding)={compiled_with}; "
+                f"it cannot be recompiled with {(backend, rounding)} in this process"
+            )
     family = FAMILIES.get(adapter.family, FamilyFastPath())
     if family.install is not None:
         family.install(adapter, options)

@@ -65,8 +65,13 @@ linear_gelu_tanh.register_autograd(_backward, setup_context=_setup_context)
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     proj = self.net[0].proj
-    fusable = (self._flowrl_accel.gelu_epilogue and type(proj) is torch.nn.Linear and proj.bias is not None
-               and proj.weight.dtype == hidden_states.dtype and not torch.is_autocast_enabled(hidden_states.device.type))
+    fusable = (
+        self._flowrl_accel.gelu_epilogue
+        and type(proj) is torch.nn.Linear
+        and proj.bias is not None
+        and proj.weight.dtype == hidden_states.dtype
+        and not torch.is_autocast_enabled(hidden_states.device.type)
+    )
     if not fusable:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     hidden_states = linear_gelu_tanh(hidden_states, proj.weight, proj.bias)

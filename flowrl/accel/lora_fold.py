@@ -113,8 +113,15 @@ def _gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                down: torch.Tensor | None = None, up: torch.Tensor | None = None, low_rank_first: bool = True) -> None:
+def linear_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    down: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    low_rank_first: bool = True,
+) -> None:
     """out (M, N) = x (M, K) W^T + bias [+ (x down^T) up^T]: one GEMM writes out, the other
     accumulates into it in place (cuBLAS beta = 1), so the sum needs no pass of its own.
     low_rank_first: the low-rank GEMM with the bias writes out and the base GEMM accumulates
@@ -129,8 +136,14 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @torch.library.custom_op("flowrl::lora_linear", mutates_args=())
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                up: torch.Tensor, low_rank_first: bool) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    low_rank_first: bool,
+) -> torch.Tensor:
     """x (..., K) W^T + bias + (x down^T) up^T, (..., N), in x's dtype (all inputs in it)."""
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty((rows.shape[0], weight.shape[0]))

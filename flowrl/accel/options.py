@@ -55,7 +55,9 @@ class AccelOptions:
         names = [f.name for f in dataclasses.fields(cls)]
         for name, value in switches.items():
             if name not in names:
-                raise ValueError(f"compile_adapter: unknown switch {name}={value!r}; the switches are {', '.join(names)}")
+                raise ValueError(
+                    f"compile_adapter: unknown switch {name}={value!r}; the switches are {', '.join(names)}"
+                )
             if not isinstance(value, bool):
                 raise ValueError(f"compile_adapter: switch {name}={value!r} must be True or False")
         return cls(**switches)
@@ -69,6 +71,8 @@ def check_backend(backend: str) -> str:
 
 def check_compile_rounding(rounding: str, field: str = "compile_rounding") -> str:
     if rounding not in COMPILE_ROUNDINGS:
-        raise ValueError(f"{field}={rounding!r} is unknown; use one of {COMPILE_ROUNDINGS} "
-                         "(eager: rounding where eager PyTorch rounds, the default; fused: only where kernels write)")
+        raise ValueError(
+            f"{field}={rounding!r} is unknown; use one of {COMPILE_ROUNDINGS} "
+            "(eager: rounding where eager PyTorch rounds, the default; fused: only where kernels write)"
+        )
     return rounding

@@ -64,8 +64,9 @@ def _first_row(value):
     return value
 
 
-def compile_in_place(module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager",
-                     no_grad_options: dict | None = None) -> bool:
+def compile_in_place(
+    module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager", no_grad_options: dict | None = None
+) -> bool:
     """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
     Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
     and weight sync see the same module. Returns False when it was compiled already.
@@ -91,17 +92,27 @@ def compile_in_place(module: torch.nn.Module, backend: str = "inductor", roundin
     compiled_with = compiled_settings(module)
     if compiled_with is not None:
         if compiled_with != (backend, rounding):
-            raise ValueError(f"module is compiled already with (backend, rounding)={compiled_with}; "
-                             f"it cannot be recompiled with {(backend, rounding)} in this process")
+            raise ValueError(
+                f"module is compiled already with (backend, rounding)={compiled_with}; "
+                f"it cannot be recompiled with {(backend, rounding)} in this process"
+            )
         return False
-    options = {**INDUCTOR_OPTIONS, "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding]} if backend == "inductor" else None
+    options = (
+        {**INDUCTOR_OPTIONS, "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding]}
+        if backend == "inductor"
+        else None
+    )
     compiled = torch.compile(module._call_impl, backend=backend, dynamic=None, options=options)
     compiled_no_grad = compiled
     if backend == "inductor" and no_grad_options:
         # A separate torch.compile (dynamo guards entries on their backend, so the two never mix).
-        compiled_no_grad = torch.compile(module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options})
+        compiled_no_grad = torch.compile(
+            module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options}
+        )
     # Compiled on its first call only (torch.compile is lazy): runs without checkpointing never pay.
-    compiled_checkpointed = torch.compile(_checkpointed(module._call_impl), backend=backend, dynamic=None, options=options)
+    compiled_checkpointed = torch.compile(
+        _checkpointed(module._call_impl), backend=backend, dynamic=None, options=options
+    )
 
     def call_with_dynamic_batch(args: tuple, kwargs: dict, checkpoint: bool):
         _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's

@@ -22,74 +22,147 @@ def positive_int(value: str) -> int:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="local diffusers folder, or sd35-medium | qwen-image | tiny-sd3 | tiny-qwen (random weights)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="local diffusers folder, or sd35-medium | qwen-image | tiny-sd3 | tiny-qwen (random weights)",
+    )
     parser.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
     parser.add_argument("--size", type=positive_int, default=512, help="image height = width in pixels (default 512)")
     parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale; > 1 runs cond + uncond rows")
-    parser.add_argument("--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)")
+    parser.add_argument(
+        "--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, float16")
-    parser.add_argument("--num-layers", type=positive_int, default=None,
-                        help="build sd35-medium / qwen-image with this many blocks (smoke tests of the published widths)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, float16"
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="build sd35-medium / qwen-image with this many blocks (smoke tests of the published widths)",
+    )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
     parser.add_argument("--compile", action="store_true", help=compile_help)
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)")
-    parser.add_argument("--compile-rounding", default="eager", choices=get_args(CompileRounding),
-                        help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)")
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)"
+    )
+    parser.add_argument(
+        "--compile-rounding",
+        default="eager",
+        choices=get_args(CompileRounding),
+        help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)",
+    )
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob}", required=True)
-    rollout = sub.add_parser("rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)")
+    rollout = sub.add_parser(
+        "rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)"
+    )
     add_common_arguments(rollout)
     rollout.add_argument("-n", "--num-samples", type=positive_int, default=16, help="samples per mode (default 16)")
-    rollout.add_argument("--modes", default=None,
-                         help="comma list of pipeline-serial, pipeline-batched, engine-batched, engine-concurrent, "
-                              "engine-batched-compiled, engine-concurrent-compiled, pipeline-batched-compiled "
-                              "(default: the four eager modes, plus the compiled engine modes with --compile)")
+    rollout.add_argument(
+        "--modes",
+        default=None,
+        help="comma list of pipeline-serial, pipeline-batched, engine-batched, engine-concurrent, "
+        "engine-batched-compiled, engine-concurrent-compiled, pipeline-batched-compiled "
+        "(default: the four eager modes, plus the compiled engine modes with --compile)",
+    )
     add_compile_arguments(rollout, "also run the engine modes with regional torch.compile")
-    rollout.add_argument("--serial-samples", type=positive_int, default=None, help="images of pipeline-serial (default: -n)")
+    rollout.add_argument(
+        "--serial-samples", type=positive_int, default=None, help="images of pipeline-serial (default: -n)"
+    )
     rollout.add_argument("--repeats", type=positive_int, default=1, help="timed runs per mode; the median is reported")
     rollout.add_argument("--warmup-steps", type=positive_int, default=2, help="steps of each mode's warm-up run")
-    rollout.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
+    rollout.add_argument(
+        "--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)"
+    )
     rollout.add_argument("--decode-chunk-size", type=positive_int, default=16)
-    rollout.add_argument("--lora-rank", type=int, default=0,
-                         help="roll out with a LoRA adapter of this rank on the attention projections, as training "
-                              "does (default 0: the base model, as the targets are stated)")
-    rollout.add_argument("--profile", nargs="?", const="last", default=None,
-                         help="profile one mode after timing (default: the last mode run) and print where the time goes")
+    rollout.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="roll out with a LoRA adapter of this rank on the attention projections, as training "
+        "does (default 0: the base model, as the targets are stated)",
+    )
+    rollout.add_argument(
+        "--profile",
+        nargs="?",
+        const="last",
+        default=None,
+        help="profile one mode after timing (default: the last mode run) and print where the time goes",
+    )
     rollout.add_argument("--profile-steps", type=positive_int, default=2, help="denoising steps of the profiled run")
 
     logprob = sub.add_parser("logprob", help="rollout-vs-trainer log-prob gap and training-step speed")
     add_common_arguments(logprob)
-    logprob.add_argument("-n", "--num-samples", type=positive_int, default=32, help="samples generated with generate_batched (default 32)")
-    logprob.add_argument("--micro-batches", default="1,8,32", help="trainer micro-batch sizes to recompute with (default 1,8,32)")
-    logprob.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on the attention projections; 0 trains the full transformer")
-    logprob.add_argument("--autocast", default="no", choices=["no", "bf16", "fp16"], help="trainer mixed precision (as trainer.mixed_precision)")
-    logprob.add_argument("--train-micro-batches", "--train-micro-batch", default=None,
-                         help="micro-batch sizes of the timed training step, a comma list such as 2,4,8 (each timed "
-                              "and, with --profile, profiled; default: the largest of --micro-batches that fits)")
+    logprob.add_argument(
+        "-n",
+        "--num-samples",
+        type=positive_int,
+        default=32,
+        help="samples generated with generate_batched (default 32)",
+    )
+    logprob.add_argument(
+        "--micro-batches", default="1,8,32", help="trainer micro-batch sizes to recompute with (default 1,8,32)"
+    )
+    logprob.add_argument(
+        "--lora-rank",
+        type=int,
+        default=32,
+        help="LoRA rank on the attention projections; 0 trains the full transformer",
+    )
+    logprob.add_argument(
+        "--autocast",
+        default="no",
+        choices=["no", "bf16", "fp16"],
+        help="trainer mixed precision (as trainer.mixed_precision)",
+    )
+    logprob.add_argument(
+        "--train-micro-batches",
+        "--train-micro-batch",
+        default=None,
+        help="micro-batch sizes of the timed training step, a comma list such as 2,4,8 (each timed "
+        "and, with --profile, profiled; default: the largest of --micro-batches that fits)",
+    )
     logprob.add_argument("--train-repeats", type=positive_int, default=3, help="timed training steps (median reported)")
-    logprob.add_argument("--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)")
+    logprob.add_argument(
+        "--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)"
+    )
     add_compile_arguments(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
-    logprob.add_argument("--sde-window-size", type=positive_int, default=None,
-                         help="SDE window length drawn per rollout (default: every step but the last is stochastic)")
-    logprob.add_argument("--gradient-checkpointing", action="store_true",
-                         help="time the training step with the transformer's gradient checkpointing on "
-                              "(as trainer.gradient_checkpointing: true in the recipes)")
-    logprob.add_argument("--profile", action="store_true",
-                         help="profile one training step after timing it: device time per kernel category, the top "
-                              "kernels, and the share of the step's wall time the GPU was busy")
-    logprob.add_argument("--old-log-prob", default="rollout", choices=["rollout", "recompute"],
-                         help="the timed step's PPO denominator (as algorithm.old_log_prob). With recompute and "
-                              "--compile the step takes the recompute's values instead of a second no-grad forward, "
-                              "as the trainer does before a step's first update without a KL term")
+    logprob.add_argument(
+        "--sde-window-size",
+        type=positive_int,
+        default=None,
+        help="SDE window length drawn per rollout (default: every step but the last is stochastic)",
+    )
+    logprob.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="time the training step with the transformer's gradient checkpointing on "
+        "(as trainer.gradient_checkpointing: true in the recipes)",
+    )
+    logprob.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one training step after timing it: device time per kernel category, the top "
+        "kernels, and the share of the step's wall time the GPU was busy",
+    )
+    logprob.add_argument(
+        "--old-log-prob",
+        default="rollout",
+        choices=["rollout", "recompute"],
+        help="the timed step's PPO denominator (as algorithm.old_log_prob). With recompute and "
+        "--compile the step takes the recompute's values instead of a second no-grad forward, "
+        "as the trainer does before a step's first update without a KL term",
+    )
 
 
 def _check_rounding_is_used(args) -> None:
@@ -103,8 +176,10 @@ def _check_rounding_is_used(args) -> None:
     else:
         used = args.compile
     if not used:
-        raise ValueError(f"--compile-rounding={args.compile_rounding} applies to compiled runs only; "
-                         "add --compile (or a *-compiled mode) or drop --compile-rounding")
+        raise ValueError(
+            f"--compile-rounding={args.compile_rounding} applies to compiled runs only; "
+            "add --compile (or a *-compiled mode) or drop --compile-rounding"
+        )
 
 
 def run(args) -> int:

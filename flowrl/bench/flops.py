@@ -48,8 +48,10 @@ def count_flops(fn) -> int:
     Compiled modules run eagerly here (the same ops): dynamo meeting the counter's dispatch mode
     gave up on the code object every regionally compiled block shares, and every later call of
     those blocks ran eager (a profile taken after a count showed eager kernels only)."""
-    with torch.compiler.set_stance("force_eager"), \
-            FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter:
+    with (
+        torch.compiler.set_stance("force_eager"),
+        FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter,
+    ):
         fn()
     return int(counter.get_total_flops())
 
@@ -74,8 +76,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None,
-                        burst_repeats: int = 10, sustain_seconds: float = 3.0) -> dict:
+def measure_matmul_peak(
+    device: torch.device,
+    dtype: torch.dtype,
+    size: int | None = None,
+    burst_repeats: int = 10,
+    sustain_seconds: float = 3.0,
+) -> dict:
     """Matmul FLOP/s: `burst` (mean of burst_repeats products after 3 warm-ups) and `sustained`
     (products back to back for about sustain_seconds, after the burst). Random data, not zeros
     (zeros run faster). Size defaults to 8192 on a GPU and 1024 on a CPU."""
@@ -101,5 +108,10 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
         torch.mm(a, b)
     synchronize(device)
     sustained = flops * count / (time.perf_counter() - t0)
-    return {"size": size, "dtype": str(dtype).replace("torch.", ""), "burst_flops": burst,
-            "sustained_flops": sustained, "sustained_products": count}
+    return {
+        "size": size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "burst_flops": burst,
+        "sustained_flops": sustained,
+        "sustained_products": count,
+    }

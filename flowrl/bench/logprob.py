@@ -31,11 +31,20 @@ import torch
 
 from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable
-from flowrl.bench.summary import ms_list
 from flowrl.bench.report import (
-    JsonReport, environment, format_table, median, peak_memory_gb, profile_lines, profile_summary, quiet_libraries,
-    reset_peak_memory, resolve_device_dtype, time_runs,
+    JsonReport,
+    environment,
+    format_table,
+    median,
+    peak_memory_gb,
+    profile_lines,
+    profile_summary,
+    quiet_libraries,
+    reset_peak_memory,
+    resolve_device_dtype,
+    time_runs,
 )
+from flowrl.bench.summary import ms_list
 from flowrl.sampling_params import SamplingParams
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, takes_values_from_no_grad
 
@@ -87,17 +96,33 @@ def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dic
     values_from = "no_grad" if takes_values_from_no_grad(adapter) else "grad"
     trainer = diffs[values_from]
     return {
-        "micro_batch": micro_batch, "trainer_values_from": f"{values_from} pass",
-        "mean_abs_diff": float(trainer.mean()), "max_abs_diff": float(trainer.max()),
-        "mean_abs_diff_per_step": trainer.mean(dim=0).tolist(), "max_abs_diff_per_step": trainer.max(dim=0).values.tolist(),
-        **{f"{mode}_pass": {"mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max())} for mode, d in diffs.items()},
+        "micro_batch": micro_batch,
+        "trainer_values_from": f"{values_from} pass",
+        "mean_abs_diff": float(trainer.mean()),
+        "max_abs_diff": float(trainer.max()),
+        "mean_abs_diff_per_step": trainer.mean(dim=0).tolist(),
+        "max_abs_diff_per_step": trainer.max(dim=0).values.tolist(),
+        **{
+            f"{mode}_pass": {"mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max())}
+            for mode, d in diffs.items()
+        },
         "rollout_log_prob_mean": float(tensors["all_log_probs"].double().mean()),
         "seconds": time.perf_counter() - t0,
     }
 
 
-def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocast_dtype, repeats: int, device,
-                       profile: bool = False, old_log_prob_mode: str = "rollout") -> dict:
+def time_training_step(
+    adapter,
+    params,
+    tensors,
+    spec,
+    micro_batch: int,
+    autocast_dtype,
+    repeats: int,
+    device,
+    profile: bool = False,
+    old_log_prob_mode: str = "rollout",
+) -> dict:
     """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA);
     with `profile`, also one profiled step (see the module docstring). old_log_prob_mode as
     algorithm.old_log_prob: with "recompute" on a compiled model the step reuses the recompute's
@@ -125,11 +150,18 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
             if known_values is not None:
                 result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
             else:
-                result = score_transitions(adapter, mb, step_index, spec, autocast_dtype,
-                                           values_from_no_grad=takes_values_from_no_grad(adapter))  # as the trainer scores
+                result = score_transitions(
+                    adapter,
+                    mb,
+                    step_index,
+                    spec,
+                    autocast_dtype,
+                    values_from_no_grad=takes_values_from_no_grad(adapter),
+                )  # as the trainer scores
             ratio = torch.exp(result.log_prob - old_log_prob)
             loss = -(advantages * ratio).mean()
             loss.backward()
+
         return forward_backward
 
     forward_backward = make_forward_backward(rows)
@@ -148,7 +180,7 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
         # The FLOPs are counted eagerly (flop_count), which can need more memory than the compiled
         # step; every row has the same shapes, so one sample's count times the rows is exact.
         fwd_bwd_flops, counted_rows = None, None
-        for attempt in ((rows, rows[:1]) if rows.shape[0] > 1 else (rows,)):
+        for attempt in (rows, rows[:1]) if rows.shape[0] > 1 else (rows,):
             try:
                 fn = forward_backward if attempt is rows else make_forward_backward(attempt)
                 fwd_bwd_flops = flop_count.count_flops(fn) * rows.shape[0] // attempt.shape[0]
@@ -164,10 +196,15 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
                     break
         for p in params:
             p.grad = None
-        result = {"micro_batch": int(rows.shape[0]), "seconds": seconds, "seconds_median": median(seconds),
-                  "flops_forward_backward": fwd_bwd_flops, "flops_counted_at_micro_batch": counted_rows,
-                  "optimizer_step_included": optimizer is not None,
-                  "peak_memory_gb": peak_memory_gb(device)}
+        result = {
+            "micro_batch": int(rows.shape[0]),
+            "seconds": seconds,
+            "seconds_median": median(seconds),
+            "flops_forward_backward": fwd_bwd_flops,
+            "flops_counted_at_micro_batch": counted_rows,
+            "optimizer_step_included": optimizer is not None,
+            "peak_memory_gb": peak_memory_gb(device),
+        }
         if profile:
             result["profile"] = profile_summary(train_step, device)
             if device.type == "cuda":
@@ -180,11 +217,16 @@ def time_training_step(adapter, params, tensors, spec, micro_batch: int, autocas
 def run_logprob(args) -> int:
     quiet_libraries()
     sizes = parse_micro_batches(args.micro_batches)
-    train_sizes = (parse_micro_batches(args.train_micro_batches, "--train-micro-batches")
-                   if args.train_micro_batches is not None else None)
+    train_sizes = (
+        parse_micro_batches(args.train_micro_batches, "--train-micro-batches")
+        if args.train_micro_batches is not None
+        else None
+    )
     if train_sizes and max(train_sizes) > args.num_samples:
-        raise ValueError(f"--train-micro-batches={args.train_micro_batches!r}: a micro-batch of {max(train_sizes)} "
-                         f"needs at least that many samples; raise -n (now {args.num_samples})")
+        raise ValueError(
+            f"--train-micro-batches={args.train_micro_batches!r}: a micro-batch of {max(train_sizes)} "
+            f"needs at least that many samples; raise -n (now {args.num_samples})"
+        )
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
@@ -192,17 +234,32 @@ def run_logprob(args) -> int:
     if args.gradient_checkpointing:  # before compiling, as the trainer does
         adapter.transformer.enable_gradient_checkpointing()
     autocast_dtype = MIXED_PRECISION_DTYPES[args.autocast]
-    report = JsonReport(args.json, {
-        "benchmark": "logprob", "environment": environment(device),
-        "settings": {"model": args.model, "dtype": str(dtype).replace("torch.", ""), "num_samples": args.num_samples,
-                     "steps": args.steps, "size": args.size, "guidance_scale": args.guidance_scale,
-                     "noise_level": args.noise_level, "lora_rank": args.lora_rank, "autocast": args.autocast,
-                     "sde_window_size": args.sde_window_size, "micro_batches": sizes,
-                     "compile": args.compile_backend if args.compile else False,
-                     "compile_rounding": args.compile_rounding, "trainable_params": sum(p.numel() for p in params),
-                     "gradient_checkpointing": args.gradient_checkpointing, "old_log_prob": args.old_log_prob},
-        "gaps": [],
-    })
+    report = JsonReport(
+        args.json,
+        {
+            "benchmark": "logprob",
+            "environment": environment(device),
+            "settings": {
+                "model": args.model,
+                "dtype": str(dtype).replace("torch.", ""),
+                "num_samples": args.num_samples,
+                "steps": args.steps,
+                "size": args.size,
+                "guidance_scale": args.guidance_scale,
+                "noise_level": args.noise_level,
+                "lora_rank": args.lora_rank,
+                "autocast": args.autocast,
+                "sde_window_size": args.sde_window_size,
+                "micro_batches": sizes,
+                "compile": args.compile_backend if args.compile else False,
+                "compile_rounding": args.compile_rounding,
+                "trainable_params": sum(p.numel() for p in params),
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "old_log_prob": args.old_log_prob,
+            },
+            "gaps": [],
+        },
+    )
     peak = flop_count.measure_matmul_peak(device, dtype, sustain_seconds=args.peak_seconds)
     report.data["peak"] = peak
     # 1. Rollout with the engine (batched, model dtype).
@@ -212,22 +269,41 @@ def run_logprob(args) -> int:
     rows_per_sample = 2 if args.guidance_scale > 1.0 else 1
     # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout
     # and trainer then both run compiled (the trainer's grad-mode graph is a second graph).
-    engine = DiffusionEngine(adapter, max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample),
-                             compile=args.compile_backend if args.compile else False, autocast_dtype=autocast_dtype,
-                             compile_rounding=args.compile_rounding)
-    params_sampling = SamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
-                                     guidance_scale=args.guidance_scale, noise_level=args.noise_level, seed=args.seed,
-                                     sde_window_size=args.sde_window_size)
+    engine = DiffusionEngine(
+        adapter,
+        max_batch_rows=args.max_batch_rows or max(2, args.num_samples * rows_per_sample),
+        compile=args.compile_backend if args.compile else False,
+        autocast_dtype=autocast_dtype,
+        compile_rounding=args.compile_rounding,
+    )
+    params_sampling = SamplingParams(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        noise_level=args.noise_level,
+        seed=args.seed,
+        sde_window_size=args.sde_window_size,
+    )
     t0 = time.perf_counter()
     outputs = engine.generate_batched(PROMPT, args.num_samples, params_sampling)
     report.data["rollout_seconds"] = time.perf_counter() - t0
     report.data["rollout_rows_per_forward"] = engine.stats()["mean_rows_per_forward"]
     engine.shutdown()
     tensors = _rollout_tensors(outputs)
-    spec = TransitionSpec(height=args.size, width=args.size, num_inference_steps=args.steps,
-                          noise_level=args.noise_level, sde_type="sde", guidance_scale=args.guidance_scale)
-    print(f"[bench] rollout of {args.num_samples} samples x {tensors['all_log_probs'].shape[1]} window steps "
-          f"in {report.data['rollout_seconds']:.1f}s", flush=True)
+    spec = TransitionSpec(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        noise_level=args.noise_level,
+        sde_type="sde",
+        guidance_scale=args.guidance_scale,
+    )
+    print(
+        f"[bench] rollout of {args.num_samples} samples x {tensors['all_log_probs'].shape[1]} window steps "
+        f"in {report.data['rollout_seconds']:.1f}s",
+        flush=True,
+    )
     # 2. Gap per micro-batch size.
     for size in sizes:
         try:
@@ -240,7 +316,9 @@ def run_logprob(args) -> int:
                 torch.cuda.empty_cache()
         report.data["gaps"].append(gap)
         report.save()
-        shown = f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
+        shown = (
+            f"mean {gap['mean_abs_diff']:.3g}, max {gap['max_abs_diff']:.3g}" if "error" not in gap else gap["error"]
+        )
         print(f"[bench] micro-batch {size}: |trainer - rollout| log-prob {shown}", flush=True)
     # 3. Training step speed, per micro-batch size (what a sample costs, and how busy the host keeps
     #    the GPU, both move with it).
@@ -248,16 +326,28 @@ def run_logprob(args) -> int:
     report.data["training_steps"] = []
     for train_mb in train_sizes or [max(fitting) if fitting else 1]:
         try:
-            train = time_training_step(adapter, params, tensors, spec, train_mb, autocast_dtype, args.train_repeats,
-                                       device, profile=args.profile, old_log_prob_mode=args.old_log_prob)
+            train = time_training_step(
+                adapter,
+                params,
+                tensors,
+                spec,
+                train_mb,
+                autocast_dtype,
+                args.train_repeats,
+                device,
+                profile=args.profile,
+                old_log_prob_mode=args.old_log_prob,
+            )
             # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
             flops = train["flops_forward_backward"]
             train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
         except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
             if not _is_oom(exc):
                 traceback.print_exc()
-            train = {"micro_batch": train_mb,
-                     "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"}
+            train = {
+                "micro_batch": train_mb,
+                "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}",
+            }
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         report.data["training_steps"].append(train)
@@ -275,38 +365,57 @@ def _flops_text(step: dict, sustained_flops: float) -> str:
         return "FLOPs not counted (no MFU)"
     scaled = step.get("flops_counted_at_micro_batch")
     note = f" (counted at micro-batch {scaled}, scaled)" if scaled and scaled != step["micro_batch"] else ""
-    return (f"{flops / 1e12:.2f} TFLOP fwd+bwd{note}, MFU {(step.get('mfu') or 0):.1%} of "
-            f"{sustained_flops / 1e12:.1f} TFLOP/s")
+    return (
+        f"{flops / 1e12:.2f} TFLOP fwd+bwd{note}, MFU {(step.get('mfu') or 0):.1%} of "
+        f"{sustained_flops / 1e12:.1f} TFLOP/s"
+    )
 
 
 def _print_summary(data: dict) -> None:
     s = data["settings"]
     print()
-    print(f"== logprob: {s['model']}, {s['num_samples']} samples, {s['steps']} steps, {s['size']}px, guidance "
-          f"{s['guidance_scale']}, {s['dtype']}, LoRA rank {s['lora_rank']}, autocast {s['autocast']}, "
-          f"{'compiled' if s.get('compile') else 'eager'}, "
-          f"{data['environment'].get('gpu') or data['environment']['device']}")
+    print(
+        f"== logprob: {s['model']}, {s['num_samples']} samples, {s['steps']} steps, {s['size']}px, guidance "
+        f"{s['guidance_scale']}, {s['dtype']}, LoRA rank {s['lora_rank']}, autocast {s['autocast']}, "
+        f"{'compiled' if s.get('compile') else 'eager'}, "
+        f"{data['environment'].get('gpu') or data['environment']['device']}"
+    )
     rows = []
     for g in data["gaps"]:
         if "error" in g:
             rows.append([g["micro_batch"], None, None, None, None, g["error"]])
         else:
             per_step = " ".join(f"{v:.1e}" for v in g["max_abs_diff_per_step"])
-            passes = [f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" for p in ("no_grad_pass", "grad_pass")]
+            passes = [
+                f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" for p in ("no_grad_pass", "grad_pass")
+            ]
             rows.append([g["micro_batch"], g["mean_abs_diff"], g["max_abs_diff"], *passes, per_step])
     values_from = next((g["trainer_values_from"] for g in data["gaps"] if "error" not in g), "?")
     print(f"   |trainer - rollout| log-prob; the trainer's values come from the {values_from}")
-    print(format_table(["micro-batch", "mean |diff|", "max |diff|", "no-grad pass mean / max", "grad pass mean / max",
-                        "max |diff| per window step"], rows))
+    print(
+        format_table(
+            [
+                "micro-batch",
+                "mean |diff|",
+                "max |diff|",
+                "no-grad pass mean / max",
+                "grad pass mean / max",
+                "max |diff| per window step",
+            ],
+            rows,
+        )
+    )
     for t in data.get("training_steps", []):
         if "error" in t:
             print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
             continue
-        print(f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
-              f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "
-              f"forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
-              f"{_flops_text(t, data['peak']['sustained_flops'])}, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
-              f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}"
-              f"{'; old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
+        print(
+            f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
+            f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "
+            f"forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
+            f"{_flops_text(t, data['peak']['sustained_flops'])}, peak memory {t['peak_memory_gb'] or 0:.1f} GB"
+            f"{' (gradient checkpointing: the FLOPs include its recomputed forward)' if s.get('gradient_checkpointing') else ''}"
+            f"{'; old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}"
+        )
         if t.get("profile"):
             print("\n".join(profile_lines(t["profile"], f"one training step, micro-batch {t['micro_batch']}")))

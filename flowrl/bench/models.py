@@ -33,28 +33,64 @@ from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
 
 SD35_MEDIUM_TRANSFORMER = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-    attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-    caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
 )
 SD35_MEDIUM_VAE = dict(
-    in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-    layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-    use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5305,
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.0609,
+    scaling_factor=1.5305,
 )
 QWEN_IMAGE_TRANSFORMER = dict(
-    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
 )
 QWEN_IMAGE_VAE = dict(  # AutoencoderKLQwenImage's defaults are the published config; stated here
-    base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-    temperal_downsample=[False, True, True], dropout=0.0,
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
 )
 QWEN_IMAGE_SCHEDULER = dict(
-    base_shift=0.5, max_shift=0.9, use_dynamic_shifting=True, shift_terminal=0.02,
-    time_shift_type="exponential", base_image_seq_len=256, max_image_seq_len=8192, shift=1.0,
+    base_shift=0.5,
+    max_shift=0.9,
+    use_dynamic_shifting=True,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift=1.0,
 )
 
 # name -> (family, text tokens, text width, pooled width or None)
@@ -134,8 +170,11 @@ def build_random_module(cls, config: dict, device: torch.device, dtype: torch.dt
 
 def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None):
     from diffusers import (
-        AutoencoderKL, AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel, SD3Transformer2DModel,
+        AutoencoderKL,
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+        SD3Transformer2DModel,
     )
 
     if name == "sd35-medium":
@@ -169,18 +208,29 @@ def _pipeline(family: str, transformer, vae, scheduler):
         from diffusers import StableDiffusion3Pipeline
 
         pipe = StableDiffusion3Pipeline(
-            transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
-            text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
+            transformer=transformer,
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+            text_encoder_3=None,
+            tokenizer_3=None,
         )
     else:
         from diffusers import QwenImagePipeline
 
-        pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+        pipe = QwenImagePipeline(
+            scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+        )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def build_bench_model(model: str, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None) -> BenchModel:
+def build_bench_model(
+    model: str, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None
+) -> BenchModel:
     """A BenchModel for a named architecture (see ARCHITECTURES) or a local diffusers folder.
     num_layers: build a named architecture with fewer transformer blocks (smoke tests only)."""
     device = torch.device(device)
@@ -212,8 +262,9 @@ def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[tor
 
     if rank < 0:
         raise ValueError(f"--lora-rank={rank} must be >= 0 (0 trains the full transformer)")
-    cfg = SimpleNamespace(enabled=rank > 0, rank=rank, alpha=2.0 * rank, target_modules=list(targets),
-                          init="gaussian", dropout=0.0)
+    cfg = SimpleNamespace(
+        enabled=rank > 0, rank=rank, alpha=2.0 * rank, target_modules=list(targets), init="gaussian", dropout=0.0
+    )
     return apply_trainable(transformer, cfg)
 
 

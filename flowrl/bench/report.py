@@ -48,15 +48,24 @@ def environment(device: torch.device) -> dict:
 
     env = {
         "command": " ".join(["flowrl", *sys.argv[1:]]) if sys.argv and "flowrl" in sys.argv[0] else " ".join(sys.argv),
-        "python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-        "device": str(device), "host": platform.node(), "cpu_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "device": str(device),
+        "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count,
-                   sdpa_flash=torch.backends.cuda.flash_sdp_enabled(), sdpa_cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
-                   sdpa_mem_efficient=torch.backends.cuda.mem_efficient_sdp_enabled())
+        env.update(
+            gpu=props.name,
+            gpu_memory_gb=round(props.total_memory / 2**30, 1),
+            sm_count=props.multi_processor_count,
+            sdpa_flash=torch.backends.cuda.flash_sdp_enabled(),
+            sdpa_cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
+            sdpa_mem_efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
+        )
     else:
         env["gpu"] = None
     return env
@@ -122,7 +131,10 @@ _KERNEL_CATEGORIES = (
     ("convolution", ("conv", "fprop", "dgrad", "wgrad", "implicit_gemm", "winograd")),
     ("matmul", ("gemm", "cutlass", "xmma", "cublas", "nvjet", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
     ("compiled (triton)", ("triton",)),
-    ("norm/elementwise", ("norm", "elementwise", "vectorized", "reduce", "softmax", "silu", "gelu", "copy", "cat", "mul", "add")),
+    (
+        "norm/elementwise",
+        ("norm", "elementwise", "vectorized", "reduce", "softmax", "silu", "gelu", "copy", "cat", "mul", "add"),
+    ),
 )
 
 
@@ -144,8 +156,11 @@ def busy_within_span(raw_events, gaps: int = 5) -> dict | None:
     span) and the device work on either side. None without device events."""
     host = torch.autograd.DeviceType.CPU
     host_names = {e.name for e in raw_events if e.device_type == host}
-    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in raw_events
-                       if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start)
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in raw_events
+        if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start
+    )
     if not intervals:
         return None
     span_start, end, last_name = intervals[0]
@@ -159,10 +174,16 @@ def busy_within_span(raw_events, gaps: int = 5) -> dict | None:
             end, last_name = b, name
     busy += end - start
     longest = sorted(idle, reverse=True)[:gaps]
-    return {"span_ms": (end - span_start) / 1000.0, "busy_ms": busy / 1000.0, "share": busy / max(end - span_start, 1e-9),
-            "gaps": len(idle),
-            "longest_gaps": [{"ms": length / 1000.0, "at_ms": (at - span_start) / 1000.0, "after": after[:80],
-                              "before": before[:80]} for length, at, after, before in longest]}
+    return {
+        "span_ms": (end - span_start) / 1000.0,
+        "busy_ms": busy / 1000.0,
+        "share": busy / max(end - span_start, 1e-9),
+        "gaps": len(idle),
+        "longest_gaps": [
+            {"ms": length / 1000.0, "at_ms": (at - span_start) / 1000.0, "after": after[:80], "before": before[:80]}
+            for length, at, after, before in longest
+        ],
+    }
 
 
 def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
@@ -182,8 +203,11 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
             return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
         return float(e.self_cpu_time_total)
 
-    kernels = [e for e in (device_events(events) if on_gpu else [e for e in events if e.key.startswith("aten::")])
-               if self_time(e) > 0]
+    kernels = [
+        e
+        for e in (device_events(events) if on_gpu else [e for e in events if e.key.startswith("aten::")])
+        if self_time(e) > 0
+    ]
     total = sum(self_time(e) for e in kernels) or 1.0
     categories: dict[str, float] = {}
     for e in kernels:
@@ -197,7 +221,10 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
         "clock": "device" if on_gpu else "cpu",
         "total_ms": total / 1000.0,
         "share_by_category": {c: t / total for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": e.key[:120], "ms": self_time(e) / 1000.0, "share": self_time(e) / total, "calls": e.count} for e in top],
+        "top_kernels": [
+            {"name": e.key[:120], "ms": self_time(e) / 1000.0, "share": self_time(e) / total, "calls": e.count}
+            for e in top
+        ],
     }
 
 
@@ -207,8 +234,10 @@ def profile_lines(profile: dict, label: str, top: int = 8, indent: str = "   ") 
     from flowrl.bench.summary import busy_text, idle_gap_texts
 
     shares = ", ".join(f"{c} {s:.0%}" for c, s in profile["share_by_category"].items())
-    lines = [f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
-             f"{busy_text(profile, 'the timed wall time')}): {shares}"]
+    lines = [
+        f"{indent}profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
+        f"{busy_text(profile, 'the timed wall time')}): {shares}"
+    ]
     for k in profile["top_kernels"][:top]:
         lines.append(f"{indent}  {k['share']:6.1%}  {k['ms']:9.2f} ms  x{k['calls']:<5d} {k['name']}")
     span = profile.get("busy_within_span")

@@ -26,8 +26,17 @@ import torch
 from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable, pipeline_prompt_kwargs
 from flowrl.bench.report import (
-    JsonReport, environment, format_table, median, peak_memory_gb, profile_lines, profile_summary, quiet_libraries,
-    reset_peak_memory, resolve_device_dtype, time_runs,
+    JsonReport,
+    environment,
+    format_table,
+    median,
+    peak_memory_gb,
+    profile_lines,
+    profile_summary,
+    quiet_libraries,
+    reset_peak_memory,
+    resolve_device_dtype,
+    time_runs,
 )
 from flowrl.bench.summary import lora_label
 from flowrl.sampling_params import SamplingParams
@@ -52,8 +61,13 @@ def resolve_modes(modes: str | None, compile: bool) -> list[str]:
 
 def _params(args, steps: int) -> SamplingParams:
     return SamplingParams(
-        height=args.size, width=args.size, num_inference_steps=steps, guidance_scale=args.guidance_scale,
-        noise_level=args.noise_level, seed=args.seed, logprobs=args.noise_level > 0,
+        height=args.size,
+        width=args.size,
+        num_inference_steps=steps,
+        guidance_scale=args.guidance_scale,
+        noise_level=args.noise_level,
+        seed=args.seed,
+        logprobs=args.noise_level > 0,
     )
 
 
@@ -78,8 +92,10 @@ class RolloutBench:
         if compiled not in self.engines:
             compile = self.args.compile_backend if compiled else False
             self.engines[compiled] = DiffusionEngine(
-                self.bench.adapter, max_batch_rows=self.max_batch_rows,
-                decode_chunk_size=self.args.decode_chunk_size, compile=compile,
+                self.bench.adapter,
+                max_batch_rows=self.max_batch_rows,
+                decode_chunk_size=self.args.decode_chunk_size,
+                compile=compile,
                 compile_rounding=self.args.compile_rounding if compiled else "eager",
             )
         return self.engines[compiled]
@@ -96,6 +112,7 @@ class RolloutBench:
             params = _params(self.args, steps)
             futures = [engine.submit(f"{PROMPT} #{i}", params.replace(seed=self.args.seed + i)) for i in range(n)]
             return [f.result() for f in futures]
+
         return run
 
     def pipeline_call(self, steps: int, n: int, calls: int = 1):
@@ -105,8 +122,10 @@ class RolloutBench:
         def run():
             for i in range(calls):
                 generator = torch.Generator(device=self.device).manual_seed(self.args.seed + i)
-                self.bench.pipeline(**kwargs, num_inference_steps=steps, height=size, width=size,
-                                    output_type="pt", generator=generator)
+                self.bench.pipeline(
+                    **kwargs, num_inference_steps=steps, height=size, width=size, output_type="pt", generator=generator
+                )
+
         return run
 
     # --- one mode ---------------------------------------------------------------------------------
@@ -125,10 +144,16 @@ class RolloutBench:
             warm, timed = self.pipeline_call(args.warmup_steps, n), self.pipeline_call(args.steps, n)
         elif base == "engine-batched":
             images = n
-            warm, timed = self.engine_batched(compiled, args.warmup_steps, n), self.engine_batched(compiled, args.steps, n)
+            warm, timed = (
+                self.engine_batched(compiled, args.warmup_steps, n),
+                self.engine_batched(compiled, args.steps, n),
+            )
         else:
             images = n
-            warm, timed = self.engine_concurrent(compiled, args.warmup_steps, n), self.engine_concurrent(compiled, args.steps, n)
+            warm, timed = (
+                self.engine_concurrent(compiled, args.warmup_steps, n),
+                self.engine_concurrent(compiled, args.steps, n),
+            )
         t0 = time.perf_counter()
         warm()
         if compiled and base.startswith("engine"):  # a lone request (batch 1) too, should it recompile
@@ -140,8 +165,11 @@ class RolloutBench:
         reset_peak_memory(self.device)
         seconds = time_runs(timed, self.device, args.repeats)
         result = {
-            "images_per_run": images, "seconds": seconds, "seconds_median": median(seconds),
-            "images_per_second": images / median(seconds), "warmup_seconds": warmup_s,
+            "images_per_run": images,
+            "seconds": seconds,
+            "seconds_median": median(seconds),
+            "images_per_second": images / median(seconds),
+            "warmup_seconds": warmup_s,
             "peak_memory_gb": peak_memory_gb(self.device),
         }
         if engine is not None:
@@ -186,7 +214,10 @@ def _ratios(modes: dict) -> dict:
         "pipeline-batched / pipeline-serial": ("pipeline-batched", "pipeline-serial"),
         "engine-concurrent / pipeline-serial": ("engine-concurrent", "pipeline-serial"),
         "engine-batched-compiled / engine-batched": ("engine-batched-compiled", "engine-batched"),
-        "engine-concurrent-compiled / engine-batched-compiled": ("engine-concurrent-compiled", "engine-batched-compiled"),
+        "engine-concurrent-compiled / engine-batched-compiled": (
+            "engine-concurrent-compiled",
+            "engine-batched-compiled",
+        ),
         "engine-batched-compiled / pipeline-batched": ("engine-batched-compiled", "pipeline-batched"),
         "pipeline-batched-compiled / pipeline-batched": ("pipeline-batched-compiled", "pipeline-batched"),
     }
@@ -201,18 +232,40 @@ def run_rollout(args) -> int:
     build_s = time.perf_counter() - t_build
     device, a = bench.device, args
     params_b = sum(p.numel() for p in bench.bench.adapter.transformer.parameters()) / 1e9
-    report = JsonReport(args.json, {
-        "benchmark": "rollout", "environment": environment(device),
-        "settings": {"model": a.model, "family": bench.bench.family, "transformer_params_billion": params_b,
-                     "dtype": str(bench.dtype).replace("torch.", ""), "num_samples": a.num_samples, "steps": a.steps,
-                     "size": a.size, "guidance_scale": a.guidance_scale, "noise_level": a.noise_level,
-                     "repeats": a.repeats, "warmup_steps": a.warmup_steps, "serial_samples": a.serial_samples or a.num_samples,
-                     "max_batch_rows": bench.max_batch_rows, "decode_chunk_size": a.decode_chunk_size,
-                     "compile_backend": a.compile_backend, "compile_rounding": a.compile_rounding, "num_layers": a.num_layers,
-                     "lora_rank": a.lora_rank, "modes": modes},
-        "build_seconds": build_s, "modes": {},
-    })
-    print(f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s", flush=True)
+    report = JsonReport(
+        args.json,
+        {
+            "benchmark": "rollout",
+            "environment": environment(device),
+            "settings": {
+                "model": a.model,
+                "family": bench.bench.family,
+                "transformer_params_billion": params_b,
+                "dtype": str(bench.dtype).replace("torch.", ""),
+                "num_samples": a.num_samples,
+                "steps": a.steps,
+                "size": a.size,
+                "guidance_scale": a.guidance_scale,
+                "noise_level": a.noise_level,
+                "repeats": a.repeats,
+                "warmup_steps": a.warmup_steps,
+                "serial_samples": a.serial_samples or a.num_samples,
+                "max_batch_rows": bench.max_batch_rows,
+                "decode_chunk_size": a.decode_chunk_size,
+                "compile_backend": a.compile_backend,
+                "compile_rounding": a.compile_rounding,
+                "num_layers": a.num_layers,
+                "lora_rank": a.lora_rank,
+                "modes": modes,
+            },
+            "build_seconds": build_s,
+            "modes": {},
+        },
+    )
+    print(
+        f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s",
+        flush=True,
+    )
     # 1. Peak and FLOPs, once (before any compilation).
     peak = flop_count.measure_matmul_peak(device, bench.dtype, sustain_seconds=a.peak_seconds)
     try:
@@ -222,16 +275,24 @@ def run_rollout(args) -> int:
     except Exception:  # noqa: BLE001 - timings without MFU beat no timings
         traceback.print_exc()
         row_flops = decode_flops = image_flops = None
-    report.data.update(peak=peak, flops={
-        "transformer_per_row": row_flops, "decode_per_image": decode_flops, "per_image": image_flops,
-        "limit_images_per_second_sustained": peak["sustained_flops"] / image_flops if image_flops else None,
-        "limit_images_per_second_burst": peak["burst_flops"] / image_flops if image_flops else None,
-    })
+    report.data.update(
+        peak=peak,
+        flops={
+            "transformer_per_row": row_flops,
+            "decode_per_image": decode_flops,
+            "per_image": image_flops,
+            "limit_images_per_second_sustained": peak["sustained_flops"] / image_flops if image_flops else None,
+            "limit_images_per_second_burst": peak["burst_flops"] / image_flops if image_flops else None,
+        },
+    )
     report.save()
     if image_flops:
-        print(f"[bench] matmul peak {peak['burst_flops'] / 1e12:.1f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.1f} sustained; "
-              f"{row_flops / 1e12:.3f} TFLOP per row, {decode_flops / 1e12:.3f} per decode; "
-              f"limit {report.data['flops']['limit_images_per_second_sustained']:.3f} img/s", flush=True)
+        print(
+            f"[bench] matmul peak {peak['burst_flops'] / 1e12:.1f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.1f} sustained; "
+            f"{row_flops / 1e12:.3f} TFLOP per row, {decode_flops / 1e12:.3f} per decode; "
+            f"limit {report.data['flops']['limit_images_per_second_sustained']:.3f} img/s",
+            flush=True,
+        )
     # 2. The modes, eager first.
     for mode in modes:
         try:
@@ -270,21 +331,36 @@ def _print_summary(data: dict) -> None:
             rows.append([mode, "ERROR", None, None, None, None, m["error"][:60]])
             continue
         hist = m.get("rows_per_forward_hist")
-        rows.append([mode, m["images_per_second"], m["seconds_median"], _percent(m["mfu"]), m["peak_memory_gb"],
-                     m.get("mean_rows_per_forward"), str(hist) if hist else ""])
+        rows.append(
+            [
+                mode,
+                m["images_per_second"],
+                m["seconds_median"],
+                _percent(m["mfu"]),
+                m["peak_memory_gb"],
+                m.get("mean_rows_per_forward"),
+                str(hist) if hist else "",
+            ]
+        )
     flops = data["flops"]
     print()
-    print(f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
-          f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
-          f"{lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}")
+    print(
+        f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
+        f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
+        f"{lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}"
+    )
     if flops["limit_images_per_second_sustained"]:
-        print(f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
-              f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})")
+        print(
+            f"   limit {flops['limit_images_per_second_sustained']:.3f} img/s at the sustained matmul peak "
+            f"({data['peak']['sustained_flops'] / 1e12:.1f} TFLOP/s; burst {data['peak']['burst_flops'] / 1e12:.1f})"
+        )
     print(format_table(["mode", "img/s", "s/run", "MFU", "peak GB", "rows/fwd", "rows/forward histogram"], rows))
     for label, value in data.get("ratios", {}).items():
         print(f"   {label}: {value:.3f}")
     profile = data.get("profile")
     if profile and profile.get("total_ms", 0) < 0.01:
-        print(f"   profile of {profile['mode']}: no kernels recorded (on a CPU the engine thread's ops are not captured)")
+        print(
+            f"   profile of {profile['mode']}: no kernels recorded (on a CPU the engine thread's ops are not captured)"
+        )
     elif profile and "share_by_category" in profile:
         print("\n".join(profile_lines(profile, f"{profile['mode']} ({profile['steps']} steps)")))

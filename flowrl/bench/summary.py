@@ -40,15 +40,20 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
     s = data.get("settings", {})
     compiled = any(mode.endswith("-compiled") for mode in data.get("modes", {}))
     rounding = f", compile rounding {s['compile_rounding']}" if compiled and s.get("compile_rounding") else ""
-    lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
-             f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}{rounding}, "
-             f"{lora_label(s)}{_gpu(data)}", ""]
+    lines = [
+        f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, "
+        f"{s.get('size')}px, guidance {s.get('guidance_scale')}, {s.get('dtype')}{rounding}, "
+        f"{lora_label(s)}{_gpu(data)}",
+        "",
+    ]
     flops, peak = data.get("flops"), data.get("peak")
     if flops and peak and flops.get("per_image"):
-        lines.append(f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "
-                     f"{flops['transformer_per_row'] / 1e12:.3f} TFLOP per row-forward, {flops['decode_per_image'] / 1e12:.3f} per decode; "
-                     f"limit {flops['limit_images_per_second_sustained']:.3f} img/s (sustained) / "
-                     f"{flops['limit_images_per_second_burst']:.3f} (burst).")
+        lines.append(
+            f"Matmul peak {peak['burst_flops'] / 1e12:.0f} TFLOP/s burst, {peak['sustained_flops'] / 1e12:.0f} sustained; "
+            f"{flops['transformer_per_row'] / 1e12:.3f} TFLOP per row-forward, {flops['decode_per_image'] / 1e12:.3f} per decode; "
+            f"limit {flops['limit_images_per_second_sustained']:.3f} img/s (sustained) / "
+            f"{flops['limit_images_per_second_burst']:.3f} (burst)."
+        )
         lines.append("")
     lines += ["| mode | img/s | MFU | s/run | rows/forward | peak GB |", "|---|---|---|---|---|---|"]
     for mode, m in data.get("modes", {}).items():
@@ -57,8 +62,10 @@ def rollout_markdown(name: str, data: dict) -> list[str]:
             continue
         mem = f"{m['peak_memory_gb']:.1f}" if m.get("peak_memory_gb") is not None else "-"
         mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "-"
-        lines.append(f"| {mode} | {m['images_per_second']:.3f} | {mfu} | {m['seconds_median']:.2f} | "
-                     f"{m.get('mean_rows_per_forward', 0):.1f} | {mem} |")
+        lines.append(
+            f"| {mode} | {m['images_per_second']:.3f} | {mfu} | {m['seconds_median']:.2f} | "
+            f"{m.get('mean_rows_per_forward', 0):.1f} | {mem} |"
+        )
     for label, value in data.get("ratios", {}).items():
         lines.append(f"- {label}: {value:.3f}")
     profile = data.get("profile")
@@ -79,17 +86,22 @@ def busy_text(profile: dict, wall: str) -> str:
 def idle_gap_texts(span: dict) -> tuple[str, list[str]]:
     """('GPU idle A ms of the profiled B in N gaps', one text per listed gap) of a busy_within_span result."""
     head = f"GPU idle {span['span_ms'] - span['busy_ms']:.1f} ms of the profiled {span['span_ms']:.0f} in {span['gaps']} gaps"
-    return head, [f"{g['ms']:.2f} ms at {g['at_ms']:.1f} ms (after {g['after']}, before {g['before']})"
-                  for g in span.get("longest_gaps", [])]
+    return head, [
+        f"{g['ms']:.2f} ms at {g['at_ms']:.1f} ms (after {g['after']}, before {g['before']})"
+        for g in span.get("longest_gaps", [])
+    ]
 
 
 def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
     """A profile_summary result as markdown lines: the share per kernel category (and how busy
     the GPU was, when measured), then the top kernels and the longest idle gaps."""
     shares = ", ".join(f"{c} {v:.0%}" for c, v in profile["share_by_category"].items())
-    lines = ([f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
-              f"{busy_text(profile, 'the step')}): {shares}"]
-             + [f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]])
+    lines = [
+        f"- profile of {label} ({profile['clock']} time {profile['total_ms']:.0f} ms"
+        f"{busy_text(profile, 'the step')}): {shares}"
+    ] + [
+        f"  - {k['share']:.1%} {k['ms']:.1f} ms x{k['calls']} {k['name']}" for k in profile.get("top_kernels", [])[:top]
+    ]
     span = profile.get("busy_within_span")
     if span and span.get("longest_gaps"):
         head, gaps = idle_gap_texts(span)
@@ -99,30 +111,42 @@ def _profile_markdown(profile: dict, label: str, top: int) -> list[str]:
 
 def logprob_markdown(name: str, data: dict) -> list[str]:
     s = data.get("settings", {})
-    lines = [f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
-             f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, "
-             f"autocast {s.get('autocast', 'no')}, {_compiled_label(s)}, {_gpu(data)}", "",
-             "| trainer micro-batch | trainer's values from | mean abs gap | max abs gap | no-grad pass mean / max "
-             "| grad pass mean / max |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"### {name}: {s.get('model')}, {s.get('num_samples')} samples, {s.get('steps')} steps, {s.get('size')}px, "
+        f"guidance {s.get('guidance_scale')}, {s.get('dtype')}, LoRA rank {s.get('lora_rank')}, "
+        f"autocast {s.get('autocast', 'no')}, {_compiled_label(s)}, {_gpu(data)}",
+        "",
+        "| trainer micro-batch | trainer's values from | mean abs gap | max abs gap | no-grad pass mean / max "
+        "| grad pass mean / max |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in data.get("gaps", []):
         if "error" in g:
             lines.append(f"| {g['micro_batch']} | {g['error']} | | | | |")
         else:
-            passes = " | ".join(f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" if p in g else "-"
-                                for p in ("no_grad_pass", "grad_pass"))
-            lines.append(f"| {g['micro_batch']} | {g.get('trainer_values_from', 'grad pass')} | {g['mean_abs_diff']:.2e} "
-                         f"| {g['max_abs_diff']:.2e} | {passes} |")
+            passes = " | ".join(
+                f"{g[p]['mean_abs_diff']:.2e} / {g[p]['max_abs_diff']:.2e}" if p in g else "-"
+                for p in ("no_grad_pass", "grad_pass")
+            )
+            lines.append(
+                f"| {g['micro_batch']} | {g.get('trainer_values_from', 'grad pass')} | {g['mean_abs_diff']:.2e} "
+                f"| {g['max_abs_diff']:.2e} | {passes} |"
+            )
     for t in data.get("training_steps", []):
         if "error" in t:
             lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
             continue
         flops, counted = t.get("flops_forward_backward"), t.get("flops_counted_at_micro_batch")
         scaled = f" (counted at micro-batch {counted}, scaled)" if counted not in (None, t["micro_batch"]) else ""
-        work = f"{flops / 1e12:.1f} TFLOP fwd+bwd{scaled}, MFU {(t.get('mfu') or 0):.1%}" if flops else "FLOPs not counted"
-        lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
-                     f"(runs: {ms_list(t.get('seconds', []))}), {work}, peak {t['peak_memory_gb'] or 0:.0f} GB"
-                     f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
-                     f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}")
+        work = (
+            f"{flops / 1e12:.1f} TFLOP fwd+bwd{scaled}, MFU {(t.get('mfu') or 0):.1%}" if flops else "FLOPs not counted"
+        )
+        lines.append(
+            f"- training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.0f} ms "
+            f"(runs: {ms_list(t.get('seconds', []))}), {work}, peak {t['peak_memory_gb'] or 0:.0f} GB"
+            f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
+            f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}"
+        )
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
             lines += _profile_markdown(profile, f"the training step (micro-batch {t['micro_batch']})", top=8)

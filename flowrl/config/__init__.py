@@ -6,12 +6,31 @@ load_config, RolloutConfig`.
 from flowrl.config.loading import config_from_dict, config_to_dict, config_to_yaml, load_config
 from flowrl.config.sections import *  # noqa: F401,F403
 from flowrl.config.sections import (
-    AlgorithmConfig, DataConfig, EngineConfig, FlowRLConfig, LoggingConfig, LoraConfig, ModelConfig,
-    RewardConfig, RolloutConfig, TrainerConfig,
+    AlgorithmConfig,
+    DataConfig,
+    EngineConfig,
+    FlowRLConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
 )
 
 __all__ = [
-    "AlgorithmConfig", "DataConfig", "EngineConfig", "FlowRLConfig", "LoggingConfig", "LoraConfig",
-    "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig",
-    "config_from_dict", "config_to_dict", "config_to_yaml", "load_config",
+    "AlgorithmConfig",
+    "DataConfig",
+    "EngineConfig",
+    "FlowRLConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
 ]

@@ -77,9 +77,7 @@ def _read_yaml(path: str) -> dict:
         with open(path, encoding="utf-8") as handle:
             data = yaml.load(handle, Loader=_YamlLoader)
     except FileNotFoundError:
-        raise ValueError(
-            f"--config {path!r} does not exist; pass an existing YAML file (see recipes/)"
-        ) from None
+        raise ValueError(f"--config {path!r} does not exist; pass an existing YAML file (see recipes/)") from None
     except yaml.YAMLError as error:
         raise ValueError(f"config file {path} is not valid YAML: {error}") from None
     return {} if data is None else data
@@ -148,8 +146,10 @@ def _check_value(tp, value, key: str, source: str) -> None:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ValueError(f"{source}: {key or 'the config'}={value!r} must be a mapping of keys "
-                             f"({', '.join(field_types(tp))}); write e.g. {key or 'rollout'}.<key>=<value>")
+            raise ValueError(
+                f"{source}: {key or 'the config'}={value!r} must be a mapping of keys "
+                f"({', '.join(field_types(tp))}); write e.g. {key or 'rollout'}.<key>=<value>"
+            )
         for name, item in value.items():
             full_key = f"{key}.{name}" if key else str(name)
             if name not in field_types(tp):

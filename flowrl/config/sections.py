@@ -138,8 +138,10 @@ class EngineConfig:
             _check_min(f"engine.{name}", getattr(self, name), 1)
         check_choices(self, "engine")
         if self.compile_rounding != "eager" and not self.compile:
-            raise ValueError(f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
-                             "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'")
+            raise ValueError(
+                f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
+                "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'"
+            )
         return self
 
 
@@ -192,9 +194,12 @@ class RolloutConfig:
             except ValueError as error:
                 raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
             if params.seed is not None:
-                _fail(f"rollout.{name}.seed", params.seed,
-                      "per-row seeds derive from rollout.seed / rollout.val_seed; set those instead "
-                      f"and leave rollout.{name}.seed=null")
+                _fail(
+                    f"rollout.{name}.seed",
+                    params.seed,
+                    "per-row seeds derive from rollout.seed / rollout.val_seed; set those instead "
+                    f"and leave rollout.{name}.seed=null",
+                )
         return self
 
 
@@ -256,8 +261,11 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             _fail("trainer.lora.dropout", self.dropout, "must be in [0, 1)")
         if self.enabled and not self.target_modules:
-            _fail("trainer.lora.target_modules", self.target_modules,
-                  "list the module names to adapt, e.g. [to_q, to_k, to_v, to_out.0]")
+            _fail(
+                "trainer.lora.target_modules",
+                self.target_modules,
+                "list the module names to adapt, e.g. [to_q, to_k, to_v, to_out.0]",
+            )
         return self
 
 
@@ -300,8 +308,15 @@ class TrainerConfig:
 
     def validate(self) -> "TrainerConfig":
         check_choices(self, "trainer")
-        for name in ("total_steps", "epochs", "prompts_per_step", "update_epochs",
-                     "micro_batch_size", "grad_accum", "log_every"):
+        for name in (
+            "total_steps",
+            "epochs",
+            "prompts_per_step",
+            "update_epochs",
+            "micro_batch_size",
+            "grad_accum",
+            "log_every",
+        ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
         for name in ("save_every", "val_every", "num_val_images", "weight_decay"):
             _check_min(f"trainer.{name}", getattr(self, name), 0)
@@ -345,11 +360,14 @@ class RewardConfig:
     def validate(self) -> "RewardConfig":
         _check_min("reward.num_workers", self.num_workers, 1)
         if self.components and self.name is not None:
-            _fail("reward.name", self.name, "reward.components is set too; set reward.name=null to "
-                  "use the weighted sum of components, or remove reward.components")
+            _fail(
+                "reward.name",
+                self.name,
+                "reward.components is set too; set reward.name=null to "
+                "use the weighted sum of components, or remove reward.components",
+            )
         if not self.components and not self.name:
-            _fail("reward.name", self.name,
-                  "name a reward (e.g. jpeg_compressibility) or give reward.components")
+            _fail("reward.name", self.name, "name a reward (e.g. jpeg_compressibility) or give reward.components")
         if self.components and self.options:
             _fail("reward.options", self.options, "with reward.components put options inside each component")
         for index, component in enumerate(self.components):
@@ -441,7 +459,10 @@ class FlowRLConfig:
             getattr(self, section.name).validate()
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
-            _fail("rollout.n", self.rollout.n,
-                  "flow_grpo compares samples within a prompt's group, so every advantage would be "
-                  "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)")
+            _fail(
+                "rollout.n",
+                self.rollout.n,
+                "flow_grpo compares samples within a prompt's group, so every advantage would be "
+                "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
+            )
         return self

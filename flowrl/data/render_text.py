@@ -10,7 +10,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 
-def render_text_image(text: str, size: int = 320, font_px: int = 32, noise_sigma: float = 0.0, seed: int = 0) -> np.ndarray:
+def render_text_image(
+    text: str, size: int = 320, font_px: int = 32, noise_sigma: float = 0.0, seed: int = 0
+) -> np.ndarray:
     """(3, size, size) uint8 image of `text`; Gaussian pixel noise of std `noise_sigma` if > 0."""
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)

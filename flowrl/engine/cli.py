@@ -48,9 +48,14 @@ def run(args) -> int:
     is_tiny = engine.adapter.transformer.num_parameters() < 10_000_000
     size = 64 if is_tiny else 512
     params = SamplingParams(
-        height=args.height or size, width=args.width or size, num_inference_steps=args.steps or 10,
-        guidance_scale=args.guidance_scale, negative_prompt=args.negative_prompt,
-        noise_level=args.noise_level, sde_type=args.sde_type, seed=args.seed,
+        height=args.height or size,
+        width=args.width or size,
+        num_inference_steps=args.steps or 10,
+        guidance_scale=args.guidance_scale,
+        negative_prompt=args.negative_prompt,
+        noise_level=args.noise_level,
+        sde_type=args.sde_type,
+        seed=args.seed,
         logprobs=args.noise_level > 0,
     )
     out_dir = Path(args.out)

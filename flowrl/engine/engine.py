@@ -30,10 +30,10 @@ import torch
 from flowrl import sampler
 from flowrl.engine.executor import Executor
 from flowrl.engine.output import DiffusionOutput
-from flowrl.sampling_params import SamplingParams
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> l
     without compile never loads torch's compiler); returns the compiled modules' names."""
     if not compile:
         if rounding != "eager":
-            raise ValueError(f"compile_rounding={rounding!r} applies to compiled modules only; "
-                             "pass compile=True or leave compile_rounding at 'eager'")
+            raise ValueError(
+                f"compile_rounding={rounding!r} applies to compiled modules only; "
+                "pass compile=True or leave compile_rounding at 'eager'"
+            )
         return []
     backend = _compile_backend(compile)
     from flowrl.accel import compile_adapter
@@ -73,8 +75,16 @@ class DiffusionEngine:
 
     supports_batched_generation = True
 
-    def __init__(self, adapter: FlowModelAdapter, max_batch_rows: int = 32, decode_chunk_size: int = 16, prompt_cache_size: int = 4096,
-                 compile: bool | str = False, autocast_dtype: torch.dtype | None = None, compile_rounding: str = "eager"):
+    def __init__(
+        self,
+        adapter: FlowModelAdapter,
+        max_batch_rows: int = 32,
+        decode_chunk_size: int = 16,
+        prompt_cache_size: int = 4096,
+        compile: bool | str = False,
+        autocast_dtype: torch.dtype | None = None,
+        compile_rounding: str = "eager",
+    ):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
         # the adapter's hot modules with flowrl's fast paths, in place (the trainer shares them).
@@ -96,16 +106,29 @@ class DiffusionEngine:
         self.reset_stats()
 
     @classmethod
-    def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-                        max_batch_rows: int = 32, decode_chunk_size: int = 16, compile: bool | str = False,
-                        compile_rounding: str = "eager", **adapter_kwargs) -> "DiffusionEngine":
+    def from_pretrained(
+        cls,
+        path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_batch_rows: int = 32,
+        decode_chunk_size: int = 16,
+        compile: bool | str = False,
+        compile_rounding: str = "eager",
+        **adapter_kwargs,
+    ) -> "DiffusionEngine":
         from flowrl.models.registry import load_adapter
 
         if isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         adapter = load_adapter(path, device=device, dtype=dtype, **adapter_kwargs)
-        return cls(adapter, max_batch_rows=max_batch_rows, decode_chunk_size=decode_chunk_size, compile=compile,
-                   compile_rounding=compile_rounding)
+        return cls(
+            adapter,
+            max_batch_rows=max_batch_rows,
+            decode_chunk_size=decode_chunk_size,
+            compile=compile,
+            compile_rounding=compile_rounding,
+        )
 
     # --- public API ------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):
@@ -115,14 +138,18 @@ class DiffusionEngine:
             return [f.result() for f in self.submit_many(prompt, sampling_params)]
         return self.submit(prompt, sampling_params).result()
 
-    def generate_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None) -> list[DiffusionOutput]:
+    def generate_batched(
+        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
+    ) -> list[DiffusionOutput]:
         """N samples of one prompt from shared forwards; sample j uses seed + j."""
         return [f.result() for f in self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)]
 
     async def generate_async(self, prompt: str, sampling_params: SamplingParams | None = None) -> DiffusionOutput:
         return await asyncio.wrap_future(self.submit(prompt, sampling_params))
 
-    async def generate_batched_async(self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None) -> list[DiffusionOutput]:
+    async def generate_batched_async(
+        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
+    ) -> list[DiffusionOutput]:
         futures = self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
@@ -139,9 +166,15 @@ class DiffusionEngine:
             futures += self.submit_batched(p, 1, params.replace(seed=base + i))
         return futures
 
-    def submit_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None) -> list[Future]:
+    def submit_batched(
+        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
+    ) -> list[Future]:
         """Queue N samples of `prompt` (one SDE window drawn for all of them); return futures."""
-        if isinstance(num_outputs_per_prompt, bool) or not isinstance(num_outputs_per_prompt, int) or num_outputs_per_prompt < 1:
+        if (
+            isinstance(num_outputs_per_prompt, bool)
+            or not isinstance(num_outputs_per_prompt, int)
+            or num_outputs_per_prompt < 1
+        ):
             raise ValueError(
                 f"num_outputs_per_prompt={num_outputs_per_prompt!r} must be an integer >= 1 "
                 "(the number of samples to generate for this prompt)"
@@ -169,9 +202,15 @@ class DiffusionEngine:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = {
-                "num_forwards": 0, "num_rows": 0, "rows_per_forward_hist": Counter(),
-                "num_samples_finished": 0, "num_samples_failed": 0, "num_prompt_encodes": 0,
-                "num_prompt_cache_hits": 0, "num_decode_calls": 0, "busy_seconds": 0.0,
+                "num_forwards": 0,
+                "num_rows": 0,
+                "rows_per_forward_hist": Counter(),
+                "num_samples_finished": 0,
+                "num_samples_failed": 0,
+                "num_prompt_encodes": 0,
+                "num_prompt_cache_hits": 0,
+                "num_decode_calls": 0,
+                "busy_seconds": 0.0,
             }
 
     def set_policy_version(self, version: int) -> None:
@@ -183,7 +222,9 @@ class DiffusionEngine:
         colocated trainer sets its own mixed precision here, so rollout log-probs are computed
         with the arithmetic the trainer's forward uses."""
         if dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"mixed precision dtype={dtype!r} is not supported; use torch.bfloat16, torch.float16 or None")
+            raise ValueError(
+                f"mixed precision dtype={dtype!r} is not supported; use torch.bfloat16, torch.float16 or None"
+            )
         self.executor.autocast_dtype = dtype
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
@@ -222,7 +263,9 @@ class DiffusionEngine:
             return tuple(params.sde_window)
         if params.sde_window_size is not None:
             gen = torch.Generator().manual_seed(base_seed)
-            return sampler.draw_sde_window(params.num_inference_steps, params.sde_window_size, params.sde_window_range, gen)
+            return sampler.draw_sde_window(
+                params.num_inference_steps, params.sde_window_size, params.sde_window_range, gen
+            )
         return sampler.default_sde_window(params.num_inference_steps)
 
     def _enqueue(self, samples: list[SampleState]) -> None:

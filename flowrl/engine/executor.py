@@ -61,28 +61,42 @@ class Executor:
         latents = torch.stack([s.latents for s in group])
         in_window = [s.in_window(s.step) for s in group]
         sigma_values = [s.sigmas[s.step] for s in group]
-        sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device([
-            sigma_values,
-            [s.sigmas[s.step + 1] for s in group],
-            [s.params.guidance_scale for s in group],
-            [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
-            [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
-        ]).unbind(0)
+        sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device(
+            [
+                sigma_values,
+                [s.sigmas[s.step + 1] for s in group],
+                [s.params.guidance_scale for s in group],
+                [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
+                [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
+            ]
+        ).unbind(0)
         # 2. one guided forward for every row (CFG rows inside the adapter)
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
             velocity = self.adapter.velocity(
-                latents, sigma, [s.cond for s in group], [s.uncond for s in group], guidance, p0.height, p0.width,
+                latents,
+                sigma,
+                [s.cond for s in group],
+                [s.uncond for s in group],
+                guidance,
+                p0.height,
+                p0.width,
                 sigma_values=sigma_values,
             )
         # 3. noise from each sample's own generator, for its SDE-window steps only
         if any(in_window):
-            noise = torch.stack([
-                torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
-                if w else torch.zeros_like(s.latents)
-                for s, w in zip(group, in_window)
-            ])
+            noise = torch.stack(
+                [
+                    torch.randn(s.latents.shape, generator=s.generator, device=self.device, dtype=torch.float32)
+                    if w
+                    else torch.zeros_like(s.latents)
+                    for s, w in zip(group, in_window)
+                ]
+            )
         else:  # ODE step for every row: no noise is drawn, so no generator advances
             noise = torch.zeros_like(latents)
         # 4. the shared sampler step, once per step type present in the group
@@ -93,8 +107,14 @@ class Executor:
             idx = rows_to_device(rows, self.device) if len(rows) < len(group) else None
             pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
             result = sampler.sde_step(
-                pick(latents), pick(velocity), pick(sigma), pick(sigma_next), pick(noise_level),
-                sde_type=sde_type, noise=pick(noise), sigma_first_step=pick(sigma_first),
+                pick(latents),
+                pick(velocity),
+                pick(sigma),
+                pick(sigma_next),
+                pick(noise_level),
+                sde_type=sde_type,
+                noise=pick(noise),
+                sigma_first_step=pick(sigma_first),
             )
             if idx is None:
                 next_latents, log_prob = result.next_latents, result.log_prob

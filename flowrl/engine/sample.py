@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.sampling_params import SamplingParams
 from flowrl.models.base import PromptEncoding
+from flowrl.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

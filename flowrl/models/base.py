@@ -75,8 +75,9 @@ def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-def cfg_forward_inputs(latents: torch.Tensor, sigmas: torch.Tensor, cond: list[PromptEncoding],
-                       uncond: list[PromptEncoding | None]):
+def cfg_forward_inputs(
+    latents: torch.Tensor, sigmas: torch.Tensor, cond: list[PromptEncoding], uncond: list[PromptEncoding | None]
+):
     """Rows of one CFG forward: every row's cond input, then the uncond inputs of the rows that
     have an uncond encoding. Returns (latents, sigmas, encodings, cfg_rows). When every row uses
     CFG (the usual case) this is a plain concatenation, no index tensor."""
@@ -91,7 +92,9 @@ def cfg_forward_inputs(latents: torch.Tensor, sigmas: torch.Tensor, cond: list[P
     return hidden, torch.cat([sigmas, sigmas.index_select(0, index)]), encodings, cfg_rows
 
 
-def combine_cfg(out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_scale: torch.Tensor, renormalize: bool) -> torch.Tensor:
+def combine_cfg(
+    out: torch.Tensor, num_cond: int, cfg_rows: list[int], guidance_scale: torch.Tensor, renormalize: bool
+) -> torch.Tensor:
     """Guided velocity from a forward whose first num_cond rows are cond and whose remaining rows
     are the uncond rows of `cfg_rows`: v = v_u + g (v_c - v_u). With renormalize (Qwen-Image true
     CFG), rescale each token's guided vector to the norm of its cond vector."""

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.base import (
+    FlowModelAdapter,
+    PromptEncoding,
+    cfg_forward_inputs,
+    combine_cfg,
+    pad_encodings,
+    to_uint8,
+)
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 from flowrl.models.schedule import schedule_sigmas
 
@@ -25,8 +32,14 @@ class QwenImageAdapter(FlowModelAdapter):
     family = "qwen_image"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
     default_lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
     )
     # Set by flowrl.accel.compile_adapter; None runs diffusers' forward as is. Called in `velocity`
     # as hook(num_rows, row_sigmas) with the forward's row count and its rows' sigmas as host
@@ -78,7 +91,9 @@ class QwenImageAdapter(FlowModelAdapter):
 
     def initial_noise(self, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
         h, w = self._latent_hw(height, width)
-        noise = torch.randn((1, 1, self.latent_channels, h, w), generator=generator, dtype=torch.float32, device=generator.device)
+        noise = torch.randn(
+            (1, 1, self.latent_channels, h, w), generator=generator, dtype=torch.float32, device=generator.device
+        )
         return self.pack(noise[:, 0], h, w)[0]
 
     def pack(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ import types
 import torch
 import torch.nn.functional as F
 
-
 _ENABLED = contextvars.ContextVar("flowrl_single_frame_2d", default=False)
 
 
@@ -43,8 +42,16 @@ def single_frame_2d():
 
 def _is_single_frame_call(conv: torch.nn.Conv3d, x: torch.Tensor, cache_x) -> bool:
     kernel_t = conv.kernel_size[0]
-    return (_ENABLED.get() and cache_x is None and x.dim() == 5 and x.shape[2] == 1 and conv.stride[0] == 1
-            and conv.dilation[0] == 1 and conv._padding[4] == kernel_t - 1 and conv._padding[5] == 0)
+    return (
+        _ENABLED.get()
+        and cache_x is None
+        and x.dim() == 5
+        and x.shape[2] == 1
+        and conv.stride[0] == 1
+        and conv.dilation[0] == 1
+        and conv._padding[4] == kernel_t - 1
+        and conv._padding[5] == 0
+    )
 
 
 def _single_frame_forward(self, x: torch.Tensor, cache_x=None) -> torch.Tensor:
@@ -56,7 +63,9 @@ def _single_frame_forward(self, x: torch.Tensor, cache_x=None) -> torch.Tensor:
     if (pad_w, pad_h) == (pad_w_end, pad_h_end):  # symmetric: let the convolution pad
         out = F.conv2d(frame, weight, self.bias, self.stride[1:], (pad_h, pad_w), self.dilation[1:], self.groups)
     else:
-        out = F.conv2d(F.pad(frame, self._padding[:4]), weight, self.bias, self.stride[1:], 0, self.dilation[1:], self.groups)
+        out = F.conv2d(
+            F.pad(frame, self._padding[:4]), weight, self.bias, self.stride[1:], 0, self.dilation[1:], self.groups
+        )
     return out.unsqueeze(2)
 
 

@@ -29,7 +29,9 @@ def read_model_family(path: str | Path) -> str:
     return _family_entry(path)[0]
 
 
-def load_adapter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options) -> FlowModelAdapter:
+def load_adapter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options
+) -> FlowModelAdapter:
     """Load the adapter of the family stored at `path` (a local diffusers folder)."""
     _, adapter_class = _family_entry(path)
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)

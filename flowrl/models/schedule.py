@@ -10,6 +10,7 @@ only the sigmas as a float32 tensor. The stateful `scheduler.step` is never used
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import torch
 
@@ -25,7 +26,9 @@ def dynamic_shift_mu(image_seq_len: int, config) -> float:
     return image_seq_len * slope + (base_shift - slope * base_len)
 
 
-def schedule_sigmas(scheduler, num_steps: int, image_seq_len: int | None = None, linear_base: bool = False) -> torch.Tensor:
+def schedule_sigmas(
+    scheduler, num_steps: int, image_seq_len: int | None = None, linear_base: bool = False
+) -> torch.Tensor:
     """Return (num_steps + 1,) float32 sigmas, decreasing from the first sigma to 0.
 
     linear_base: pass sigmas = linspace(1, 1/T, T) as the unshifted base (what the Qwen-Image

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.base import (
+    FlowModelAdapter,
+    PromptEncoding,
+    cfg_forward_inputs,
+    combine_cfg,
+    pad_encodings,
+    to_uint8,
+)
 from flowrl.models.schedule import schedule_sigmas
 
 
@@ -20,8 +27,14 @@ class SD3Adapter(FlowModelAdapter):
     family = "sd3"
     size_multiple = 16  # VAE factor 8 times patch size 2
     default_lora_targets = (
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
     )
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 256):
@@ -41,7 +54,13 @@ class SD3Adapter(FlowModelAdapter):
         pipeline = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
-        for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
+        for module in (
+            pipeline.transformer,
+            pipeline.vae,
+            pipeline.text_encoder,
+            pipeline.text_encoder_2,
+            pipeline.text_encoder_3,
+        ):
             if module is not None:
                 module.requires_grad_(False).eval()
         return cls(pipeline, device, dtype, max_sequence_length)
@@ -50,8 +69,12 @@ class SD3Adapter(FlowModelAdapter):
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
         )
         mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=self.device)
         return [PromptEncoding(embeds[i], mask, pooled[i]) for i in range(len(prompts))]
@@ -87,4 +110,3 @@ class SD3Adapter(FlowModelAdapter):
         scaled = scaled.to(self.vae.dtype).contiguous(memory_format=self.vae_memory_format)
         image = self.vae.decode(scaled, return_dict=False)[0]
         return to_uint8(image)
-

@@ -31,9 +31,7 @@ TINY_KINDS: dict[str, str] = {
 
 def _check_kind(kind: str) -> None:
     if kind not in TINY_KINDS:
-        raise ValueError(
-            f"kind={kind!r} is not a tiny checkpoint kind; choose one of: {', '.join(TINY_KINDS)}"
-        )
+        raise ValueError(f"kind={kind!r} is not a tiny checkpoint kind; choose one of: {', '.join(TINY_KINDS)}")
 
 
 def _existing_kind(path: Path) -> str | None:

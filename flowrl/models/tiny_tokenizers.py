@@ -64,9 +64,7 @@ def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list
     symbols = list(symbols)
     while len(symbols) > 1:
         candidates = [
-            (ranks[pair], index)
-            for index, pair in enumerate(zip(symbols[:-1], symbols[1:]))
-            if pair in ranks
+            (ranks[pair], index) for index, pair in enumerate(zip(symbols[:-1], symbols[1:])) if pair in ranks
         ]
         if not candidates:
             break
@@ -75,9 +73,7 @@ def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list
     return symbols
 
 
-def _merges_for_words(
-    words: list[list[str]], vocab: dict[str, int]
-) -> list[tuple[str, str]]:
+def _merges_for_words(words: list[list[str]], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Extend `vocab` in place and return merges that turn each symbol list into one token."""
     merges: list[tuple[str, str]] = []
     ranks: dict[tuple[str, str], int] = {}

@@ -53,8 +53,7 @@ class AsyncRewardScorer:
         self._is_closed = False
         self.scored_batch_sizes: list[int] = []  # one entry per scored batch, for metrics
         self._workers = [
-            threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True)
-            for i in range(num_workers)
+            threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True) for i in range(num_workers)
         ]
         for worker in self._workers:
             worker.start()
@@ -70,9 +69,7 @@ class AsyncRewardScorer:
             if self._is_closed:
                 raise RuntimeError("AsyncRewardScorer is closed; create a new one")
             if row_index in self._submitted:
-                raise ValueError(
-                    f"row_index {row_index} was submitted twice; each row is scored once per batch"
-                )
+                raise ValueError(f"row_index {row_index} was submitted twice; each row is scored once per batch")
             self._submitted.add(row_index)
             self._pending.append(_PendingRow(row_index, image, prompt, metadata))
             self._condition.notify()
@@ -103,9 +100,7 @@ class AsyncRewardScorer:
                     total, components = outcome
                     for position, row in enumerate(batch):
                         self._scores[row.row_index] = float(total[position])
-                        self._components[row.row_index] = {
-                            name: float(s[position]) for name, s in components.items()
-                        }
+                        self._components[row.row_index] = {name: float(s[position]) for name, s in components.items()}
                 self.scored_batch_sizes.append(len(batch))
                 self._num_in_flight -= len(batch)
                 self._condition.notify_all()
@@ -135,9 +130,7 @@ class AsyncRewardScorer:
         bounds the wait (TimeoutError, state kept) so a hung reward cannot stall training silently.
         """
         with self._condition:
-            is_done = self._condition.wait_for(
-                lambda: not self._pending and not self._num_in_flight, timeout_s
-            )
+            is_done = self._condition.wait_for(lambda: not self._pending and not self._num_in_flight, timeout_s)
             if not is_done:
                 raise TimeoutError(
                     f"reward {self.reward.name!r}: {len(self._pending)} row(s) pending and "
@@ -159,9 +152,7 @@ class AsyncRewardScorer:
         total = np.array([scores[row] for row in range(expected)], dtype=np.float64)
         names = sorted({name for row_components in per_row_components.values() for name in row_components})
         components = {
-            name: np.array(
-                [per_row_components[row].get(name, np.nan) for row in range(expected)], dtype=np.float64
-            )
+            name: np.array([per_row_components[row].get(name, np.nan) for row in range(expected)], dtype=np.float64)
             for name in names
         }
         return total, components

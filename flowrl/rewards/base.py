@@ -67,9 +67,7 @@ def validate_batch(images: Any, prompts: list[str], metadata: list[dict]) -> np.
     if len(prompts) != batch_size:
         raise ValueError(f"prompts has {len(prompts)} entries for {batch_size} images; pass one per image")
     if len(metadata) != batch_size:
-        raise ValueError(
-            f"metadata has {len(metadata)} entries for {batch_size} images; pass one dict per image"
-        )
+        raise ValueError(f"metadata has {len(metadata)} entries for {batch_size} images; pass one dict per image")
     if not all(isinstance(meta, dict) for meta in metadata):
         raise ValueError("metadata must be a list of dicts, one per image (use {} for none)")
     return images
@@ -134,9 +132,7 @@ class RowwiseReward(Reward):
         scores = np.empty(images.shape[0], dtype=np.float64)
         for row, (image, prompt, meta) in enumerate(zip(images, prompts, metadata)):
             try:
-                scores[row] = float(
-                    self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta)
-                )
+                scores[row] = float(self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta))
             except Exception as error:
                 wrapped = RewardError(self.name, row, error)
                 wrapped.__cause__ = error
@@ -192,9 +188,7 @@ def registered_rewards() -> list[str]:
 
 def _resolve_factory(name: str) -> Callable[..., Reward]:
     if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown reward name {name!r}; registered rewards: {', '.join(registered_rewards())}"
-        )
+        raise ValueError(f"unknown reward name {name!r}; registered rewards: {', '.join(registered_rewards())}")
     entry = _REGISTRY[name]
     if isinstance(entry, str):
         module_name, attribute = entry.split(":")

@@ -23,9 +23,7 @@ CONFIG_FIELDS = ("name", "options", "components", "route_by_data_source", "num_w
 
 def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     choose = parser.add_argument_group("reward choice")
-    choose.add_argument(
-        "--reward", help="registered reward name (e.g. ocr, jpeg_compressibility, clip_score)"
-    )
+    choose.add_argument("--reward", help="registered reward name (e.g. ocr, jpeg_compressibility, clip_score)")
     choose.add_argument(
         "--option",
         action="append",
@@ -88,16 +86,10 @@ def load_image_chw(path: Path) -> np.ndarray:
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_reward_arguments(parser)
-    parser.add_argument(
-        "--ground-truth", default=None, help="metadata ground_truth of every image (OCR target text)"
-    )
+    parser.add_argument("--ground-truth", default=None, help="metadata ground_truth of every image (OCR target text)")
     parser.add_argument("--prompt", default="", help="the prompt of every image (CLIP-family rewards)")
-    parser.add_argument(
-        "--data-source", default=None, help="metadata data_source of every image (for routing)"
-    )
-    parser.add_argument(
-        "images", nargs="+", type=Path, help="image files (any PIL-readable format; converted to RGB)"
-    )
+    parser.add_argument("--data-source", default=None, help="metadata data_source of every image (for routing)")
+    parser.add_argument("images", nargs="+", type=Path, help="image files (any PIL-readable format; converted to RGB)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,9 +35,7 @@ def _existing_path(option: str, value, reward_name: str, want_dir: bool) -> Path
     ok = path.is_dir() if want_dir else path.is_file()
     if not ok:
         kind = "folder (save_pretrained output)" if want_dir else "file"
-        raise ValueError(
-            f"{reward_name} option {option}={str(value)!r} is not an existing {kind}; give a local path"
-        )
+        raise ValueError(f"{reward_name} option {option}={str(value)!r} is not an existing {kind}; give a local path")
     return path
 
 
@@ -73,9 +71,7 @@ class ClipBackbone:
         self.model.requires_grad_(False)  # a frozen judge: no autograd state, ever
         self.tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         if len(self.tokenizer) <= 2:  # transformers may return an empty tokenizer instead of raising
-            raise ValueError(
-                f"{reward_name}: no usable tokenizer in {folder} (vocab size {len(self.tokenizer)})"
-            )
+            raise ValueError(f"{reward_name}: no usable tokenizer in {folder} (vocab size {len(self.tokenizer)})")
         self.image_size = int(self.model.config.vision_config.image_size)
         self.mean, self.std = CLIP_MEAN, CLIP_STD
         preprocessor = folder / "preprocessor_config.json"
@@ -164,9 +160,7 @@ def load_linear_head(
     tensors = load_file(str(head_path))
     weight_keys = [key for key in tensors if key.endswith("weight")]
     if not weight_keys:
-        raise ValueError(
-            f"{reward_name}: head file {head_path} has no '*weight' tensors; keys: {sorted(tensors)}"
-        )
+        raise ValueError(f"{reward_name}: head file {head_path} has no '*weight' tensors; keys: {sorted(tensors)}")
 
     def natural_order(key: str):
         return tuple(int(number) for number in re.findall(r"\d+", key)), key
@@ -183,9 +177,7 @@ def load_linear_head(
         layers.append((weight, None if bias is None else bias.float()))
         expected_in = weight.shape[0]
     if expected_in != 1:
-        raise ValueError(
-            f"{reward_name}: head in {head_path} ends with {expected_in} outputs; it must end with 1"
-        )
+        raise ValueError(f"{reward_name}: head in {head_path} ends with {expected_in} outputs; it must end with 1")
     return layers
 
 
@@ -206,9 +198,7 @@ class AestheticReward(Reward):
         dtype: str = "float32",
     ):
         if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"aesthetic option activation={activation!r} is not one of {sorted(_ACTIVATIONS)}"
-            )
+            raise ValueError(f"aesthetic option activation={activation!r} is not one of {sorted(_ACTIVATIONS)}")
         self.backbone = ClipBackbone(model_path, self.name, device, dtype)
         head_file = _existing_path("head_path", head_path, self.name, want_dir=False)
         self.layers = load_linear_head(head_file, int(self.backbone.model.config.projection_dim), self.name)

@@ -28,9 +28,7 @@ class JpegCompressibility(RowwiseReward):
 
     def __init__(self, quality: int = 95):
         if not isinstance(quality, int) or not 1 <= quality <= 95:
-            raise ValueError(
-                f"{self.name} option quality={quality!r} must be an integer in [1, 95] (PIL's JPEG range)"
-            )
+            raise ValueError(f"{self.name} option quality={quality!r} must be an integer in [1, 95] (PIL's JPEG range)")
         self.quality = quality
 
     def score_row(self, image_hwc: np.ndarray, prompt: str, metadata: dict) -> float:

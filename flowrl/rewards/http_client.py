@@ -34,9 +34,7 @@ RETRYABLE_STATUS = frozenset({408, 429})
 def encode_png(image_chw: np.ndarray) -> bytes:
     """(3, H, W) uint8 -> PNG bytes (lossless; low compression level because speed matters more)."""
     buffer = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(
-        buffer, format="PNG", compress_level=1
-    )
+    Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
 
 
@@ -50,9 +48,7 @@ def decode_png(data: bytes, field: str = "image") -> np.ndarray:
             f"{field} is not a readable image ({type(error).__name__}: {error}); send RGB PNG bytes"
         ) from error
     if image.mode != "RGB":
-        raise ValueError(
-            f"{field} has mode {image.mode!r}; send 8-bit RGB images (convert RGBA/L to RGB first)"
-        )
+        raise ValueError(f"{field} has mode {image.mode!r}; send 8-bit RGB images (convert RGBA/L to RGB first)")
     return np.asarray(image).transpose(2, 0, 1).copy()
 
 
@@ -106,9 +102,7 @@ class HttpReward(Reward):
         sleep: Callable[[float], None] = time.sleep,
     ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"http option url={url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000"
-            )
+            raise ValueError(f"http option url={url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
         if transport not in ("json", "multipart"):
             raise ValueError(f"http option transport={transport!r} must be 'json' or 'multipart'")
         if not isinstance(max_attempts, int) or max_attempts < 1:
@@ -135,9 +129,7 @@ class HttpReward(Reward):
                 "metadata": metadata,
             }
             return {"json": payload}
-        files = [
-            ("images", (f"{row}.png", encode_png(image), "image/png")) for row, image in enumerate(images)
-        ]
+        files = [("images", (f"{row}.png", encode_png(image), "image/png")) for row, image in enumerate(images)]
         return {"files": files, "data": {"request": json.dumps({"prompts": prompts, "metadata": metadata})}}
 
     def _raise_if_remote_reward_failed(self, response: httpx.Response) -> None:

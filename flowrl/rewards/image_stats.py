@@ -30,4 +30,3 @@ class ImageContrast(Reward):
 class ImageFlatness(ImageContrast):
     name = "image_flatness"
     sign = -1.0
-

@@ -98,12 +98,8 @@ class DataSourceRouter(Reward):
 
     def __init__(self, routes: dict, default=None, data_source_key: str = "data_source"):
         if not isinstance(routes, dict) or not routes:
-            raise ValueError(
-                f"route_by_data_source routes={routes!r} must be a non-empty dict data_source -> reward"
-            )
-        self.routes = {
-            source: _as_reward(spec, f"route for data_source {source!r}") for source, spec in routes.items()
-        }
+            raise ValueError(f"route_by_data_source routes={routes!r} must be a non-empty dict data_source -> reward")
+        self.routes = {source: _as_reward(spec, f"route for data_source {source!r}") for source, spec in routes.items()}
         self.default = None if default is None else _as_reward(default, "default reward")
         self.data_source_key = data_source_key
 

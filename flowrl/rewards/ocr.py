@@ -34,9 +34,7 @@ def ocr_text_score(recognized: str, target: str) -> float:
     """1 - min(d, len(target)) / len(target) on normalized strings (see module docstring)."""
     target_norm = normalize_text(target)
     if not target_norm:
-        raise ValueError(
-            f"ground_truth {target!r} is empty after removing whitespace; give a non-empty target text"
-        )
+        raise ValueError(f"ground_truth {target!r} is empty after removing whitespace; give a non-empty target text")
     recognized_norm = normalize_text(recognized)
     if target_norm in recognized_norm:
         distance = 0
@@ -70,9 +68,7 @@ class OcrReward(RowwiseReward):
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"ocr option num_threads={num_threads!r} must be an integer >= 1")
         if not 0.0 <= float(text_score) <= 1.0:
-            raise ValueError(
-                f"ocr option text_score={text_score!r} must be in [0, 1] (minimum line confidence)"
-            )
+            raise ValueError(f"ocr option text_score={text_score!r} must be in [0, 1] (minimum line confidence)")
         self.num_threads = num_threads
         self.text_score = float(text_score)
         self.ground_truth_key = ground_truth_key

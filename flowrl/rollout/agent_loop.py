@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from flowrl.sampling_params import SamplingParams
 from flowrl.rollout.balancer import LeastInFlightBalancer
 from flowrl.rollout.batch import RolloutBatch, stack_rows
+from flowrl.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ class AgentLoop:
         return seeds
 
     # --- main entry --------------------------------------------------------------------------------
-    def generate_sequences(self, batch: RolloutBatch, validation: bool = False,
-                           on_sample_done: Callable[[int, object], None] | None = None) -> RolloutBatch:
+    def generate_sequences(
+        self, batch: RolloutBatch, validation: bool = False, on_sample_done: Callable[[int, object], None] | None = None
+    ) -> RolloutBatch:
         """Generate one sample per row; return the batch with the sample fields attached.
 
         validation=True uses rollout.val_sampling (ODE, no log-probs) and the fixed rollout.val_seed
@@ -138,7 +139,9 @@ class AgentLoop:
             # Validation batches hold one row per prompt, so the fallback is expected there.
             if not validation and reason not in self._logged_reasons:
                 self._logged_reasons.add(reason)
-                logger.warning("agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch))
+                logger.warning(
+                    "agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch)
+                )
             for i in range(len(batch)):
                 futures += self.balancer.submit(prompts[i], params[i])
         # 3. wait for every sample (each handed to on_sample_done as soon as it is done)
@@ -166,25 +169,29 @@ class AgentLoop:
         rows = [{dst: getattr(o, src) for src, dst in OUTPUT_TO_BATCH.items()} for o in outputs]
         result = batch.select(np.arange(len(batch)))
         result.add_tensors(stack_rows(rows))
-        result.add_non_tensors({
-            "seed": [o.seed for o in outputs],
-            "policy_version": [o.policy_version for o in outputs],
-            "sde_window": [list(o.sde_window) for o in outputs],
-        })
+        result.add_non_tensors(
+            {
+                "seed": [o.seed for o in outputs],
+                "policy_version": [o.policy_version for o in outputs],
+                "sde_window": [list(o.sde_window) for o in outputs],
+            }
+        )
         n = self.config.n
         batched = reason is None
-        result.meta_info.update({
-            "num_batched_groups": len(batch) // n if batched else 0,
-            "num_single_requests": 0 if batched else len(batch),
-            "fallback_reason": reason,
-            "timing": {
-                "rollout_s": seconds,
-                "queued_s_mean": float(np.mean([o.timings["queued_s"] for o in outputs])),
-                "denoise_s_mean": float(np.mean([o.timings["denoise_s"] for o in outputs])),
-                "decode_s_mean": float(np.mean([o.timings["decode_s"] for o in outputs])),
-            },
-            "replica_in_flight_assigned": list(self.balancer.assigned),
-        })
+        result.meta_info.update(
+            {
+                "num_batched_groups": len(batch) // n if batched else 0,
+                "num_single_requests": 0 if batched else len(batch),
+                "fallback_reason": reason,
+                "timing": {
+                    "rollout_s": seconds,
+                    "queued_s_mean": float(np.mean([o.timings["queued_s"] for o in outputs])),
+                    "denoise_s_mean": float(np.mean([o.timings["denoise_s"] for o in outputs])),
+                    "decode_s_mean": float(np.mean([o.timings["decode_s"] for o in outputs])),
+                },
+                "replica_in_flight_assigned": list(self.balancer.assigned),
+            }
+        )
         return result
 
 

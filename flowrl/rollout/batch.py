@@ -30,8 +30,13 @@ import numpy as np
 import torch
 
 # Standard per-row fields and their defaults (uid gets a fresh uuid4 per row instead).
-ROW_DEFAULTS = {"agent_name": "diffusion", "negative_prompt": None, "data_source": "default",
-                "ground_truth": None, "seed": None}
+ROW_DEFAULTS = {
+    "agent_name": "diffusion",
+    "negative_prompt": None,
+    "data_source": "default",
+    "ground_truth": None,
+    "seed": None,
+}
 
 
 def _object_array(values: Sequence) -> np.ndarray:
@@ -59,14 +64,18 @@ def _pad_and_stack(name: str, tensors: list[torch.Tensor], names) -> torch.Tenso
     first = tensors[0]
     for index, tensor in enumerate(tensors):
         if tensor.dtype != first.dtype or tensor.dim() != first.dim():
-            raise ValueError(f"field {name!r}: row {index} is {tensor.dtype} {tuple(tensor.shape)} but "
-                             f"row 0 is {first.dtype} {tuple(first.shape)}; rows need one dtype and rank")
+            raise ValueError(
+                f"field {name!r}: row {index} is {tensor.dtype} {tuple(tensor.shape)} but "
+                f"row 0 is {first.dtype} {tuple(first.shape)}; rows need one dtype and rank"
+            )
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) == 1:
         return torch.stack(tensors)
     if not _is_variable_length(name, names) or first.dim() == 0 or len({s[1:] for s in shapes}) > 1:
-        raise ValueError(f"field {name!r}: rows have different shapes {sorted(shapes)}; only masked "
-                         f"sequence fields (X with X_mask) may differ, and only in their first dim")
+        raise ValueError(
+            f"field {name!r}: rows have different shapes {sorted(shapes)}; only masked "
+            f"sequence fields (X with X_mask) may differ, and only in their first dim"
+        )
     length = max(shape[0] for shape in shapes)
     out = first.new_zeros((len(tensors), length, *first.shape[1:]))  # zeros: False for bool masks
     for row, tensor in enumerate(tensors):
@@ -91,15 +100,18 @@ def stack_rows(rows: Sequence[dict[str, torch.Tensor | None]]) -> dict[str, torc
         if len(missing) == len(values):
             continue
         if missing:
-            raise ValueError(f"field {name!r} is None in rows {missing[:8]} but a tensor in others; "
-                             "every row must have it, or none")
+            raise ValueError(
+                f"field {name!r} is None in rows {missing[:8]} but a tensor in others; every row must have it, or none"
+            )
         if not all(isinstance(value, torch.Tensor) for value in values):
             raise ValueError(f"field {name!r} holds a non-tensor value; put it in non_tensor_batch instead")
         for index, row in enumerate(rows):
             mask = row.get(f"{name}_mask")
             if mask is not None and mask.shape[0] != row[name].shape[0]:
-                raise ValueError(f"row {index}: {name} has length {row[name].shape[0]} but {name}_mask "
-                                 f"has length {mask.shape[0]}; they must match")
+                raise ValueError(
+                    f"row {index}: {name} has length {row[name].shape[0]} but {name}_mask "
+                    f"has length {mask.shape[0]}; they must match"
+                )
         stacked[name] = _pad_and_stack(name, values, names)
     return stacked
 
@@ -113,22 +125,25 @@ class RolloutBatch:
     meta_info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.non_tensor_batch = {name: _as_object_array(values)
-                                 for name, values in self.non_tensor_batch.items()}
+        self.non_tensor_batch = {name: _as_object_array(values) for name, values in self.non_tensor_batch.items()}
         self._check_lengths()
 
     def _check_lengths(self) -> None:
         for name, tensor in self.batch.items():
             if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-                raise ValueError(f"batch field {name!r} must be a tensor whose first dim is the row; "
-                                 "put scalars in meta_info and non-tensors in non_tensor_batch")
+                raise ValueError(
+                    f"batch field {name!r} must be a tensor whose first dim is the row; "
+                    "put scalars in meta_info and non-tensors in non_tensor_batch"
+                )
         lengths = {name: len(t) for name, t in self.batch.items()}
         lengths.update({name: len(a) for name, a in self.non_tensor_batch.items()})
         if len(set(lengths.values())) > 1:
             expected = next(iter(lengths.values()))
             bad = next(name for name, n in lengths.items() if n != expected)
-            raise ValueError(f"field {bad!r} has {lengths[bad]} rows but {next(iter(lengths))!r} has "
-                             f"{expected}; every tensor and non-tensor field needs one entry per row")
+            raise ValueError(
+                f"field {bad!r} has {lengths[bad]} rows but {next(iter(lengths))!r} has "
+                f"{expected}; every tensor and non-tensor field needs one entry per row"
+            )
 
     # ---- construction ----
 
@@ -142,8 +157,7 @@ class RolloutBatch:
         for index, row in enumerate(rows):
             if not isinstance(row.get("raw_prompt"), str):
                 hint = " (rename 'prompt' to 'raw_prompt')" if "prompt" in row else ""
-                raise ValueError(f"row {index}: raw_prompt={row.get('raw_prompt')!r} must be the prompt "
-                                 f"text{hint}")
+                raise ValueError(f"row {index}: raw_prompt={row.get('raw_prompt')!r} must be the prompt text{hint}")
         names = list(dict.fromkeys(["raw_prompt", *ROW_DEFAULTS, "uid", *(n for r in rows for n in r)]))
         columns = {}
         for name in names:
@@ -151,8 +165,7 @@ class RolloutBatch:
                 columns[name] = [row.get("uid") or str(uuid.uuid4()) for row in rows]
             else:
                 columns[name] = [row.get(name, ROW_DEFAULTS.get(name)) for row in rows]
-        return cls(non_tensor_batch={n: _object_array(v) for n, v in columns.items()},
-                   meta_info=dict(meta_info or {}))
+        return cls(non_tensor_batch={n: _object_array(v) for n, v in columns.items()}, meta_info=dict(meta_info or {}))
 
     @classmethod
     def concat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
@@ -162,11 +175,15 @@ class RolloutBatch:
             raise ValueError("RolloutBatch.concat got no batches")
         first = batches[0]
         for index, other in enumerate(batches[1:], start=1):
-            for kind, mine, theirs in (("tensor", first.batch, other.batch),
-                                       ("non-tensor", first.non_tensor_batch, other.non_tensor_batch)):
+            for kind, mine, theirs in (
+                ("tensor", first.batch, other.batch),
+                ("non-tensor", first.non_tensor_batch, other.non_tensor_batch),
+            ):
                 if set(mine) != set(theirs):
-                    raise ValueError(f"batch {index} has {kind} fields {sorted(theirs)} but batch 0 has "
-                                     f"{sorted(mine)}; concat needs the same fields")
+                    raise ValueError(
+                        f"batch {index} has {kind} fields {sorted(theirs)} but batch 0 has "
+                        f"{sorted(mine)}; concat needs the same fields"
+                    )
         tensors = {}
         for name in first.batch:
             rows = [row for b in batches for row in b.batch[name].unbind(0)]
@@ -175,8 +192,9 @@ class RolloutBatch:
                 tensors[name] = _pad_and_stack(name, rows, first.batch)
             else:
                 tensors[name] = torch.cat([b.batch[name] for b in batches])
-        non_tensors = {name: np.concatenate([b.non_tensor_batch[name] for b in batches])
-                       for name in first.non_tensor_batch}
+        non_tensors = {
+            name: np.concatenate([b.non_tensor_batch[name] for b in batches]) for name in first.non_tensor_batch
+        }
         meta = {}
         for b in reversed(batches):
             meta.update(b.meta_info)
@@ -206,13 +224,11 @@ class RolloutBatch:
         index_array = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else list(indices))
         if index_array.dtype == bool:
             if index_array.shape != (size,):
-                raise ValueError(f"boolean mask has shape {index_array.shape}; "
-                                 f"it needs one entry per row ({size})")
+                raise ValueError(f"boolean mask has shape {index_array.shape}; it needs one entry per row ({size})")
             index_array = np.flatnonzero(index_array)
         index_array = index_array.astype(np.int64).reshape(-1)
         if index_array.size and (index_array.min() < -size or index_array.max() >= size):
-            raise IndexError(f"row indices {index_array.tolist()[:8]} are out of range "
-                             f"for a batch of {size} rows")
+            raise IndexError(f"row indices {index_array.tolist()[:8]} are out of range for a batch of {size} rows")
         index_array = index_array % max(size, 1)
         torch_index = torch.from_numpy(index_array)
         tensors = {name: t.index_select(0, torch_index.to(t.device)) for name, t in self.batch.items()}
@@ -245,8 +261,7 @@ class RolloutBatch:
         """Attach (or replace) tensor fields in place; each needs one entry per row. Returns self."""
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"field {name!r} is a {type(tensor).__name__}, not a tensor; "
-                                 "use add_non_tensors")
+                raise ValueError(f"field {name!r} is a {type(tensor).__name__}, not a tensor; use add_non_tensors")
             if tensor.dim() == 0:
                 raise ValueError(f"field {name!r} is a 0-d tensor; it needs one entry per row (dim 0)")
             self._check_new_field(name, len(tensor))
@@ -280,8 +295,9 @@ class RolloutBatch:
 
     def to(self, device) -> "RolloutBatch":
         """A batch with every tensor on `device` (non-tensor fields shared)."""
-        return RolloutBatch({n: t.to(device) for n, t in self.batch.items()}, dict(self.non_tensor_batch),
-                            dict(self.meta_info))
+        return RolloutBatch(
+            {n: t.to(device) for n, t in self.batch.items()}, dict(self.non_tensor_batch), dict(self.meta_info)
+        )
 
     # ---- serialization: one safetensors file, non-tensor part as JSON in its header ----
 
@@ -292,11 +308,15 @@ class RolloutBatch:
 
         columns = {}
         for name, array in self.non_tensor_batch.items():
-            columns[name] = [_json_value(value, f"non_tensor_batch[{name!r}][{row}]")
-                             for row, value in enumerate(array)]
-        metadata = {"format": "flowrl.RolloutBatch/1", "num_rows": str(len(self)),
-                    "non_tensor_batch": json.dumps(columns),
-                    "meta_info": json.dumps(_json_value(self.meta_info, "meta_info"))}
+            columns[name] = [
+                _json_value(value, f"non_tensor_batch[{name!r}][{row}]") for row, value in enumerate(array)
+            ]
+        metadata = {
+            "format": "flowrl.RolloutBatch/1",
+            "num_rows": str(len(self)),
+            "non_tensor_batch": json.dumps(columns),
+            "meta_info": json.dumps(_json_value(self.meta_info, "meta_info")),
+        }
         # clone: safetensors refuses tensors that share storage (views of one buffer).
         save_file({n: t.detach().cpu().contiguous().clone() for n, t in self.batch.items()}, path, metadata)
 
@@ -310,8 +330,11 @@ class RolloutBatch:
                 raise ValueError(f"{path} is not a RolloutBatch file (written by RolloutBatch.save)")
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
         columns = json.loads(metadata["non_tensor_batch"])
-        return cls(tensors, {name: _object_array(values) for name, values in columns.items()},
-                   json.loads(metadata["meta_info"]))
+        return cls(
+            tensors,
+            {name: _object_array(values) for name, values in columns.items()},
+            json.loads(metadata["meta_info"]),
+        )
 
 
 def _json_value(value, where: str):
@@ -326,5 +349,7 @@ def _json_value(value, where: str):
         return [_json_value(item, where) for item in value]
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    raise ValueError(f"{where} is a {type(value).__name__}, which RolloutBatch.save cannot write as JSON; "
-                     "store str/number/bool/None/list/dict values (tensors go in batch)")
+    raise ValueError(
+        f"{where} is a {type(value).__name__}, which RolloutBatch.save cannot write as JSON; "
+        "store str/number/bool/None/list/dict values (tensors go in batch)"
+    )

@@ -67,9 +67,7 @@ def _decode_base64_png(value, index: int) -> np.ndarray:
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as error:
-        raise BadRequest(
-            f"images[{index}] is not valid base64 ({error}); send base64-encoded PNG bytes"
-        ) from error
+        raise BadRequest(f"images[{index}] is not valid base64 ({error}); send base64-encoded PNG bytes") from error
     return decode_png(data, f"images[{index}]")
 
 
@@ -88,17 +86,12 @@ def parse_score_request(
             raw_images = payload.get("images")
             if not isinstance(raw_images, list) or not raw_images:
                 raise BadRequest("field 'images' must be a non-empty list of base64 PNG strings")
-            images = [
-                _decode_base64_png(value, index)
-                for index, value in enumerate(raw_images[: max_batch_size + 1])
-            ]
+            images = [_decode_base64_png(value, index) for index, value in enumerate(raw_images[: max_batch_size + 1])]
         elif content_type.startswith("multipart/form-data"):
             fields = parse_multipart(body, content_type)
             requests = [content for name, content in fields if name == "request"]
             if len(requests) != 1:
-                raise BadRequest(
-                    "multipart request needs exactly one 'request' field with JSON {prompts, metadata}"
-                )
+                raise BadRequest("multipart request needs exactly one 'request' field with JSON {prompts, metadata}")
             try:
                 payload = json.loads(requests[0])
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -109,8 +102,7 @@ def parse_score_request(
             if not files:
                 raise BadRequest("multipart request has no 'images' file parts")
             images = [
-                decode_png(content, f"images[{index}]")
-                for index, content in enumerate(files[: max_batch_size + 1])
+                decode_png(content, f"images[{index}]") for index, content in enumerate(files[: max_batch_size + 1])
             ]
         else:
             raise BadRequest(
@@ -125,32 +117,20 @@ def parse_score_request(
     batch_size = len(images)
     prompts = payload.get("prompts", [""] * batch_size)
     metadata = payload.get("metadata", [{}] * batch_size)
-    if (
-        not isinstance(prompts, list)
-        or len(prompts) != batch_size
-        or not all(isinstance(p, str) for p in prompts)
-    ):
+    if not isinstance(prompts, list) or len(prompts) != batch_size or not all(isinstance(p, str) for p in prompts):
         raise BadRequest(f"field 'prompts' must be a list of {batch_size} strings, one per image")
-    if (
-        not isinstance(metadata, list)
-        or len(metadata) != batch_size
-        or not all(isinstance(m, dict) for m in metadata)
-    ):
+    if not isinstance(metadata, list) or len(metadata) != batch_size or not all(isinstance(m, dict) for m in metadata):
         raise BadRequest(f"field 'metadata' must be a list of {batch_size} objects, one per image")
     shapes = sorted({image.shape for image in images})
     if len(shapes) != 1:
-        raise BadRequest(
-            f"all images of one request must have the same size, got {shapes}; send one request per size"
-        )
+        raise BadRequest(f"all images of one request must have the same size, got {shapes}; send one request per size")
     return np.stack(images), prompts, metadata
 
 
 def create_reward_app(reward: Reward, max_batch_size: int = 256, max_concurrency: int = 1) -> FastAPI:
     """A FastAPI app serving `reward` at /score (see the module docstring)."""
     if max_concurrency < 1 or max_batch_size < 1:
-        raise ValueError(
-            f"max_concurrency={max_concurrency} and max_batch_size={max_batch_size} must be >= 1"
-        )
+        raise ValueError(f"max_concurrency={max_concurrency} and max_batch_size={max_batch_size} must be >= 1")
     app = FastAPI(title="flowrl reward service")
     slots = threading.Semaphore(max_concurrency)
 
@@ -174,11 +154,7 @@ def create_reward_app(reward: Reward, max_batch_size: int = 256, max_concurrency
         try:
             total, components = await run_in_threadpool(score_blocking, images, prompts, metadata)
         except RewardError as error:
-            cause = (
-                error.cause
-                if isinstance(error.cause, str)
-                else f"{type(error.cause).__name__}: {error.cause}"
-            )
+            cause = error.cause if isinstance(error.cause, str) else f"{type(error.cause).__name__}: {error.cause}"
             content = {
                 "error": "reward_failed",
                 "reward": error.reward_name,
@@ -216,9 +192,7 @@ def serve_in_background(
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(
-                f"reward server did not start on {host}:{port} (port in use? see the log above)"
-            )
+            raise RuntimeError(f"reward server did not start on {host}:{port} (port in use? see the log above)")
         time.sleep(0.01)
     bound_port = server.servers[0].sockets[0].getsockname()[1]
     try:

@@ -36,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         reward = reward_from_args(args)
-        app = create_reward_app(
-            reward, max_batch_size=args.max_batch_size, max_concurrency=args.max_concurrency
-        )
+        app = create_reward_app(reward, max_batch_size=args.max_batch_size, max_concurrency=args.max_concurrency)
     except ValueError as error:
         print(f"flowrl reward-server: error: {error}", file=sys.stderr)
         return 1

@@ -36,8 +36,9 @@ def check_model_path(model_cfg) -> Path | None:
         )
     family = read_model_family(path)  # raises for a folder that is not a supported pipeline
     if model_cfg.family not in ("auto", family):
-        raise ValueError(f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; "
-                         f"set model.family=auto or {family}")
+        raise ValueError(
+            f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
+        )
     return path
 
 
@@ -64,22 +65,29 @@ def check_before_loading(cfg, reward=None) -> Prepared:
     """Validate the config and everything that needs no model; see the module docstring."""
     cfg.validate()
     if cfg.rollout.n < 2:  # also in config.validate; repeated so a hand-built config cannot skip it
-        raise ValueError(f"rollout.n={cfg.rollout.n} gives groups of one sample, whose advantage is always 0; "
-                         "use rollout.n >= 2")
+        raise ValueError(
+            f"rollout.n={cfg.rollout.n} gives groups of one sample, whose advantage is always 0; use rollout.n >= 2"
+        )
     if cfg.algorithm.kl_beta > 0 and not cfg.trainer.lora.enabled:
         raise ValueError(
             f"algorithm.kl_beta={cfg.algorithm.kl_beta} needs a reference model, which is the LoRA-disabled "
             "transformer; set trainer.lora.enabled=true or algorithm.kl_beta=0"
         )
     if cfg.engine.num_replicas != 1:
-        raise ValueError(f"engine.num_replicas={cfg.engine.num_replicas}: the colocated trainer drives one "
-                         "in-process engine; set engine.num_replicas=1")
+        raise ValueError(
+            f"engine.num_replicas={cfg.engine.num_replicas}: the colocated trainer drives one "
+            "in-process engine; set engine.num_replicas=1"
+        )
     if not cfg.rollout.sampling.logprobs and cfg.algorithm.old_log_prob == "rollout":
-        raise ValueError("rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
-                         "rollout log-prob to use; set logprobs=true or old_log_prob=recompute")
+        raise ValueError(
+            "rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
+            "rollout log-prob to use; set logprobs=true or old_log_prob=recompute"
+        )
     if cfg.rollout.sampling.noise_level <= 0:
-        raise ValueError(f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
-                         "stochastic (SDE) rollouts; use e.g. 0.7")
+        raise ValueError(
+            f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
+            "stochastic (SDE) rollouts; use e.g. 0.7"
+        )
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
     if data.val_path is not None:

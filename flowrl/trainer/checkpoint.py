@@ -41,7 +41,9 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()
+    ]
     return max(found)[1] if found else None
 
 
@@ -62,6 +64,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 
 # --- optimizer state as tensors + JSON ---------------------------------------------------------
 
+
 def _optimizer_to_files(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict, dict]:
     state = optimizer.state_dict()
     tensors, scalars = {}, {}
@@ -77,8 +80,10 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer, names: list[str]) -> t
 
 def _optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict, names: list[str]) -> None:
     if meta["param_names"] != names:
-        raise ValueError("the checkpoint's optimizer was built over different parameters; resume with the "
-                         "same trainer.lora settings the checkpoint was written with")
+        raise ValueError(
+            "the checkpoint's optimizer was built over different parameters; resume with the "
+            "same trainer.lora settings the checkpoint was written with"
+        )
     index_of = {name: i for i, name in enumerate(names)}
     state: dict[int, dict] = {}
     for source in (tensors, meta["scalars"]):
@@ -89,6 +94,7 @@ def _optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict, meta:
 
 
 # --- RNG ---------------------------------------------------------------------------------------
+
 
 def _rng_to_files() -> tuple[dict, dict]:
     tensors = {"torch_cpu": torch.get_rng_state()}
@@ -116,15 +122,26 @@ def _rng_from_files(tensors: dict, meta: dict) -> None:
 
 # --- save / load -------------------------------------------------------------------------------
 
-def save_checkpoint(output_dir: str | Path, step: int, adapter, optimizer: torch.optim.Optimizer,
-                    param_names: list[str], trainer_state: dict, config: dict | None = None) -> Path:
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    adapter,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    trainer_state: dict,
+    config: dict | None = None,
+) -> Path:
     """Write the checkpoint of `step` (see the module docstring); returns its folder."""
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     transformer = adapter.transformer
-    save_file({k: v.cpu().contiguous() for k, v in trainable_state_dict(transformer).items()}, str(tmp / "trainable.safetensors"))
+    save_file(
+        {k: v.cpu().contiguous() for k, v in trainable_state_dict(transformer).items()},
+        str(tmp / "trainable.safetensors"),
+    )
     opt_tensors, opt_meta = _optimizer_to_files(optimizer, param_names)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     rng_tensors, rng_meta = _rng_to_files()
@@ -139,14 +156,16 @@ def save_checkpoint(output_dir: str | Path, step: int, adapter, optimizer: torch
     return final
 
 
-def load_checkpoint(path: str | Path, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    param_names: list[str]) -> dict:
+def load_checkpoint(
+    path: str | Path, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[str]
+) -> dict:
     """Restore weights, optimizer and RNG from `path`; return {"step", "trainer", "config"}."""
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
     device = next(transformer.parameters()).device
     load_trainable_state_dict(transformer, load_file(str(path / "trainable.safetensors"), device=str(device)))
-    _optimizer_from_files(optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)),
-                          state["optimizer"], param_names)
+    _optimizer_from_files(
+        optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)), state["optimizer"], param_names
+    )
     _rng_from_files(load_file(str(path / "rng.safetensors")), state["rng"])
     return {"step": state["step"], "trainer": state["trainer"], "config": state.get("config")}

@@ -31,10 +31,15 @@ TINY_RUN_OVERRIDES = (
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, metavar="F",
-                        help="YAML recipe (see recipes/); omitted: the embedded tiny CPU run")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides applied last, e.g. rollout.n=16 trainer.lr=3e-4")
+    parser.add_argument(
+        "--config", default=None, metavar="F", help="YAML recipe (see recipes/); omitted: the embedded tiny CPU run"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides applied last, e.g. rollout.n=16 trainer.lr=3e-4",
+    )
 
 
 def load_train_config(config_path: str | None, overrides: list[str]):
@@ -58,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"flowrl train: error: {error}", file=sys.stderr)
         return 2
     if args.config is None:
-        print(f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
-              f"outputs in {cfg.trainer.output_dir}")
+        print(
+            f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
+            f"outputs in {cfg.trainer.output_dir}"
+        )
     summary = trainer.fit()
     print(f"steps trained: {summary['steps']}")
     print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
     print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
-    print(f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}")
+    print(
+        f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}"
+    )
     return 0

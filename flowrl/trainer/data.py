@@ -19,11 +19,21 @@ import numpy as np
 # The embedded prompts of the tiny CPU run (data.train_path unset). The tiny model has random
 # text encoders, so the prompts only need to differ from each other.
 TINY_PROMPTS = (
-    "a red apple on a wooden table", "a lighthouse on a cliff at dusk", "a cat sleeping on a sofa",
-    "a bowl of ramen with chopsticks", "a snowy mountain under a blue sky", "a vintage bicycle by a wall",
-    "a field of sunflowers", "an astronaut riding a horse", "a cup of coffee on a desk",
-    "a city street at night in the rain", "a sailboat on a calm lake", "a robot reading a book",
-    "a castle in the clouds", "a fox in a snowy forest", "a plate of colorful macarons",
+    "a red apple on a wooden table",
+    "a lighthouse on a cliff at dusk",
+    "a cat sleeping on a sofa",
+    "a bowl of ramen with chopsticks",
+    "a snowy mountain under a blue sky",
+    "a vintage bicycle by a wall",
+    "a field of sunflowers",
+    "an astronaut riding a horse",
+    "a cup of coffee on a desk",
+    "a city street at night in the rain",
+    "a sailboat on a calm lake",
+    "a robot reading a book",
+    "a castle in the clouds",
+    "a fox in a snowy forest",
+    "a plate of colorful macarons",
     "a hot air balloon over fields",
 )
 
@@ -45,7 +55,7 @@ def _read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{number} is not valid JSON ({error}); write one JSON object per line") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number} holds {type(row).__name__}, not a JSON object like {{\"prompt\": \"...\"}}")
+            raise ValueError(f'{path}:{number} holds {type(row).__name__}, not a JSON object like {{"prompt": "..."}}')
         rows.append(row)
     return rows
 
@@ -59,8 +69,12 @@ def _read_parquet(path: Path) -> list[dict]:
 _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def load_prompt_rows(path: str | Path | None, prompt_field: str = "prompt", max_prompts: int | None = None,
-                     field_name: str = "data.train_path") -> list[dict]:
+def load_prompt_rows(
+    path: str | Path | None,
+    prompt_field: str = "prompt",
+    max_prompts: int | None = None,
+    field_name: str = "data.train_path",
+) -> list[dict]:
     """Rows ready for `RolloutBatch.from_rows` (see the module docstring). path None: the
     embedded tiny prompt list. Raises ValueError for a missing, unreadable or empty dataset."""
     if path is None:
@@ -128,7 +142,7 @@ class PromptSampler:
         while len(picked) < self.prompts_per_step:
             order = self._order(self.epoch)
             take = min(self.prompts_per_step - len(picked), len(order) - self.position)
-            picked += [self.rows[i] for i in order[self.position:self.position + take]]
+            picked += [self.rows[i] for i in order[self.position : self.position + take]]
             self.position += take
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0

@@ -29,8 +29,15 @@ def _json_number(value):
 class MetricsLogger:
     """Appends step metrics to metrics.jsonl and mirrors scalars to tensorboard / wandb."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb: bool = False,
-                 wandb_project: str = "flowrl", run_config: dict | None = None, resume_step: int = 0):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "flowrl",
+        run_config: dict | None = None,
+        resume_step: int = 0,
+    ):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
@@ -39,13 +46,17 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self._tb = SummaryWriter(
+                str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            )
         self._wandb = None
         if wandb:
             try:
                 import wandb as wandb_module
             except ImportError:
-                raise ValueError("logging.wandb=true but wandb is not installed; `pip install wandb` or set logging.wandb=false") from None
+                raise ValueError(
+                    "logging.wandb=true but wandb is not installed; `pip install wandb` or set logging.wandb=false"
+                ) from None
             self._wandb = wandb_module.init(project=wandb_project, config=run_config, dir=str(self.output_dir))
 
     def _truncate_after(self, step: int) -> None:
@@ -55,16 +66,26 @@ class MetricsLogger:
         if step == 0:
             self.path.unlink()
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step}
         for key, value in metrics.items():
-            record[key] = _json_number(value) if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) else value
+            record[key] = (
+                _json_number(value)
+                if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+                else value
+            )
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)

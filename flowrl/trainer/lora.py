@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def _peft_init(init: str):
     """peft's `init_lora_weights` value for trainer.lora.init (whose choices the config's Literal
     holds): True selects peft's default (kaiming A, zero B); the others are peft's own names."""
@@ -44,7 +43,9 @@ def _check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
     names = _all_module_names(transformer)
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        linear_leaves = sorted({n.split(".")[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        linear_leaves = sorted(
+            {n.split(".")[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
         raise ValueError(
             f"trainer.lora.target_modules={list(targets)} has entries that match no module of the "
             f"transformer: {missing}; linear layers it has include {linear_leaves[:24]}"
@@ -124,15 +125,21 @@ def _lora_as_flowrl_trains_it(module: torch.nn.Module) -> list[torch.nn.Paramete
     return params
 
 
-def inject_lora(module: torch.nn.Module, rank: int, targets, alpha: float | None = None,
-                dropout: float = 0.0) -> list[torch.nn.Parameter]:
+def inject_lora(
+    module: torch.nn.Module, rank: int, targets, alpha: float | None = None, dropout: float = 0.0
+) -> list[torch.nn.Parameter]:
     """The trainer's LoRA setup on any module, e.g. one transformer block in a benchmark or test:
     peft's adapter (gaussian init, alpha = 2 x rank unless given) on `targets`, then as
     `apply_trainable` sets it up. Returns the LoRA parameters."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=rank, lora_alpha=2.0 * rank if alpha is None else alpha, target_modules=list(targets),
-                        lora_dropout=dropout, init_lora_weights="gaussian")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2.0 * rank if alpha is None else alpha,
+        target_modules=list(targets),
+        lora_dropout=dropout,
+        init_lora_weights="gaussian",
+    )
     inject_adapter_in_model(config, module)
     return _lora_as_flowrl_trains_it(module)
 
@@ -174,8 +181,10 @@ def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, tor
     with torch.no_grad():
         for name, tensor in state.items():
             if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint weight {name} has shape {tuple(tensor.shape)}, the model "
-                                 f"{tuple(params[name].shape)}; resume with the same trainer.lora settings")
+                raise ValueError(
+                    f"checkpoint weight {name} has shape {tuple(tensor.shape)}, the model "
+                    f"{tuple(params[name].shape)}; resume with the same trainer.lora settings"
+                )
             params[name].copy_(tensor)
 
 
@@ -193,7 +202,9 @@ def save_lora_for_diffusers(adapter, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     metadata = transformer.peft_config["default"].to_dict()
     pipeline_cls.save_lora_weights(
-        directory, transformer_lora_layers=state, safe_serialization=True,
+        directory,
+        transformer_lora_layers=state,
+        safe_serialization=True,
         transformer_lora_adapter_metadata=metadata,
     )
     return directory

@@ -40,7 +40,11 @@ from flowrl.sampling_params import SdeType
 
 # trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
 # of the rollout engine's: DiffusionEngine.set_mixed_precision).
-MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
+    "no": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass
@@ -70,8 +74,10 @@ def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[Pr
     mask = mask.to(device)
     pooled = tensors.get(f"{prefix}pooled_prompt_embeds")
     pooled = None if pooled is None else pooled.to(device)
-    return [PromptEncoding(embeds[row, :length], mask[row, :length], None if pooled is None else pooled[row])
-            for row, length in enumerate(lengths)]
+    return [
+        PromptEncoding(embeds[row, :length], mask[row, :length], None if pooled is None else pooled[row])
+        for row, length in enumerate(lengths)
+    ]
 
 
 def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, device):
@@ -99,7 +105,9 @@ class _StepInputs:
     uncond: list[PromptEncoding | None]
 
 
-def _step_inputs(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device) -> _StepInputs:
+def _step_inputs(
+    tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device
+) -> _StepInputs:
     sigma_values = tensors["sigmas"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     cond = _encodings(tensors, "", device)
@@ -117,7 +125,8 @@ def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
     from flowrl.accel import is_compiled
 
     return is_compiled(adapter) and not any(
-        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in adapter.transformer.modules())
+        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in adapter.transformer.modules()
+    )
 
 
 def score_transitions(
@@ -139,7 +148,9 @@ def score_transitions(
     return with_values(_score(adapter, inputs, spec, autocast_dtype), value.log_prob, value.mean)
 
 
-def with_values(graded: sampler.StepResult, log_prob: torch.Tensor, mean: torch.Tensor | None = None) -> sampler.StepResult:
+def with_values(
+    graded: sampler.StepResult, log_prob: torch.Tensor, mean: torch.Tensor | None = None
+) -> sampler.StepResult:
     """`graded` (a grad pass) with the values `log_prob` (and `mean`, when given) and graded's
     gradients: v + (g - g.detach()) is v exactly (g - g is 0)."""
     log_prob = log_prob.to(graded.log_prob.device, graded.log_prob.dtype)
@@ -151,24 +162,37 @@ def with_values(graded: sampler.StepResult, log_prob: torch.Tensor, mean: torch.
     )
 
 
-def _score(adapter: FlowModelAdapter, inputs: _StepInputs, spec: TransitionSpec,
-           autocast_dtype: torch.dtype | None) -> sampler.StepResult:
+def _score(
+    adapter: FlowModelAdapter, inputs: _StepInputs, spec: TransitionSpec, autocast_dtype: torch.dtype | None
+) -> sampler.StepResult:
     """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
     engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
     device = adapter.device
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None else contextlib.nullcontext()
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
     )
     sigma = inputs.sigma
     guidance = torch.full((sigma.shape[0],), float(spec.guidance_scale), device=device)
     with autocast:
-        velocity = adapter.velocity(inputs.latents, sigma, inputs.cond, inputs.uncond, guidance, spec.height, spec.width,
-                                    sigma_values=inputs.sigma_values)
+        velocity = adapter.velocity(
+            inputs.latents,
+            sigma,
+            inputs.cond,
+            inputs.uncond,
+            guidance,
+            spec.height,
+            spec.width,
+            sigma_values=inputs.sigma_values,
+        )
     schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
     sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]
     return sampler.sde_step(
-        inputs.latents, velocity.float(), sigma, inputs.sigma_next,
+        inputs.latents,
+        velocity.float(),
+        sigma,
+        inputs.sigma_next,
         noise_level=torch.full_like(sigma, float(spec.noise_level)),
         sde_type=spec.sde_type,
         next_latents=inputs.next_latents,

@@ -60,8 +60,11 @@ class FlowGRPOTrainer:
             from flowrl.engine.engine import DiffusionEngine
 
             engine = DiffusionEngine.from_pretrained(
-                resolve_model_path(cfg.model), device=cfg.model.resolve_device(), dtype=cfg.model.torch_dtype,
-                max_batch_rows=cfg.engine.max_batch_rows, decode_chunk_size=cfg.engine.decode_chunk_size,
+                resolve_model_path(cfg.model),
+                device=cfg.model.resolve_device(),
+                dtype=cfg.model.torch_dtype,
+                max_batch_rows=cfg.engine.max_batch_rows,
+                decode_chunk_size=cfg.engine.decode_chunk_size,
             )
         self.engine = engine
         self.adapter = engine.adapter
@@ -78,12 +81,17 @@ class FlowGRPOTrainer:
 
             self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
-            print(f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
-                  "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
-                  "half a minute, SD3.5-medium's VAE decoder a few minutes)", flush=True)
+            print(
+                f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
+                "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
+                "half a minute, SD3.5-medium's VAE decoder a few minutes)",
+                flush=True,
+            )
         self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
         s = cfg.rollout.sampling
-        self.spec = TransitionSpec(s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale)
+        self.spec = TransitionSpec(
+            s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale
+        )
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
@@ -97,8 +105,9 @@ class FlowGRPOTrainer:
         if resume_from is not None:
             self._restore(resume_from)
         log = cfg.logging
-        self.logger = MetricsLogger(self.output_dir, log.tensorboard, log.wandb, log.wandb_project,
-                                    self.config_dict, resume_step=self.step)
+        self.logger = MetricsLogger(
+            self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
+        )
 
     # --- one step ---------------------------------------------------------------------------------
     def _sde_window(self, step: int) -> tuple[int, int] | None:
@@ -106,7 +115,9 @@ class FlowGRPOTrainer:
         s = self.cfg.rollout.sampling
         if s.sde_window is not None or s.sde_window_size is None:
             return None if s.sde_window is None else tuple(s.sde_window)
-        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([self.cfg.trainer.seed, step, 7]).generate_state(1)[0]))
+        gen = torch.Generator().manual_seed(
+            int(np.random.SeedSequence([self.cfg.trainer.seed, step, 7]).generate_state(1)[0])
+        )
         return sampler.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
 
     def train_step(self) -> dict:
@@ -137,8 +148,14 @@ class FlowGRPOTrainer:
 
         # 2. advantages
         algo = self.cfg.algorithm
-        adv = compute_group_advantages(rewards, list(rollout.non_tensor_batch["uid"]), algo.std_mode, algo.std_eps,
-                                       algo.adv_clip_max, algo.zero_std_threshold)
+        adv = compute_group_advantages(
+            rewards,
+            list(rollout.non_tensor_batch["uid"]),
+            algo.std_mode,
+            algo.std_eps,
+            algo.adv_clip_max,
+            algo.zero_std_threshold,
+        )
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
@@ -148,8 +165,9 @@ class FlowGRPOTrainer:
         if keep.any():
             rows_kept = np.flatnonzero(keep)
             tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
-            metrics.update(self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]),
-                                               torch.ones(len(rows_kept)), step))
+            metrics.update(
+                self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]), torch.ones(len(rows_kept)), step)
+            )
             self.policy_version = self.updater.num_optimizer_steps
             self.engine.set_policy_version(self.policy_version)
         metrics["timing/rollout_s"] = t_rollout - t0
@@ -195,19 +213,28 @@ class FlowGRPOTrainer:
         images = out.batch["images"]
         prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
         scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
-        grid = save_image_grid(images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png")
+        grid = save_image_grid(
+            images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png"
+        )
         if self.cfg.logging.log_images:
             self.logger.log_image(self.step, "val/images", grid)
-        return {"val/reward_mean": float(np.nanmean(scores)), "val/reward_std": float(np.nanstd(scores)),
-                "timing/val_s": time.perf_counter() - t0}
+        return {
+            "val/reward_mean": float(np.nanmean(scores)),
+            "val/reward_std": float(np.nanstd(scores)),
+            "timing/val_s": time.perf_counter() - t0,
+        }
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {"policy_version": self.policy_version, "data": self.prompts.state_dict(),
-                 "rows_generated": self.agent_loop.rows_generated,
-                 "num_optimizer_steps": self.updater.num_optimizer_steps}
-        return checkpoint.save_checkpoint(self.output_dir, self.step, self.adapter, self.updater.optimizer,
-                                    self.param_names, state, self.config_dict)
+        state = {
+            "policy_version": self.policy_version,
+            "data": self.prompts.state_dict(),
+            "rows_generated": self.agent_loop.rows_generated,
+            "num_optimizer_steps": self.updater.num_optimizer_steps,
+        }
+        return checkpoint.save_checkpoint(
+            self.output_dir, self.step, self.adapter, self.updater.optimizer, self.param_names, state, self.config_dict
+        )
 
     def _restore(self, path: Path) -> None:
         restored = checkpoint.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
@@ -236,7 +263,9 @@ class FlowGRPOTrainer:
         tcfg = self.cfg.trainer
         if tcfg.val_every and self.step == 0:
             self.logger.log(0, self.validate())
-        bar = tqdm(total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar)
+        bar = tqdm(
+            total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar
+        )
         try:
             while self.step < tcfg.total_steps:
                 if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:

@@ -38,10 +38,15 @@ import torch
 
 from flowrl.config.sections import OldLogProbSource
 from flowrl.sampler import kl_to_reference
-from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.policy import (MIXED_PRECISION_DTYPES, TransitionSpec, score_transitions, takes_values_from_no_grad,
-                                   with_values)
+from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
+from flowrl.trainer.policy import (
+    MIXED_PRECISION_DTYPES,
+    TransitionSpec,
+    score_transitions,
+    takes_values_from_no_grad,
+    with_values,
+)
 
 # Where a grad pass's log-prob values come from: its own graph ("grad_pass"), a no-grad pass of
 # the same forwards run just before it ("value_pass"), or the old-log-prob recompute, which ran
@@ -89,7 +94,9 @@ class PolicyUpdater:
         self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob, algorithm_cfg.kl_beta)
 
     # -- the update -----------------------------------------------------------------------------
-    def update(self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, weights: torch.Tensor, step: int) -> dict:
+    def update(
+        self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, weights: torch.Tensor, step: int
+    ) -> dict:
         """Run the update of training step `step`; returns its metrics (see module docstring)."""
         t0 = time.perf_counter()
         # 1. what is trained, in which order
@@ -98,7 +105,10 @@ class PolicyUpdater:
             raise ValueError("the rollouts have no SDE window steps; set rollout.sampling.sde_window_size >= 1")
         train_steps = self.trained_steps(num_rows, window, step)
         num_train = train_steps.shape[1]
-        orders = [torch.randperm(num_rows, generator=self._generator(step, 2, epoch)) for epoch in range(self.trainer.update_epochs)]
+        orders = [
+            torch.randperm(num_rows, generator=self._generator(step, 2, epoch))
+            for epoch in range(self.trainer.update_epochs)
+        ]
         accum = self.trainer.resolve_grad_accum(num_rows)
         optimizer_steps = [group for order in orders for group in _chunks(self._micro_batches(order), accum)]
         rollout_log_probs = tensors.get("all_log_probs")
@@ -124,8 +134,13 @@ class PolicyUpdater:
                     if self.algorithm.kl_beta > 0:
                         kl = kl_to_reference(result.mean, self._reference_mean(tensors, rows, step_index), result.std)
                     out = clipped_policy_loss(
-                        result.log_prob, old[rows, k], advantages[rows], self.algorithm.clip_range,
-                        kl=kl, kl_beta=self.algorithm.kl_beta, weights=weights[rows],
+                        result.log_prob,
+                        old[rows, k],
+                        advantages[rows],
+                        self.algorithm.clip_range,
+                        kl=kl,
+                        kl_beta=self.algorithm.kl_beta,
+                        weights=weights[rows],
                     )
                     self._backward(out.loss / (len(group) * num_train))
                     if measure_gap_in_first_step and index == 0:
@@ -164,7 +179,9 @@ class PolicyUpdater:
         exactly 1 on CPU)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
-                raise ValueError("algorithm.old_log_prob=rollout needs rollout log-probs; set rollout.sampling.logprobs=true")
+                raise ValueError(
+                    "algorithm.old_log_prob=rollout needs rollout log-probs; set rollout.sampling.logprobs=true"
+                )
             return rollout_log_probs, []
         old = torch.empty(train_steps.shape)
         for rows in self._micro_batches(first_order):
@@ -178,9 +195,12 @@ class PolicyUpdater:
         `recomputed`: these rows' recompute log-probs (used by source "recompute")."""
         mb = {name: t[rows] for name, t in tensors.items()}
         if source == "recompute":
-            return with_values(score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype), recomputed)
-        return score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype,
-                                 values_from_no_grad=source == "value_pass")
+            return with_values(
+                score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype), recomputed
+            )
+        return score_transitions(
+            self.adapter, mb, step_index, self.spec, self.autocast_dtype, values_from_no_grad=source == "value_pass"
+        )
 
     def _score_no_grad(self, tensors, rows, step_index):
         mb = {name: t[rows] for name, t in tensors.items()}
@@ -208,15 +228,17 @@ class PolicyUpdater:
         return grad_norm
 
     def _generator(self, *keys: int) -> torch.Generator:
-        return torch.Generator().manual_seed(int(np.random.SeedSequence([self.trainer.seed, *keys]).generate_state(1)[0]))
+        return torch.Generator().manual_seed(
+            int(np.random.SeedSequence([self.trainer.seed, *keys]).generate_state(1)[0])
+        )
 
     def _micro_batches(self, order: torch.Tensor) -> list[torch.Tensor]:
         size = self.trainer.micro_batch_size
-        return [order[i:i + size] for i in range(0, order.shape[0], size)]
+        return [order[i : i + size] for i in range(0, order.shape[0], size)]
 
 
 def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _accumulate(sums: dict[str, float], out: PolicyLossOutput) -> None:

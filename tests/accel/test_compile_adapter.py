@@ -20,7 +20,9 @@ def sd3():
 
 
 def test_bad_settings_name_the_choices(sd3):
-    with pytest.raises(ValueError, match=r"backend='turbo' is unknown; use one of \('inductor', 'aot_eager', 'eager'\)"):
+    with pytest.raises(
+        ValueError, match=r"backend='turbo' is unknown; use one of \('inductor', 'aot_eager', 'eager'\)"
+    ):
         compile_adapter(sd3, "turbo")
     with pytest.raises(ValueError, match=r"compile_rounding='fast' is unknown"):
         compile_adapter(sd3, "eager", "fast")
@@ -49,8 +51,10 @@ def test_qwen_layout_is_fixed_by_the_first_call():
 
 
 def test_importing_the_core_loads_no_compiler():
-    code = ("import sys, flowrl.accel, flowrl.engine.engine, flowrl.trainer.trainer, flowrl.trainer.policy, "
-            "flowrl.rollout.agent_loop, flowrl.config, flowrl.models\n"
-            "loaded = [m for m in sys.modules if m.startswith(('torch._inductor', 'flowrl.accel.'))]\n"
-            "assert not loaded, loaded")
+    code = (
+        "import sys, flowrl.accel, flowrl.engine.engine, flowrl.trainer.trainer, flowrl.trainer.policy, "
+        "flowrl.rollout.agent_loop, flowrl.config, flowrl.models\n"
+        "loaded = [m for m in sys.modules if m.startswith(('torch._inductor', 'flowrl.accel.'))]\n"
+        "assert not loaded, loaded"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -37,7 +37,9 @@ def test_compiled_engine_matches_eager(name):
     eager = DiffusionEngine(eager_model.adapter)
     compiled = DiffusionEngine(compiled_model.adapter, compile="aot_eager")
     try:
-        assert compiled.compiled_modules and all(n.startswith(("transformer.", "vae.")) for n in compiled.compiled_modules)
+        assert compiled.compiled_modules and all(
+            n.startswith(("transformer.", "vae.")) for n in compiled.compiled_modules
+        )
         assert list(compiled_model.adapter.transformer.state_dict()) == keys  # no wrapper in the names
         for guidance in (1.0, 3.0):
             for a, b in zip(_staggered_run(eager, guidance), _staggered_run(compiled, guidance)):
@@ -146,6 +148,7 @@ def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkey
         def call(*args, **kwargs):
             record["calls"] += 1
             return inner(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(torch, "compile", recording)
@@ -195,7 +198,9 @@ def test_compile_rounding_without_compile_is_refused_not_ignored():
     EngineConfig(compile=True, compile_rounding="fused").validate()
     parser = argparse.ArgumentParser()
     build_parser(parser)
-    for argv in (["rollout", "--model", "tiny-sd3", "--compile-rounding", "fused"],
-                 ["rollout", "--model", "tiny-sd3", "--modes", "engine-batched", "--compile-rounding", "fused"]):
+    for argv in (
+        ["rollout", "--model", "tiny-sd3", "--compile-rounding", "fused"],
+        ["rollout", "--model", "tiny-sd3", "--modes", "engine-batched", "--compile-rounding", "fused"],
+    ):
         with pytest.raises(ValueError, match="--compile-rounding=fused applies to compiled runs only"):
             run(parser.parse_args(argv))

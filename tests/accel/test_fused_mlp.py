@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.bench.models import build_bench_model
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues, linear_gelu_tanh
+from flowrl.bench.models import build_bench_model
 
 
 def test_op_matches_unfused_math_and_gradients():

@@ -37,7 +37,9 @@ def test_joint_projection_equals_projecting_then_joining(dtype, bias):
 
 def test_joint_projection_compiles_with_a_dynamic_batch():
     txt_proj, img_proj = _projections(torch.float32, bias=True)
-    compiled = torch.compile(lambda t, i: joint_linear.joint_projection(t, txt_proj, i, img_proj) * 2, backend="aot_eager")
+    compiled = torch.compile(
+        lambda t, i: joint_linear.joint_projection(t, txt_proj, i, img_proj) * 2, backend="aot_eager"
+    )
     with torch.no_grad():
         for batch in (2, 3):
             txt, img = _streams(torch.float32, batch=batch)
@@ -56,4 +58,3 @@ def test_only_plain_linear_projections_apply():
     assert joint_linear.applies(txt_proj, img_proj)
     assert not joint_linear.applies(Wrapped(txt_proj), img_proj)
     assert not joint_linear.applies(txt_proj, torch.nn.Linear(24, 8))
-

@@ -49,6 +49,7 @@ def _recording_backend(graphs):
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+
     return backend
 
 
@@ -109,7 +110,7 @@ def test_bf16_op_rounds_where_its_gemm_order_says(low_rank_first):
             want = base(x).float() + low_rank_input.float() @ up.float().t()
         expression = _expression(layer, x)
     assert got.dtype == torch.bfloat16
-    half_step = want.abs() * 2 ** -8  # half a step of bf16 (8 significant bits) at |want|
+    half_step = want.abs() * 2**-8  # half a step of bf16 (8 significant bits) at |want|
     assert ((got.float() - want).abs() <= half_step).all()
     assert not ((expression.float() - want).abs() <= half_step).all()
 
@@ -121,7 +122,9 @@ def test_both_gemm_orders_compute_the_same_function():
     outputs = []
     for low_rank_first in (True, False):
         with torch.no_grad():
-            outputs.append(lora_fold.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s, low_rank_first))
+            outputs.append(
+                lora_fold.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s, low_rank_first)
+            )
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(outputs[0], _expression(layer, x), atol=1e-6, rtol=1e-6)
@@ -155,9 +158,9 @@ def test_fold_applies_only_to_adapters_it_computes():
     layer.set_adapter(["default", "second"])  # two active adapters
     assert not lora_fold.folds(layer)
     from peft import inject_adapter_in_model  # peft's own forward (not flowrl's): left alone
+
     plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), _Projections())
     assert lora_fold.fold_lora_projections(plain) == 0 and not lora_fold.folds(plain.proj)
-
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -43,8 +43,11 @@ def test_sequence_major_blocks_compute_diffusers_function(stock, ragged):
     layouts = []
     for block in prepared.transformer.transformer_blocks:
         block.register_forward_pre_hook(
-            lambda m, a, kw: layouts.append([kw[k].transpose(0, 1).is_contiguous() for k in ("hidden_states", "encoder_hidden_states")]),
-            with_kwargs=True)
+            lambda m, a, kw: layouts.append(
+                [kw[k].transpose(0, 1).is_contiguous() for k in ("hidden_states", "encoder_hidden_states")]
+            ),
+            with_kwargs=True,
+        )
     args = _velocity_args(stock, 3, ragged)
     with torch.no_grad():
         reference, result = stock.velocity(*args), prepared.velocity(*args)
@@ -60,7 +63,12 @@ def test_sequence_major_blocks_have_diffusers_gradients(stock):
     grads = []
     for adapter in (stock, prepared):
         block = adapter.transformer.transformer_blocks[0]
-        params = [block.attn.to_q.weight, block.attn.add_v_proj.weight, block.img_mlp.net[2].weight, block.txt_mod[1].bias]
+        params = [
+            block.attn.to_q.weight,
+            block.attn.add_v_proj.weight,
+            block.img_mlp.net[2].weight,
+            block.txt_mod[1].bias,
+        ]
         for p in params:
             p.requires_grad_(True)
         try:
@@ -80,11 +88,24 @@ def test_blocks_sequence_major_cannot_serve_fall_back_to_diffusers_forward():
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                        num_attention_heads=2, joint_attention_dim=8, axes_dims_rope=(4, 6, 6),
-                                        zero_cond_t=True).eval()
-    kwargs = dict(hidden_states=torch.randn(2, 16, 16), encoder_hidden_states=torch.randn(2, 5, 8),
-                  timestep=torch.tensor([0.7, 0.2]), img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)
+    model = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=8,
+        axes_dims_rope=(4, 6, 6),
+        zero_cond_t=True,
+    ).eval()
+    kwargs = dict(
+        hidden_states=torch.randn(2, 16, 16),
+        encoder_hidden_states=torch.randn(2, 5, 8),
+        timestep=torch.tensor([0.7, 0.2]),
+        img_shapes=[[(1, 4, 4)]] * 2,
+        return_dict=False,
+    )
     with torch.no_grad():
         reference = model(**kwargs)[0]
         prepare_for_compile(model)
@@ -109,7 +130,9 @@ def test_batch_of_one_reuses_the_compiled_graph(stock, monkeypatch):
     with torch.no_grad():
         for rows in (3, 1, 2):
             reference = stock.velocity(*_velocity_args(stock, rows, ragged=False))
-            torch.testing.assert_close(adapter.velocity(*_velocity_args(stock, rows, ragged=False)), reference, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                adapter.velocity(*_velocity_args(stock, rows, ragged=False)), reference, atol=1e-5, rtol=1e-5
+            )
     assert len(graphs) == 1
 
 
@@ -126,7 +149,9 @@ def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock)
     for sequence_major in (False, True):
         adapter = copy.deepcopy(stock)
         torch.manual_seed(1)  # the same LoRA initialisation in both copies
-        params = apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, target_modules=list(adapter.default_lora_targets)))
+        params = apply_trainable(
+            adapter.transformer, LoraConfig(rank=4, alpha=4, target_modules=list(adapter.default_lora_targets))
+        )
         with torch.no_grad():
             for name, param in adapter.transformer.named_parameters():
                 if "lora_B" in name:
@@ -157,8 +182,10 @@ def test_lora_wrapped_projections_take_the_rollout_kernels_when_their_term_folds
     assert qwen_block._plain_qk_projections(attn) and joint_linear.applies(attn.add_v_proj, attn.to_v)
     for dropout, applies in ((0.0, True), (0.1, False)):
         adapter = copy.deepcopy(stock)
-        apply_trainable(adapter.transformer, LoraConfig(rank=4, alpha=4, dropout=dropout,
-                                                        target_modules=list(adapter.default_lora_targets)))
+        apply_trainable(
+            adapter.transformer,
+            LoraConfig(rank=4, alpha=4, dropout=dropout, target_modules=list(adapter.default_lora_targets)),
+        )
         fold_lora_projections(adapter.transformer)  # as compile_adapter does
         attn = adapter.transformer.transformer_blocks[0].attn
         assert qwen_block._plain_qk_projections(attn) is applies
@@ -224,7 +251,10 @@ def test_cudnn_attention_output_feeds_the_projections_without_a_copy():
     torch.manual_seed(0)  # Qwen-Image's head width (128), two heads
     block = QwenImageTransformerBlock(dim=256, num_attention_heads=2, attention_head_dim=128).to("cuda", torch.bfloat16)
     attn, width = block.attn, 256
-    img, txt = torch.randn(256, 4, width, device="cuda", dtype=torch.bfloat16), torch.randn(16, 4, width, device="cuda", dtype=torch.bfloat16)
+    img, txt = (
+        torch.randn(256, 4, width, device="cuda", dtype=torch.bfloat16),
+        torch.randn(16, 4, width, device="cuda", dtype=torch.bfloat16),
+    )
     seen = {}
     real_linear = torch.nn.functional.linear
 
@@ -262,7 +292,9 @@ def _cuda_block(heads: int = 2):
 
 def _tables(tokens: int, head_dim: int = 128):
     angles = torch.rand(tokens, head_dim // 2, device="cuda") * 6.28
-    return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2).contiguous()
+    return angles.cos().repeat_interleave(2, -1).contiguous(), torch.stack([-angles.sin(), angles.sin()], -1).flatten(
+        -2
+    ).contiguous()
 
 
 def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
@@ -289,8 +321,13 @@ def _compiled_sequence_major_block(use_kernels: bool, lora: bool = False):
     torch.manual_seed(1)
     img = torch.randn(256, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
     txt = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-    kwargs = dict(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
-                  temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), image_rotary_emb=(_tables(256), _tables(16)))
+    kwargs = dict(
+        hidden_states=img,
+        encoder_hidden_states=txt,
+        encoder_hidden_states_mask=None,
+        temb=torch.randn(4, 256, device="cuda", dtype=torch.bfloat16),
+        image_rotary_emb=(_tables(256), _tables(16)),
+    )
     return block, kwargs
 
 
@@ -306,7 +343,10 @@ def test_qk_kernel_reproduces_only_diffusers_rmsnorm():
     assert not qk_norm_rope.applicable(x, RMSNorm(128, eps=1e-6).to(torch.bfloat16), rope)  # CPU tensor
     if torch.cuda.is_available():
         x = x.cuda()
-        assert qk_norm_rope.applicable(x, RMSNorm(128, eps=1e-6).to("cuda", torch.bfloat16), rope) == qk_norm_rope.available()
+        assert (
+            qk_norm_rope.applicable(x, RMSNorm(128, eps=1e-6).to("cuda", torch.bfloat16), rope)
+            == qk_norm_rope.available()
+        )
         assert not qk_norm_rope.applicable(x, torch.nn.RMSNorm(128).to("cuda", torch.bfloat16), rope)
 
 
@@ -326,13 +366,15 @@ def test_joint_norm_rope_kernel_rounds_like_pytorch():
         q_pair, k_pair, v_pair = qwen_block._projected_heads(attn, img, txt)
         assert qk_norm_rope.applicable(q_pair[1], attn.norm_q, rope)
         want = [torch.cat(p) for p in qwen_block._normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)[:2]]
-        got = [qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope),
-               qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)]
+        got = [
+            qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope),
+            qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope),
+        ]
     for g, w in zip(got, want):
         assert g.shape == w.shape == (213, 5, 3, 128) and g.dtype == torch.bfloat16
         diff = (g.float() - w.float()).abs()
         assert (diff > 0).float().mean().item() < 2e-3
-        assert (diff <= 2 ** -6 * w.float().abs().amax(-1, keepdim=True)).all()  # a step of the head's values
+        assert (diff <= 2**-6 * w.float().abs().amax(-1, keepdim=True)).all()  # a step of the head's values
 
 
 @pytest.mark.gpu
@@ -404,7 +446,7 @@ def test_modulated_norm_kernel_rounds_like_pytorch(width):
     torch.manual_seed(0)
     x, y = (torch.randn(37, 5, width, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
     params = torch.randn(5, 6 * width, device="cuda", dtype=torch.bfloat16)  # a modulation output
-    shift, scale, gate = params[:, :3 * width].chunk(3, dim=-1)  # strided views, as in the block
+    shift, scale, gate = params[:, : 3 * width].chunk(3, dim=-1)  # strided views, as in the block
     norm = torch.nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
     assert modulated_norm.applicable(x, norm) and not modulated_norm.applicable(x.cpu(), norm)
     assert not modulated_norm.applicable(x, torch.nn.LayerNorm(width).cuda())  # affine weights: not reproduced
@@ -412,7 +454,7 @@ def test_modulated_norm_kernel_rounds_like_pytorch(width):
     def close(got, want):
         diff = (got.float() - want.float()).abs()
         assert (diff > 0).float().mean().item() < 2e-3
-        assert (diff <= 2 ** -7 * want.float().abs().amax(-1, keepdim=True) + 2 ** -7).all()
+        assert (diff <= 2**-7 * want.float().abs().amax(-1, keepdim=True) + 2**-7).all()
 
     with torch.no_grad():
         want_sum = x + gate * y

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-from flowrl.bench.models import build_bench_model
-from flowrl.engine import DiffusionEngine, SamplingParams
 from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image import install, modulation
+from flowrl.bench.models import build_bench_model
+from flowrl.engine import DiffusionEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,11 @@ def test_in_place_weight_updates_rebuild_the_table(prepared):
     assert prepared.transformer_call_hook.table.builds == 1  # nothing changed: no second build
     block = prepared.transformer.transformer_blocks[1]
     embed = prepared.transformer.time_text_embed.timestep_embedder.linear_2
-    for update in (lambda: block.txt_mod[1].weight.add_(0.05),  # an optimizer step's kind of write
-                   lambda: block.img_mod[1].bias.copy_(torch.randn_like(block.img_mod[1].bias)),  # load_state_dict
-                   lambda: embed.weight.mul_(1.1)):  # the time embedding feeds every row of the table
+    for update in (
+        lambda: block.txt_mod[1].weight.add_(0.05),  # an optimizer step's kind of write
+        lambda: block.img_mod[1].bias.copy_(torch.randn_like(block.img_mod[1].bias)),  # load_state_dict
+        lambda: embed.weight.mul_(1.1),
+    ):  # the time embedding feeds every row of the table
         builds = prepared.transformer_call_hook.table.builds
         with torch.no_grad():
             update()
@@ -118,7 +120,9 @@ def test_table_skipped_where_it_cannot_reproduce_the_block(stock, prepared):
     # a LoRA on a modulation layer: its output is no longer the plain Linear the table holds
     from peft import LoraConfig
 
-    prepared.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["img_mod.1"], init_lora_weights=False))
+    prepared.transformer.add_adapter(
+        LoraConfig(r=2, lora_alpha=2, target_modules=["img_mod.1"], init_lora_weights=False)
+    )
     assert not modulation.applicable(prepared.transformer)
     direct, hinted = _velocities(prepared, [sigmas[1]])
     assert prepared.transformer_call_hook.table is None and torch.equal(direct, hinted)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.bench.models import build_bench_model, make_trainable
-from flowrl.bench.report import saved_activation_bytes
 from flowrl.accel import compile_adapter, is_compiled
 from flowrl.accel.regional_compile import checkpoint_inside
+from flowrl.bench.models import build_bench_model, make_trainable
+from flowrl.bench.report import saved_activation_bytes
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen", "tiny-sd3"])
@@ -30,8 +30,15 @@ def test_checkpoint_inside_compiled_blocks_keeps_values_and_saves_memory(model):
     block._flowrl_checkpointed_call = lambda *args: routed.append(1) or checkpointed_call(*args)
 
     latents = torch.randn((2, *adapter.latent_shape(64, 64)))
-    inputs = (latents, torch.tensor([0.9, 0.3]), adapter.encode_prompts(["a", "b"]), adapter.encode_prompts(["", ""]),
-              torch.full((2,), 2.0), 64, 64)
+    inputs = (
+        latents,
+        torch.tensor([0.9, 0.3]),
+        adapter.encode_prompts(["a", "b"]),
+        adapter.encode_prompts(["", ""]),
+        torch.full((2,), 2.0),
+        64,
+        64,
+    )
     results = {}
 
     def forward_backward(mode):

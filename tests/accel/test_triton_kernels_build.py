@@ -21,26 +21,60 @@ from flowrl.accel.qwen_image import modulated_norm, qk_norm_rope  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
-NORM_SIGNATURE = {"x": "*bf16", "y": "*bf16", "gate": "*bf16", "shift": "*bf16", "scale": "*bf16", "x_out": "*bf16",
-                  "out": "*bf16", "batch": "i32", "width": "i32", "gate_stride": "i32", "shift_stride": "i32",
-                  "scale_stride": "i32", "eps": None, "RESIDUAL": "constexpr", "NORM": "constexpr", "BLOCK": "constexpr"}
-QK_SIGNATURE = {"txt": "*bf16", "img": "*bf16", "txt_weight": "*bf16", "img_weight": "*bf16", "txt_cos": "*fp32",
-                "txt_sin": "*fp32", "img_cos": "*fp32", "img_sin": "*fp32", "out": "*bf16", "rows_per_token": "i32",
-                "txt_tokens": "i32", "eps": None, "D": "constexpr", "ROWS": "constexpr"}
+NORM_SIGNATURE = {
+    "x": "*bf16",
+    "y": "*bf16",
+    "gate": "*bf16",
+    "shift": "*bf16",
+    "scale": "*bf16",
+    "x_out": "*bf16",
+    "out": "*bf16",
+    "batch": "i32",
+    "width": "i32",
+    "gate_stride": "i32",
+    "shift_stride": "i32",
+    "scale_stride": "i32",
+    "eps": None,
+    "RESIDUAL": "constexpr",
+    "NORM": "constexpr",
+    "BLOCK": "constexpr",
+}
+QK_SIGNATURE = {
+    "txt": "*bf16",
+    "img": "*bf16",
+    "txt_weight": "*bf16",
+    "img_weight": "*bf16",
+    "txt_cos": "*fp32",
+    "txt_sin": "*fp32",
+    "img_cos": "*fp32",
+    "img_sin": "*fp32",
+    "out": "*bf16",
+    "rows_per_token": "i32",
+    "txt_tokens": "i32",
+    "eps": None,
+    "D": "constexpr",
+    "ROWS": "constexpr",
+}
 
 
 def _build(kernel, signature: dict, eps_type: str, constexprs: dict):
     signature = {**signature, "eps": eps_type}
     if eps_type == "constexpr":
         constexprs = {**constexprs, "eps": 1e-6}
-    return triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=HOPPER)
+    return triton.compile(
+        triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=HOPPER
+    )
 
 
 @pytest.mark.parametrize("eps_type", ["fp32", "fp64", "constexpr"])
 @pytest.mark.parametrize("residual, norm", [(True, True), (True, False), (False, True)])
 def test_modulated_norm_kernel_builds_for_hopper(eps_type, residual, norm):
-    compiled = _build(modulated_norm._modulated_norm_kernel, NORM_SIGNATURE, eps_type,
-                      {"RESIDUAL": residual, "NORM": norm, "BLOCK": 4096})
+    compiled = _build(
+        modulated_norm._modulated_norm_kernel,
+        NORM_SIGNATURE,
+        eps_type,
+        {"RESIDUAL": residual, "NORM": norm, "BLOCK": 4096},
+    )
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx
     # The rounding points survive: the gate * y product and the modulation's product are rounded
@@ -76,9 +110,15 @@ def test_torch_finds_only_the_outputs_written(monkeypatch):
     x_out, out = torch.empty_like(x), torch.empty_like(x)
     sizes = dict(batch=2, width=3072, gate_stride=18432, shift_stride=18432, scale_stride=18432, BLOCK=4096)
     calls = {  # as norm_modulate, gated_residual and gated_residual_norm_modulate launch it
-        ("out",): dict(x=x, y=x, gate=shift, shift=shift, scale=scale, x_out=x, out=out, eps=1e-6, RESIDUAL=False, NORM=True),
-        ("x_out",): dict(x=x, y=x, gate=gate, shift=gate, scale=gate, x_out=x_out, out=x, eps=0.0, RESIDUAL=True, NORM=False),
-        ("out", "x_out"): dict(x=x, y=x, gate=gate, shift=shift, scale=scale, x_out=x_out, out=out, eps=1e-6, RESIDUAL=True, NORM=True),
+        ("out",): dict(
+            x=x, y=x, gate=shift, shift=shift, scale=scale, x_out=x, out=out, eps=1e-6, RESIDUAL=False, NORM=True
+        ),
+        ("x_out",): dict(
+            x=x, y=x, gate=gate, shift=gate, scale=gate, x_out=x_out, out=x, eps=0.0, RESIDUAL=True, NORM=False
+        ),
+        ("out", "x_out"): dict(
+            x=x, y=x, gate=gate, shift=shift, scale=scale, x_out=x_out, out=out, eps=1e-6, RESIDUAL=True, NORM=True
+        ),
     }
     for written, kwargs in calls.items():
         accesses = identify_accessed_tensors(modulated_norm._modulated_norm_kernel, {**kwargs, **sizes}, {})

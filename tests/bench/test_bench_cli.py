@@ -13,9 +13,28 @@ from flowrl.cli import main
 
 def test_bench_rollout_reports_every_mode(tmp_path, capsys):
     out = tmp_path / "rollout.json"
-    code = main(["bench", "rollout", "--model", "tiny-sd3", "-n", "3", "--steps", "3", "--size", "64",
-                 "--guidance-scale", "2.0", "--serial-samples", "2", "--peak-seconds", "0.05",
-                 "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            "rollout",
+            "--model",
+            "tiny-sd3",
+            "-n",
+            "3",
+            "--steps",
+            "3",
+            "--size",
+            "64",
+            "--guidance-scale",
+            "2.0",
+            "--serial-samples",
+            "2",
+            "--peak-seconds",
+            "0.05",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     modes = report["modes"]
@@ -48,8 +67,28 @@ def test_bench_rollout_with_lora_runs_the_adapter(tmp_path, capsys):
     out = tmp_path / "rollout.json"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rollout_bench.RolloutBench, "__init__", recording_init)
-        code = main(["bench", "rollout", "--model", "tiny-qwen", "-n", "2", "--steps", "2", "--size", "64",
-                     "--modes", "engine-batched", "--lora-rank", "4", "--peak-seconds", "0.05", "--json", str(out)])
+        code = main(
+            [
+                "bench",
+                "rollout",
+                "--model",
+                "tiny-qwen",
+                "-n",
+                "2",
+                "--steps",
+                "2",
+                "--size",
+                "64",
+                "--modes",
+                "engine-batched",
+                "--lora-rank",
+                "4",
+                "--peak-seconds",
+                "0.05",
+                "--json",
+                str(out),
+            ]
+        )
     assert code == 0
     report = json.loads(out.read_text())
     assert report["settings"]["lora_rank"] == 4 and report["modes"]["engine-batched"]["images_per_second"] > 0
@@ -60,9 +99,30 @@ def test_bench_rollout_with_lora_runs_the_adapter(tmp_path, capsys):
 
 def test_bench_logprob_gap_is_rounding_on_cpu(tmp_path):
     out = tmp_path / "logprob.json"
-    code = main(["bench", "logprob", "--model", "tiny-qwen", "-n", "4", "--steps", "3", "--size", "64",
-                 "--micro-batches", "1,4", "--lora-rank", "4", "--train-repeats", "1",
-                 "--peak-seconds", "0.05", "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            "logprob",
+            "--model",
+            "tiny-qwen",
+            "-n",
+            "4",
+            "--steps",
+            "3",
+            "--size",
+            "64",
+            "--micro-batches",
+            "1,4",
+            "--lora-rank",
+            "4",
+            "--train-repeats",
+            "1",
+            "--peak-seconds",
+            "0.05",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     gaps = {g["micro_batch"]: g for g in report["gaps"]}
@@ -80,11 +140,37 @@ def test_bench_logprob_gradient_checkpointing_recomputes_and_profile_reports(tmp
     """--gradient-checkpointing times the step as the recipes train: the forward is run again in
     the backward (more FLOPs executed), and the log-probs are unchanged. --profile adds one
     profiled step to the report and the printout."""
+
     def bench(name, *extra):
         out = tmp_path / f"{name}.json"
-        assert main(["bench", "logprob", "--model", "tiny-qwen", "-n", "2", "--steps", "3", "--size", "64",
-                     "--micro-batches", "2", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
-                     "--json", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "logprob",
+                    "--model",
+                    "tiny-qwen",
+                    "-n",
+                    "2",
+                    "--steps",
+                    "3",
+                    "--size",
+                    "64",
+                    "--micro-batches",
+                    "2",
+                    "--lora-rank",
+                    "4",
+                    "--train-repeats",
+                    "1",
+                    "--peak-seconds",
+                    "0.05",
+                    "--json",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return json.loads(out.read_text())
 
     plain = bench("plain")
@@ -100,11 +186,14 @@ def test_bench_logprob_gradient_checkpointing_recomputes_and_profile_reports(tmp
     assert "profile of one training step" in printed and "gradient checkpointing" in printed
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--modes", "engine-batched,warp-drive"], "--modes"),
-    (["--num-layers", "2"], "--num-layers"),
-    (["--lora-rank", "-1"], "--lora-rank"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--modes", "engine-batched,warp-drive"], "--modes"),
+        (["--num-layers", "2"], "--num-layers"),
+        (["--lora-rank", "-1"], "--lora-rank"),
+    ],
+)
 def test_bench_rollout_bad_input_names_the_flag(argv, fragment):
     with pytest.raises(ValueError, match=fragment):
         main(["bench", "rollout", "--model", "tiny-sd3", "--size", "64", "--steps", "1", *argv])
@@ -127,9 +216,33 @@ def test_bench_logprob_flop_count_out_of_memory_falls_back_to_one_sample(tmp_pat
 
     def bench(name):
         out = tmp_path / f"{name}.json"
-        assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "3", "--steps", "2", "--size", "64",
-                     "--micro-batches", "3", "--lora-rank", "2", "--train-repeats", "1", "--peak-seconds", "0.05",
-                     "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "logprob",
+                    "--model",
+                    "tiny-sd3",
+                    "-n",
+                    "3",
+                    "--steps",
+                    "2",
+                    "--size",
+                    "64",
+                    "--micro-batches",
+                    "3",
+                    "--lora-rank",
+                    "2",
+                    "--train-repeats",
+                    "1",
+                    "--peak-seconds",
+                    "0.05",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         return json.loads(out.read_text())["training_steps"][0]
 
     direct = bench("direct")
@@ -153,9 +266,35 @@ def test_bench_logprob_times_each_training_micro_batch(tmp_path, capsys):
     """--train-micro-batches times a step at each size, in one process: one entry per size, each with
     its own FLOPs (which grow with the micro-batch) and a line in the printout."""
     out = tmp_path / "logprob.json"
-    assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "4", "--steps", "2", "--size", "64",
-                 "--micro-batches", "4", "--train-micro-batches", "1,4", "--lora-rank", "2", "--train-repeats", "1",
-                 "--peak-seconds", "0.05", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "logprob",
+                "--model",
+                "tiny-sd3",
+                "-n",
+                "4",
+                "--steps",
+                "2",
+                "--size",
+                "64",
+                "--micro-batches",
+                "4",
+                "--train-micro-batches",
+                "1,4",
+                "--lora-rank",
+                "2",
+                "--train-repeats",
+                "1",
+                "--peak-seconds",
+                "0.05",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     steps = json.loads(out.read_text())["training_steps"]
     assert [s["micro_batch"] for s in steps] == [1, 4]
     assert steps[1]["flops_forward_backward"] > 3 * steps[0]["flops_forward_backward"] > 0
@@ -169,9 +308,33 @@ def test_compiled_rollout_and_trainer_log_probs_agree_in_bf16(tmp_path):
     thread) as different graphs. Both must round bf16 intermediates where eager does, whichever
     thread compiles: without that the gap here was mean 4.8e-5, max 3.4e-4."""
     out = tmp_path / "logprob.json"
-    code = main(["bench", "logprob", "--model", "tiny-qwen", "-n", "4", "--steps", "4", "--size", "64",
-                 "--micro-batches", "1,4", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
-                 "--dtype", "bfloat16", "--compile", "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            "logprob",
+            "--model",
+            "tiny-qwen",
+            "-n",
+            "4",
+            "--steps",
+            "4",
+            "--size",
+            "64",
+            "--micro-batches",
+            "1,4",
+            "--lora-rank",
+            "4",
+            "--train-repeats",
+            "1",
+            "--peak-seconds",
+            "0.05",
+            "--dtype",
+            "bfloat16",
+            "--compile",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert report["settings"]["compile"] == "inductor"
@@ -185,9 +348,34 @@ def test_mixed_precision_rollout_matches_the_trainer(tmp_path):
     """float32 weights, trainer under bf16 autocast: the engine runs under the same autocast, so
     the gap is rounding-free (it was mean 6.7e-5, max 1.8e-4 with the rollout in float32)."""
     out = tmp_path / "logprob.json"
-    code = main(["bench", "logprob", "--model", "tiny-qwen", "-n", "4", "--steps", "4", "--size", "64",
-                 "--micro-batches", "1,4", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
-                 "--dtype", "float32", "--autocast", "bf16", "--json", str(out)])
+    code = main(
+        [
+            "bench",
+            "logprob",
+            "--model",
+            "tiny-qwen",
+            "-n",
+            "4",
+            "--steps",
+            "4",
+            "--size",
+            "64",
+            "--micro-batches",
+            "1,4",
+            "--lora-rank",
+            "4",
+            "--train-repeats",
+            "1",
+            "--peak-seconds",
+            "0.05",
+            "--dtype",
+            "float32",
+            "--autocast",
+            "bf16",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     for gap in json.loads(out.read_text())["gaps"]:
         assert gap["max_abs_diff"] <= 1e-6, gap
@@ -199,10 +387,56 @@ def test_summary_prints_every_benchmark_file(tmp_path, capsys):
     from flowrl.bench import summary
 
     rollout, logprob, broken = tmp_path / "r.json", tmp_path / "l.json", tmp_path / "cut.json"
-    assert main(["bench", "rollout", "--model", "tiny-sd3", "-n", "2", "--steps", "2", "--size", "64",
-                 "--modes", "engine-batched", "--lora-rank", "2", "--peak-seconds", "0.05", "--json", str(rollout)]) == 0
-    assert main(["bench", "logprob", "--model", "tiny-sd3", "-n", "2", "--steps", "2", "--size", "64", "--micro-batches", "2",
-                 "--train-repeats", "2", "--peak-seconds", "0.05", "--json", str(logprob)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "rollout",
+                "--model",
+                "tiny-sd3",
+                "-n",
+                "2",
+                "--steps",
+                "2",
+                "--size",
+                "64",
+                "--modes",
+                "engine-batched",
+                "--lora-rank",
+                "2",
+                "--peak-seconds",
+                "0.05",
+                "--json",
+                str(rollout),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "bench",
+                "logprob",
+                "--model",
+                "tiny-sd3",
+                "-n",
+                "2",
+                "--steps",
+                "2",
+                "--size",
+                "64",
+                "--micro-batches",
+                "2",
+                "--train-repeats",
+                "2",
+                "--peak-seconds",
+                "0.05",
+                "--json",
+                str(logprob),
+            ]
+        )
+        == 0
+    )
     broken.write_text('{"benchmark": "rollout", "settings": {')  # a file cut short mid-write
     capsys.readouterr()
     assert summary.main([str(rollout), str(logprob), str(broken)]) == 0
@@ -225,9 +459,14 @@ def test_busy_within_span_is_the_union_of_device_intervals():
     def event(name, start, end, device=DeviceType.CUDA):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
 
-    events = [event("gemm", 0, 400), event("copy", 300, 500), event("norm", 350, 450),  # 0-500 busy
-              event("attention", 800, 1000),                                            # 300 idle, 200 busy
-              event("Optimizer.step", 0, 5000, DeviceType.CPU), event("Optimizer.step", 0, 2000)]
+    events = [
+        event("gemm", 0, 400),
+        event("copy", 300, 500),
+        event("norm", 350, 450),  # 0-500 busy
+        event("attention", 800, 1000),  # 300 idle, 200 busy
+        event("Optimizer.step", 0, 5000, DeviceType.CPU),
+        event("Optimizer.step", 0, 2000),
+    ]
     span = busy_within_span(events)
     assert (span["span_ms"], span["busy_ms"], span["gaps"]) == (1.0, 0.7, 1) and span["share"] == pytest.approx(0.7)
     assert span["longest_gaps"] == [{"ms": 0.3, "at_ms": 0.5, "after": "copy", "before": "attention"}]
@@ -244,7 +483,10 @@ def test_profile_counts_each_kernel_once_on_gpu():
     profile = profile_summary(lambda: [a @ a for _ in range(4)], torch.device("cuda"))
     names = [k["name"] for k in profile["top_kernels"]]
     assert not any(name.startswith("aten::") for name in names), names
-    assert abs(sum(profile["share_by_category"].values()) - 1.0) < 1e-6 and profile["share_by_category"].get("matmul", 0) > 0.9
+    assert (
+        abs(sum(profile["share_by_category"].values()) - 1.0) < 1e-6
+        and profile["share_by_category"].get("matmul", 0) > 0.9
+    )
     # One stream: kernels never overlap, so the busy union is the kernels' summed time; the
     # launch gaps between them (host time, longer under the profiler) are idle.
     span = profile["busy_within_span"]
@@ -256,11 +498,41 @@ def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
     """Compiled, --old-log-prob recompute: the timed step takes the recompute's log-probs as its
     values (as the trainer does before a step's first update) instead of running its own no-grad
     forward, so it executes fewer FLOPs than the rollout-denominator step, which runs the value pass."""
+
     def bench(mode):
         out = tmp_path / f"{mode}.json"
-        assert main(["bench", "logprob", "--model", "tiny-qwen", "-n", "2", "--steps", "3", "--size", "64",
-                     "--micro-batches", "2", "--lora-rank", "4", "--train-repeats", "1", "--peak-seconds", "0.05",
-                     "--compile", "--compile-backend", "aot_eager", "--old-log-prob", mode, "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "logprob",
+                    "--model",
+                    "tiny-qwen",
+                    "-n",
+                    "2",
+                    "--steps",
+                    "3",
+                    "--size",
+                    "64",
+                    "--micro-batches",
+                    "2",
+                    "--lora-rank",
+                    "4",
+                    "--train-repeats",
+                    "1",
+                    "--peak-seconds",
+                    "0.05",
+                    "--compile",
+                    "--compile-backend",
+                    "aot_eager",
+                    "--old-log-prob",
+                    mode,
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         return json.loads(out.read_text())
 
     rollout, recompute = bench("rollout"), bench("recompute")

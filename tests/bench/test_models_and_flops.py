@@ -7,14 +7,20 @@ import torch
 
 from flowrl.bench import flops
 from flowrl.bench.models import (
-    QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER, build_bench_model, build_random_module,
+    QWEN_IMAGE_TRANSFORMER,
+    SD35_MEDIUM_TRANSFORMER,
+    build_bench_model,
+    build_random_module,
 )
 
 
-@pytest.mark.parametrize("cls_name, config, billions", [
-    ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),   # stable-diffusion-3.5-medium
-    ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
-])
+@pytest.mark.parametrize(
+    "cls_name, config, billions",
+    [
+        ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),  # stable-diffusion-3.5-medium
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
+    ],
+)
 def test_published_configs_have_published_sizes(cls_name, config, billions):
     import diffusers
     from accelerate import init_empty_weights
@@ -26,7 +32,9 @@ def test_published_configs_have_published_sizes(cls_name, config, billions):
 
 
 def test_random_module_is_built_in_place_with_default_scale():
-    linear = build_random_module(torch.nn.Linear, {"in_features": 64, "out_features": 32}, torch.device("cpu"), torch.bfloat16)
+    linear = build_random_module(
+        torch.nn.Linear, {"in_features": 64, "out_features": 32}, torch.device("cpu"), torch.bfloat16
+    )
     assert linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
     assert not linear.weight.requires_grad
     assert 0 < linear.weight.float().abs().max() <= 1 / 8  # U(-1/sqrt(64), 1/sqrt(64))
@@ -49,7 +57,9 @@ def test_flops_count_attention_and_scale_with_rows(name):
     enc = adapter.encode_prompts(["x", "y"])
     latents = torch.randn((2, *adapter.latent_shape(64, 64)))
     with torch.no_grad():
-        two_rows = flops.count_flops(lambda: adapter.velocity(latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64))
+        two_rows = flops.count_flops(
+            lambda: adapter.velocity(latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64)
+        )
         q = torch.randn(1, 2, 128, 16)
         attention = flops.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
     assert two_rows == 2 * per_row
@@ -69,8 +79,8 @@ def test_counting_flops_leaves_compiled_modules_compiled():
     enter the compiled region."""
     from torch.profiler import ProfilerActivity, profile
 
-    from flowrl.bench.flops import count_flops
     from flowrl.accel.regional_compile import compile_in_place
+    from flowrl.bench.flops import count_flops
 
     class Block(torch.nn.Module):  # a forward outside torch's files, which dynamo never traces
         def __init__(self):
@@ -104,9 +114,19 @@ def test_device_events_count_each_kernel_once():
     from flowrl.bench.report import device_events
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    events = [SimpleNamespace(key=k, device_type=d) for k, d in [
-        ("aten::mm", cpu), ("nvjet_sm90_tst_256x128_bias_TNT", cuda), ("Memset (Device)", cuda),
-        ("Optimizer.step#AdamW.step", cpu), ("Optimizer.step#AdamW.step", cuda),
-        ("void multi_tensor_apply_kernel<AdamW>", cuda)]]
+    events = [
+        SimpleNamespace(key=k, device_type=d)
+        for k, d in [
+            ("aten::mm", cpu),
+            ("nvjet_sm90_tst_256x128_bias_TNT", cuda),
+            ("Memset (Device)", cuda),
+            ("Optimizer.step#AdamW.step", cpu),
+            ("Optimizer.step#AdamW.step", cuda),
+            ("void multi_tensor_apply_kernel<AdamW>", cuda),
+        ]
+    ]
     assert [e.key for e in device_events(events)] == [
-        "nvjet_sm90_tst_256x128_bias_TNT", "Memset (Device)", "void multi_tensor_apply_kernel<AdamW>"]
+        "nvjet_sm90_tst_256x128_bias_TNT",
+        "Memset (Device)",
+        "void multi_tensor_apply_kernel<AdamW>",
+    ]

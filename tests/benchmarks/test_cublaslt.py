@@ -7,18 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cublaslt
 import pytest
 import torch
-
-import cublaslt
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"epilogue": "relu"}, "epilogue='relu'"),
-    ({"dtype": torch.int8}, "dtype=torch.int8"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"epilogue": "relu"}, "epilogue='relu'"),
+        ({"dtype": torch.int8}, "dtype=torch.int8"),
+    ],
+)
 def test_gemm_refuses_what_it_cannot_run(kwargs, fragment):
     settings = {"dtype": torch.bfloat16, **kwargs}
     with pytest.raises(ValueError, match=fragment):
@@ -26,8 +28,12 @@ def test_gemm_refuses_what_it_cannot_run(kwargs, fragment):
 
 
 def test_candidates_script_needs_a_gpu():
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "cublaslt_algos.py"), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cublaslt_algos.py"), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--device: cuBLASLt needs a CUDA device" in done.stderr
 
 
@@ -38,7 +44,7 @@ def test_every_candidate_computes_what_pytorch_computes(epilogue, accumulate):
     `out`) to bf16 rounding: operand order, transposes, leading dimensions and epilogue are right."""
     m, n, k = 512, 384, 256
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     start = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     if epilogue == "gelu_bias":

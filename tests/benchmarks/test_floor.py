@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+import floor
 import pytest
 import torch
 
-import floor
 from flowrl.bench.flops import transformer_flops_per_row
 from flowrl.bench.models import build_bench_model
 
@@ -18,8 +18,24 @@ def test_floor_accounts_for_every_matmul(tmp_path, model, guidance):
     """The recorded Linear calls and attention kernels must carry all of the forward's FLOPs (as
     torch's flop counter sees them): a call the recorder missed would make the floor too low."""
     out = tmp_path / "floor.json"
-    code = floor.main(["--model", model, "-n", "3", "--size", "64", "--guidance-scale", str(guidance),
-                       "--seconds", "0.05", "--peak-seconds", "0.05", "--json", str(out)])
+    code = floor.main(
+        [
+            "--model",
+            model,
+            "-n",
+            "3",
+            "--size",
+            "64",
+            "--guidance-scale",
+            str(guidance),
+            "--seconds",
+            "0.05",
+            "--peak-seconds",
+            "0.05",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     parts = report["parts"]
@@ -33,7 +49,9 @@ def test_floor_accounts_for_every_matmul(tmp_path, model, guidance):
     assert parts["linears-fused"]["gemms"] < parts["linears"]["gemms"]  # q, k, v merged per stream
     assert parts["attention"]["calls"] >= 2
     seconds = report["floor"]["seconds_per_forward"]
-    assert seconds == pytest.approx(min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"])
+    assert seconds == pytest.approx(
+        min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"]
+    )
 
 
 def test_floor_refuses_a_rounding_without_compile(capsys):

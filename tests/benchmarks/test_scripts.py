@@ -15,8 +15,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def run_script(name: str, *args: str) -> str:
     """stdout of `python benchmarks/<name> ARGS --device cpu`, which must succeed."""
-    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args, "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args, "--device", "cpu"], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -33,7 +34,10 @@ def test_qwen_vae_decode_script_runs_and_saves_flops():
     """benchmarks/qwen_vae_decode.py (small VAE): the 2D path counts well under half the stock FLOPs,
     and the two paths' uint8 images differ by at most one level."""
     out = run_script("qwen_vae_decode.py", "--rows", "1", "--size", "64", "--base-dim", "8", "--seconds", "0.01")
-    flops = {name: float(value) for name, value in re.findall(r"^(\S+)\s+[\d.]+ ms per decode of 1\s+([\d.]+) GFLOP", out, re.M)}
+    flops = {
+        name: float(value)
+        for name, value in re.findall(r"^(\S+)\s+[\d.]+ ms per decode of 1\s+([\d.]+) GFLOP", out, re.M)
+    }
     assert set(flops) == {"stock-3d", "2d-channels-last"}, out
     assert flops["2d-channels-last"] < 0.45 * flops["stock-3d"], flops
     assert re.search(r"largest pixel difference [01] \(of 255\)", out), out
@@ -42,13 +46,25 @@ def test_qwen_vae_decode_script_runs_and_saves_flops():
 def test_qwen_block_variants_script_runs_and_layouts_agree():
     """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
     extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
-    out = run_script("qwen_block_variants.py", "--rows", "2", "--seconds", "0.01", "--profile-calls", "1",
-                     "--variants", "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
-                     "sequence-major:eager:joint_kernel=0")
+    out = run_script(
+        "qwen_block_variants.py",
+        "--rows",
+        "2",
+        "--seconds",
+        "0.01",
+        "--profile-calls",
+        "1",
+        "--variants",
+        "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
+        "sequence-major:eager:joint_kernel=0",
+    )
     lines = [line for line in out.splitlines() if "ms per block" in line]
-    assert [line.split()[0] for line in lines] == ["batch-major:eager", "sequence-major:eager",
-                                                   "sequence-major:fused:realize_opcount_threshold=50",
-                                                   "sequence-major:eager:joint_kernel=0"]
+    assert [line.split()[0] for line in lines] == [
+        "batch-major:eager",
+        "sequence-major:eager",
+        "sequence-major:fused:realize_opcount_threshold=50",
+        "sequence-major:eager:joint_kernel=0",
+    ]
     assert all(line.endswith("max |out - first| 0") for line in lines)
 
 
@@ -60,9 +76,16 @@ def test_qwen_forward_ab_script_runs_and_configurations_agree():
     lines = [line for line in out.splitlines() if "median" in line]
     assert [line.split()[0] for line in lines] == ["sequence-major", "batch-major"]
     assert all(line.endswith("max |diff| 0") for line in lines)
-    out = run_script("qwen_forward_ab.py", "--compare", "table-kernel", "--rows", "2", "--seconds", "0.01", "--rounds", "1")
+    out = run_script(
+        "qwen_forward_ab.py", "--compare", "table-kernel", "--rows", "2", "--seconds", "0.01", "--rounds", "1"
+    )
     lines = [line for line in out.splitlines() if "median" in line]
-    assert [" ".join(line.split()[:2]) for line in lines] == ["table=1 kernel=1", "table=1 kernel=0", "table=0 kernel=1", "table=0 kernel=0"]
+    assert [" ".join(line.split()[:2]) for line in lines] == [
+        "table=1 kernel=1",
+        "table=1 kernel=0",
+        "table=0 kernel=1",
+        "table=0 kernel=0",
+    ]
     diffs = [float(line.split()[-1]) for line in lines]
     assert diffs[:2] == [0, 0] and diffs[2] == diffs[3] < 1e-5  # float32 rounding of the table's GEMM only
 

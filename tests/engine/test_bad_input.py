@@ -55,6 +55,7 @@ def test_a_failing_step_fails_only_its_samples(tiny_sd3_path, params):
 
     engine = DiffusionEngine.from_pretrained(tiny_sd3_path)
     try:
+
         def broken(*args, **kwargs):
             raise RuntimeError("boom")
 

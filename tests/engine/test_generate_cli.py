@@ -10,8 +10,23 @@ from flowrl.cli import main
 
 
 def test_generate_cli_writes_pngs_and_stats(tiny_qwen_path, tmp_path, capsys):
-    code = main(["generate", "--model", str(tiny_qwen_path), "--prompt", "a cat", "--prompt", "a red sign",
-                 "-n", "3", "--steps", "3", "--out", str(tmp_path)])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_qwen_path),
+            "--prompt",
+            "a cat",
+            "--prompt",
+            "a red sign",
+            "-n",
+            "3",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     pngs = sorted(tmp_path.glob("*.png"))
     assert len(pngs) == 6 and Image.open(pngs[0]).size == (64, 64)

@@ -27,12 +27,21 @@ def test_ode_engine_matches_the_diffusers_pipeline(family, cfg, tiny_sd3_path, t
     pipe = _pipeline(path)
     engine = DiffusionEngine.from_pretrained(path)
     prompt, negative, scale, steps = "a photo of a cat", "blurry", 4.0, 5
-    params = SamplingParams(height=64, width=64, num_inference_steps=steps, noise_level=0.0, logprobs=False,
-                            seed=3, guidance_scale=scale if cfg else 1.0, negative_prompt=negative if cfg else None)
+    params = SamplingParams(
+        height=64,
+        width=64,
+        num_inference_steps=steps,
+        noise_level=0.0,
+        logprobs=False,
+        seed=3,
+        guidance_scale=scale if cfg else 1.0,
+        negative_prompt=negative if cfg else None,
+    )
     try:
         ours = engine.generate(prompt, params)
-        kwargs = dict(prompt=prompt, height=64, width=64, num_inference_steps=steps,
-                      generator=torch.Generator().manual_seed(3))
+        kwargs = dict(
+            prompt=prompt, height=64, width=64, num_inference_steps=steps, generator=torch.Generator().manual_seed(3)
+        )
         if family == "sd3":
             kwargs.update(guidance_scale=scale if cfg else 1.0, negative_prompt=negative if cfg else None)
         else:

@@ -18,8 +18,9 @@ def vae():
     from diffusers import AutoencoderKLQwenImage
 
     torch.manual_seed(0)
-    model = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True]).eval()
+    model = AutoencoderKLQwenImage(
+        base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
     with torch.no_grad():  # non-trivial weights everywhere (conv_out etc. would otherwise be small)
         for param in model.parameters():
             if param.dim() > 1:

@@ -11,9 +11,7 @@ import torch
 from flowrl.rewards import build_reward
 from flowrl.rewards.clip_scores import CLIP_MEAN, CLIP_STD, preprocess_images
 
-WORDS = sorted(
-    {"a", "photo", "of", "cat", "dog", "red", "blue", "car", "tree", "sign", "the", "on", "sunny", "street"}
-)
+WORDS = sorted({"a", "photo", "of", "cat", "dog", "red", "blue", "car", "tree", "sign", "the", "on", "sunny", "street"})
 PROMPTS = ["a photo of a cat", "a red car on the street", "blue sign", "a tree"]
 
 
@@ -103,9 +101,7 @@ def test_batch_invariance_scale_and_pickscore(tiny_clip_path):
     path = str(tiny_clip_path)
     images = _images(4)
     clip = build_reward({"name": "clip_score", "options": {"model_path": path}})(images, PROMPTS, [{}] * 4)
-    chunked = build_reward(
-        {"name": "clip_score", "options": {"model_path": path, "batch_size": 1, "scale": 2.5}}
-    )
+    chunked = build_reward({"name": "clip_score", "options": {"model_path": path, "batch_size": 1, "scale": 2.5}})
     np.testing.assert_allclose(chunked(images, PROMPTS, [{}] * 4), 2.5 * clip, atol=1e-5)
     pick = build_reward({"name": "pickscore", "options": {"model_path": path}})
     logit_scale = float(pick.backbone.model.logit_scale.exp())

@@ -31,9 +31,7 @@ def test_torch_input_matches_numpy_and_quality_changes_size():
     np.testing.assert_array_equal(
         reward(torch.from_numpy(images), ["", ""], [{}, {}]), reward(images, ["", ""], [{}, {}])
     )
-    low = build_reward({"name": "jpeg_incompressibility", "options": {"quality": 20}})(
-        images, ["", ""], [{}, {}]
-    )
+    low = build_reward({"name": "jpeg_incompressibility", "options": {"quality": 20}})(images, ["", ""], [{}, {}])
     assert low[1] < reward(images, ["", ""], [{}, {}])[1]
 
 

@@ -97,8 +97,6 @@ def test_routing_by_data_source(fake_rewards):
     with pytest.raises(RewardError) as caught:
         router(blank_images(4), [""] * 4, meta)
     assert caught.value.row_index == 3
-    no_default = build_reward(
-        {"name": "route_by_data_source", "options": {"routes": {"ocr": "metadata_value"}}}
-    )
+    no_default = build_reward({"name": "route_by_data_source", "options": {"routes": {"ocr": "metadata_value"}}})
     with pytest.raises(RewardError, match="data_source='web'"):
         no_default(blank_images(1), [""], [{"data_source": "web", "value": 1}])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flowrl.data.render_text import render_text_image
 
+from flowrl.data.render_text import render_text_image
 from flowrl.rewards import RewardError, build_reward
 from flowrl.rewards.ocr import normalize_text, ocr_text_score
 

@@ -94,15 +94,11 @@ def test_build_from_config_single_multi_and_routed(fake_rewards):
     routed = build_reward_from_config(RewardConfigLike(route_by_data_source={"ocr": "metadata_value"}))
     assert isinstance(routed, DataSourceRouter) and routed.default.name == "jpeg_compressibility"
     with pytest.raises(ValueError, match="reward.options"):
-        build_reward_from_config(
-            RewardConfigLike(options={"quality": 80}, components=[{"name": "metadata_value"}])
-        )
+        build_reward_from_config(RewardConfigLike(options={"quality": 80}, components=[{"name": "metadata_value"}]))
     with pytest.raises(ValueError, match="reward.name='ocr'"):
         build_reward_from_config(RewardConfigLike(name="ocr", components=[{"name": "metadata_value"}]))
     with pytest.raises(ValueError, match="unknown reward name 'nope'"):
-        build_reward_from_config(
-            SimpleNamespace(name="nope", options={}, components=[], route_by_data_source={})
-        )
+        build_reward_from_config(SimpleNamespace(name="nope", options={}, components=[], route_by_data_source={}))
 
 
 def test_build_from_the_real_reward_config_when_present():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 from PIL import Image
-from flowrl.data.render_text import render_text_image
 
 from flowrl.cli import main
+from flowrl.data.render_text import render_text_image
 
 
 def _save(array_chw: np.ndarray, path):
@@ -16,15 +16,8 @@ def _save(array_chw: np.ndarray, path):
 
 def test_prints_one_score_per_image_in_order(tmp_path, capsys):
     flat = _save(np.full((3, 32, 32), 128, np.uint8), tmp_path / "flat.png")
-    noise = _save(
-        np.random.default_rng(0).integers(0, 256, (3, 48, 40), dtype=np.uint8), tmp_path / "noise.png"
-    )
-    assert (
-        main(
-            ["reward-score", "--reward", "jpeg_compressibility", "--option", "quality=90", flat, noise, flat]
-        )
-        == 0
-    )
+    noise = _save(np.random.default_rng(0).integers(0, 256, (3, 48, 40), dtype=np.uint8), tmp_path / "noise.png")
+    assert main(["reward-score", "--reward", "jpeg_compressibility", "--option", "quality=90", flat, noise, flat]) == 0
     lines = capsys.readouterr().out.split()
     scores = [float(line) for line in lines]
     assert len(scores) == 3 and scores[0] == scores[2] > scores[1]

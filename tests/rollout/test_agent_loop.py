@@ -74,6 +74,7 @@ def test_row_metadata_stays_on_its_row(engine, path):
 
 def _violations():
     """Each entry breaks exactly one precondition of the batched path."""
+
     def odd_prompt(batch):
         batch.non_tensor_batch["raw_prompt"][2] = "a blue poster"
         return batch
@@ -156,7 +157,9 @@ def test_validation_mode_is_ode_with_fixed_seeds(engine):
 
 def test_on_sample_done_sees_every_row(engine):
     seen = []
-    out = AgentLoop(engine, make_config()).generate_sequences(make_batch(), on_sample_done=lambda row, o: seen.append((row, o.seed)))
+    out = AgentLoop(engine, make_config()).generate_sequences(
+        make_batch(), on_sample_done=lambda row, o: seen.append((row, o.seed))
+    )
     assert sorted(seen) == sorted(enumerate(out.non_tensor_batch["seed"]))
 
 

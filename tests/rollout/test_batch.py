@@ -10,8 +10,10 @@ from flowrl.rollout import RolloutBatch, stack_rows
 
 
 def _prompts(num: int) -> RolloutBatch:
-    rows = [{"raw_prompt": f"prompt {i}", "ground_truth": f"gt {i}", "data_source": f"src{i % 2}",
-             "topic": i * 10} for i in range(num)]
+    rows = [
+        {"raw_prompt": f"prompt {i}", "ground_truth": f"gt {i}", "data_source": f"src{i % 2}", "topic": i * 10}
+        for i in range(num)
+    ]
     batch = RolloutBatch.from_rows(rows, meta_info={"step": 3})
     # A tensor that records each row's prompt index, so tensor/metadata alignment is checkable.
     return batch.add_tensors({"prompt_index": torch.arange(num), "image": torch.rand(num, 3, 4, 4)})
@@ -47,8 +49,9 @@ def test_from_rows_fills_standard_fields():
 
 
 def test_from_rows_keeps_list_values_as_single_objects():
-    batch = RolloutBatch.from_rows([{"raw_prompt": "a", "ground_truth": ["x", "y"]},
-                                    {"raw_prompt": "b", "ground_truth": ["z", "w"]}])
+    batch = RolloutBatch.from_rows(
+        [{"raw_prompt": "a", "ground_truth": ["x", "y"]}, {"raw_prompt": "b", "ground_truth": ["z", "w"]}]
+    )
     assert batch.non_tensor_batch["ground_truth"].shape == (2,)
     assert batch.non_tensor_batch["ground_truth"][1] == ["z", "w"]
 
@@ -68,7 +71,7 @@ def test_repeat_interleaved_groups_share_uid(num_prompts, n):
     assert order == [i for i in range(num_prompts) for _ in range(n)]
     uids = repeated.non_tensor_batch["uid"]
     for group in range(num_prompts):
-        members = uids[group * n:(group + 1) * n]
+        members = uids[group * n : (group + 1) * n]
         assert set(members) == {base.non_tensor_batch["uid"][group]}
     assert len(set(uids)) == num_prompts
     assert repeated.meta_info == base.meta_info
@@ -89,8 +92,9 @@ def test_split_then_concat_round_trips():
     _assert_equal(RolloutBatch.concat(parts), batch)
 
 
-@pytest.mark.parametrize("indices", [[4, 0, 2], slice(1, 5, 2), np.array([True, False, True, False, True]),
-                                     torch.tensor([3, 3, 1]), [-1, 0]])
+@pytest.mark.parametrize(
+    "indices", [[4, 0, 2], slice(1, 5, 2), np.array([True, False, True, False, True]), torch.tensor([3, 3, 1]), [-1, 0]]
+)
 def test_select_matches_numpy_indexing(indices):
     batch = _prompts(5)
     picked = batch.select(indices)
@@ -183,14 +187,18 @@ def test_concat_repads_batches_of_different_prompt_lengths():
     rows = [_sample(length, True, rng) for length in (2, 6, 4)]
     first = RolloutBatch(stack_rows(rows[:1]), {"raw_prompt": ["a"]})
     second = RolloutBatch(stack_rows(rows[1:]), {"raw_prompt": ["b", "c"]})
-    _assert_equal(RolloutBatch.concat([first, second]),
-                  RolloutBatch(stack_rows(rows), {"raw_prompt": ["a", "b", "c"]}))
+    _assert_equal(RolloutBatch.concat([first, second]), RolloutBatch(stack_rows(rows), {"raw_prompt": ["a", "b", "c"]}))
 
 
 def test_save_load_round_trip(tmp_path):
     rng = torch.Generator().manual_seed(3)
-    batch = RolloutBatch.from_rows([{"raw_prompt": "a", "ground_truth": {"text": "HI", "boxes": [1, 2]}},
-                                    {"raw_prompt": "b", "ground_truth": None}], meta_info={"timing": {"gen": 1.5}})
+    batch = RolloutBatch.from_rows(
+        [
+            {"raw_prompt": "a", "ground_truth": {"text": "HI", "boxes": [1, 2]}},
+            {"raw_prompt": "b", "ground_truth": None},
+        ],
+        meta_info={"timing": {"gen": 1.5}},
+    )
     batch.add_tensors(stack_rows([_sample(2, True, rng), _sample(4, True, rng)]))
     batch.add_tensors({"half": torch.randn(2, 3).to(torch.bfloat16)})
     batch.add_non_tensors({"seed": np.array([5, 6])})

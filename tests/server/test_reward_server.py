@@ -187,15 +187,11 @@ def test_server_down_retries_then_names_url_and_attempts():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     sleeps = []
-    reward = HttpReward(
-        f"http://127.0.0.1:{port}", max_attempts=3, backoff_s=0.01, timeout_s=2, sleep=sleeps.append
-    )
+    reward = HttpReward(f"http://127.0.0.1:{port}", max_attempts=3, backoff_s=0.01, timeout_s=2, sleep=sleeps.append)
     with pytest.raises(RewardError) as caught:
         reward(np.zeros((1, 3, 8, 8), np.uint8), [""], [{}])
     message = str(caught.value)
-    assert (
-        f"http://127.0.0.1:{port}/score" in message and "3 attempts" in message and "ConnectError" in message
-    )
+    assert f"http://127.0.0.1:{port}/score" in message and "3 attempts" in message and "ConnectError" in message
     assert sleeps == [0.01, 0.02]
 
 

@@ -39,9 +39,7 @@ def test_reward_server_command_serves_and_stops_on_sigint():
         url = first_line.split(" at ")[1].strip()
         images = np.random.default_rng(0).integers(0, 256, (2, 3, 16, 16), dtype=np.uint8)
         remote = HttpReward(url, max_attempts=1)(images, ["", ""], [{}, {}])
-        np.testing.assert_array_equal(
-            remote, build_reward("jpeg_incompressibility")(images, ["", ""], [{}, {}])
-        )
+        np.testing.assert_array_equal(remote, build_reward("jpeg_incompressibility")(images, ["", ""], [{}, {}]))
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=15) == 0
     finally:

@@ -11,14 +11,17 @@ def make_cfg(tiny_sd3_path, tmp_path):
     from flowrl.trainer.cli import load_train_config
 
     def build(*overrides, output: str = "run"):
-        return load_train_config(None, [
-            f"model.path={tiny_sd3_path}",
-            f"trainer.output_dir={tmp_path / output}",
-            "logging.tensorboard=false",
-            "logging.progress_bar=false",
-            "trainer.val_every=0",
-            "trainer.save_every=0",
-            *overrides,
-        ])
+        return load_train_config(
+            None,
+            [
+                f"model.path={tiny_sd3_path}",
+                f"trainer.output_dir={tmp_path / output}",
+                "logging.tensorboard=false",
+                "logging.progress_bar=false",
+                "trainer.val_every=0",
+                "trainer.save_every=0",
+                *overrides,
+            ],
+        )
 
     return build

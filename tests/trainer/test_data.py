@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowrl.trainer.data import PromptSampler, TINY_PROMPTS, load_prompt_rows
+from flowrl.trainer.data import TINY_PROMPTS, PromptSampler, load_prompt_rows
 
 ROWS = [
-    {"prompt": "a sign that says \"OPEN\"", "ground_truth": "OPEN", "data_source": "ocr", "level": 1},
+    {"prompt": 'a sign that says "OPEN"', "ground_truth": "OPEN", "data_source": "ocr", "level": 1},
     {"prompt": "a cat", "negative_prompt": "blurry"},
 ]
 
@@ -56,7 +56,7 @@ def test_sampler_covers_each_epoch_and_resumes_exactly():
     straight = [[r["raw_prompt"] for r in sampler.next_rows()] for _ in range(7)]  # 21 rows = 3 epochs
     flat = [p for step in straight for p in step]
     for epoch in range(3):
-        assert sorted(flat[epoch * 7:(epoch + 1) * 7]) == sorted(r["raw_prompt"] for r in rows)
+        assert sorted(flat[epoch * 7 : (epoch + 1) * 7]) == sorted(r["raw_prompt"] for r in rows)
     assert flat[:7] != flat[7:14]  # reshuffled per epoch
     assert sampler.epochs_done == 3
 

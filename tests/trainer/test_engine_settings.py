@@ -13,7 +13,9 @@ def test_engine_compile_compiles_the_trained_modules(make_cfg, monkeypatch):
         return ["transformer.transformer_blocks.0"]
 
     monkeypatch.setattr(flowrl.accel, "compile_adapter", fake_compile)
-    trainer = FlowGRPOTrainer(make_cfg("engine.compile=true", "trainer.lora.enabled=true", "engine.compile_rounding=fused"))
+    trainer = FlowGRPOTrainer(
+        make_cfg("engine.compile=true", "trainer.lora.enabled=true", "engine.compile_rounding=fused")
+    )
     assert calls == [(True, "inductor", "fused")]
     assert trainer.engine.compiled_modules == ["transformer.transformer_blocks.0"]
 

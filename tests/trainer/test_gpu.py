@@ -17,26 +17,44 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("old_log_prob", ["rollout", "recompute"])
 def test_tiny_training_on_cuda_bf16(make_cfg, old_log_prob):
-    cfg = make_cfg("model.device=cuda", "model.dtype=bfloat16", "trainer.mixed_precision=bf16",
-                   "trainer.gradient_checkpointing=true", "trainer.lora.enabled=true", "trainer.lr=0.01",
-                   "algorithm.kl_beta=0.01", f"algorithm.old_log_prob={old_log_prob}",
-                   "rollout.sampling.guidance_scale=2.0", "trainer.total_steps=3", "trainer.save_every=3",
-                   "trainer.val_every=3", output=f"gpu-{old_log_prob}")
+    cfg = make_cfg(
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        "trainer.gradient_checkpointing=true",
+        "trainer.lora.enabled=true",
+        "trainer.lr=0.01",
+        "algorithm.kl_beta=0.01",
+        f"algorithm.old_log_prob={old_log_prob}",
+        "rollout.sampling.guidance_scale=2.0",
+        "trainer.total_steps=3",
+        "trainer.save_every=3",
+        "trainer.val_every=3",
+        output=f"gpu-{old_log_prob}",
+    )
     trainer = FlowGRPOTrainer(cfg)
     assert trainer.adapter.device.type == "cuda"
     summary = trainer.fit()
-    records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line]
+    records = [
+        json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line
+    ]
     assert len(records) == 3
     for record in records:
         for key in ("actor/policy_loss", "actor/grad_norm", "actor/kl", "actor/logprob_gap_max"):
             assert record[key] is not None and torch.isfinite(torch.tensor(record[key])), (key, record)
-    print(old_log_prob, "log-prob gap per step:", [(r["actor/logprob_gap_mean"], r["actor/logprob_gap_max"]) for r in records])
+    print(
+        old_log_prob,
+        "log-prob gap per step:",
+        [(r["actor/logprob_gap_mean"], r["actor/logprob_gap_max"]) for r in records],
+    )
     # bf16 rollout forwards vs the trainer's bf16-autocast forwards: small but nonzero on GPU.
     assert records[0]["actor/logprob_gap_max"] < 0.5
     assert records[0]["rollout/policy_lag"] == 0
 
 
-@pytest.mark.parametrize("kind, old_log_prob", [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout")])
+@pytest.mark.parametrize(
+    "kind, old_log_prob", [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout")]
+)
 def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_log_prob):
     """The gap is the trainer's log-prob values (its no-grad graph, flowrl.trainer.policy) against
     the rollout's with old_log_prob=rollout, and the trainer's no-grad recompute (another batch
@@ -44,18 +62,38 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
     from flowrl.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
-    cfg = make_cfg(f"model.path={path}", "model.device=cuda", "model.dtype=bfloat16", "trainer.mixed_precision=bf16",
-                   "engine.compile=true", "trainer.gradient_checkpointing=true", "trainer.lora.enabled=true",
-                   "trainer.lr=0.01", f"algorithm.old_log_prob={old_log_prob}", "rollout.sampling.guidance_scale=2.0",
-                   "trainer.total_steps=3", output=f"gpu-compiled-{kind}-{old_log_prob}")
+    cfg = make_cfg(
+        f"model.path={path}",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        "engine.compile=true",
+        "trainer.gradient_checkpointing=true",
+        "trainer.lora.enabled=true",
+        "trainer.lr=0.01",
+        f"algorithm.old_log_prob={old_log_prob}",
+        "rollout.sampling.guidance_scale=2.0",
+        "trainer.total_steps=3",
+        output=f"gpu-compiled-{kind}-{old_log_prob}",
+    )
     trainer = FlowGRPOTrainer(cfg)
     assert trainer.engine.compiled_modules
     summary = trainer.fit()
-    records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line]
+    records = [
+        json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line
+    ]
     assert len(records) == 3
     gaps = [(r["actor/logprob_gap_mean"], r["actor/logprob_gap_max"]) for r in records]
-    print(kind, old_log_prob, "compiled log-prob gap per step:", gaps, "first update's ratio mean / max, clipfrac:",
-          records[0]["actor/ratio_mean"], records[0]["actor/ratio_max"], records[0]["actor/clipfrac"])
+    print(
+        kind,
+        old_log_prob,
+        "compiled log-prob gap per step:",
+        gaps,
+        "first update's ratio mean / max, clipfrac:",
+        records[0]["actor/ratio_mean"],
+        records[0]["actor/ratio_max"],
+        records[0]["actor/clipfrac"],
+    )
     for record in records:
         for key in ("actor/policy_loss", "actor/grad_norm", "actor/logprob_gap_max"):
             assert record[key] is not None and torch.isfinite(torch.tensor(record[key])), (key, record)

@@ -14,8 +14,15 @@ from flowrl.trainer.lora import adapter_disabled, apply_trainable
 
 
 def _lora_cfg(**extra):
-    return SimpleNamespace(enabled=True, rank=4, alpha=8.0, target_modules=["attn.to_q", "attn.to_k"],
-                           init="gaussian", dropout=0.0, **extra)
+    return SimpleNamespace(
+        enabled=True,
+        rank=4,
+        alpha=8.0,
+        target_modules=["attn.to_q", "attn.to_k"],
+        init="gaussian",
+        dropout=0.0,
+        **extra,
+    )
 
 
 def _adapted_transformer(dtype):

@@ -23,9 +23,14 @@ def _rollout(trainer):
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_rollout_log_probs_match_trainer_recompute(make_cfg, guidance):
-    cfg = make_cfg("rollout.n=3", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
-                   "algorithm.old_log_prob=recompute", f"rollout.sampling.guidance_scale={guidance}",
-                   "rollout.sampling.negative_prompt=blurry")
+    cfg = make_cfg(
+        "rollout.n=3",
+        "trainer.prompts_per_step=2",
+        "trainer.micro_batch_size=4",
+        "algorithm.old_log_prob=recompute",
+        f"rollout.sampling.guidance_scale={guidance}",
+        "rollout.sampling.negative_prompt=blurry",
+    )
     trainer = FlowGRPOTrainer(cfg)
     tensors = _rollout(trainer)
     if guidance > 1:
@@ -41,9 +46,15 @@ def test_rollout_log_probs_match_trainer_recompute(make_cfg, guidance):
 
 
 def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg):
-    cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=2",
-                   "trainer.grad_accum=1", "algorithm.old_log_prob=rollout", "trainer.lr=0.05",
-                   "algorithm.clip_range=1e-6")
+    cfg = make_cfg(
+        "rollout.n=2",
+        "trainer.prompts_per_step=2",
+        "trainer.micro_batch_size=2",
+        "trainer.grad_accum=1",
+        "algorithm.old_log_prob=rollout",
+        "trainer.lr=0.05",
+        "algorithm.clip_range=1e-6",
+    )
     trainer = FlowGRPOTrainer(cfg)
     tensors = _rollout(trainer)
     metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1)
@@ -55,8 +66,13 @@ def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg):
 
 
 def test_kl_reference_is_the_lora_disabled_model(make_cfg):
-    cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "algorithm.kl_beta=0.1",
-                   "trainer.lora.enabled=true", "algorithm.old_log_prob=recompute")
+    cfg = make_cfg(
+        "rollout.n=2",
+        "trainer.prompts_per_step=1",
+        "algorithm.kl_beta=0.1",
+        "trainer.lora.enabled=true",
+        "algorithm.old_log_prob=recompute",
+    )
     trainer = FlowGRPOTrainer(cfg)
     tensors = _rollout(trainer)
     adv = torch.tensor([1.0, -1.0])
@@ -131,9 +147,16 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
 
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
-    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4",
-                                       "algorithm.old_log_prob=recompute", "algorithm.clip_range=1e-6",
-                                       f"engine.compile={str(compiled).lower()}"))
+    trainer = FlowGRPOTrainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=4",
+            "algorithm.old_log_prob=recompute",
+            "algorithm.clip_range=1e-6",
+            f"engine.compile={str(compiled).lower()}",
+        )
+    )
     assert trainer.updater.values_from_no_grad is compiled
     tensors = _rollout(trainer)
     _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
@@ -152,8 +175,15 @@ def test_lora_dropout_keeps_the_grad_pass_values(make_cfg, monkeypatch, dropout)
     the recompute's values are not reused for it either)."""
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
-    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true",
-                                       f"trainer.lora.dropout={dropout}", "engine.compile=true"))
+    trainer = FlowGRPOTrainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=1",
+            "trainer.lora.enabled=true",
+            f"trainer.lora.dropout={dropout}",
+            "engine.compile=true",
+        )
+    )
     assert trainer.updater.values_from_no_grad is (dropout == 0.0)
     if dropout:
         transformer = trainer.adapter.transformer
@@ -186,15 +216,18 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     embeds = torch.arange(4 * 4 * 2, dtype=torch.float32).reshape(4, 4, 2)
     pooled = torch.randn(4, 3)
-    tensors = {"prompt_embeds": embeds.as_subclass(_CountingTensor), "prompt_embeds_mask": mask.as_subclass(_CountingTensor),
-               "pooled_prompt_embeds": pooled.as_subclass(_CountingTensor)}
+    tensors = {
+        "prompt_embeds": embeds.as_subclass(_CountingTensor),
+        "prompt_embeds_mask": mask.as_subclass(_CountingTensor),
+        "pooled_prompt_embeds": pooled.as_subclass(_CountingTensor),
+    }
     _CountingTensor.to_calls = 0
     encodings = _encodings(tensors, "", "cpu")
     assert _CountingTensor.to_calls == 3  # embeds, mask, pooled: not one copy per row
     assert [e.embeds.shape[0] for e in encodings] == [3, 1, 4, 4]
     for row, e in enumerate(encodings):
-        assert torch.equal(e.embeds, embeds[row, :e.embeds.shape[0]]) and torch.equal(e.pooled, pooled[row])
-        assert torch.equal(e.mask, mask[row, :e.embeds.shape[0]])
+        assert torch.equal(e.embeds, embeds[row, : e.embeds.shape[0]]) and torch.equal(e.pooled, pooled[row])
+        assert torch.equal(e.mask, mask[row, : e.embeds.shape[0]])
 
 
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
@@ -210,10 +243,18 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
 
     def run(force_value_pass: bool):
-        trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=2",
-                                           "algorithm.old_log_prob=recompute", "trainer.lora.enabled=true",
-                                           f"algorithm.kl_beta={kl_beta}", "engine.compile=true",
-                                           output=f"run-{force_value_pass}"))
+        trainer = FlowGRPOTrainer(
+            make_cfg(
+                "rollout.n=2",
+                "trainer.prompts_per_step=2",
+                "trainer.micro_batch_size=2",
+                "algorithm.old_log_prob=recompute",
+                "trainer.lora.enabled=true",
+                f"algorithm.kl_beta={kl_beta}",
+                "engine.compile=true",
+                output=f"run-{force_value_pass}",
+            )
+        )
         with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
             for name, p in trainer.adapter.transformer.named_parameters():
                 if "lora_B" in name:
@@ -246,12 +287,15 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
     assert metrics["actor/grad_norm"] == forced["actor/grad_norm"]
 
 
-@pytest.mark.parametrize("values_from_no_grad, old_log_prob, kl_beta, expected", [
-    (False, "recompute", 0.0, ("grad_pass", "grad_pass")),  # eager: one graph, its own values
-    (True, "rollout", 0.0, ("value_pass", "value_pass")),  # no recompute to reuse
-    (True, "recompute", 0.0, ("recompute", "value_pass")),  # reused until the first optimizer step
-    (True, "recompute", 0.1, ("value_pass", "value_pass")),  # the KL needs the mean's value too
-])
+@pytest.mark.parametrize(
+    "values_from_no_grad, old_log_prob, kl_beta, expected",
+    [
+        (False, "recompute", 0.0, ("grad_pass", "grad_pass")),  # eager: one graph, its own values
+        (True, "rollout", 0.0, ("value_pass", "value_pass")),  # no recompute to reuse
+        (True, "recompute", 0.0, ("recompute", "value_pass")),  # reused until the first optimizer step
+        (True, "recompute", 0.1, ("value_pass", "value_pass")),  # the KL needs the mean's value too
+    ],
+)
 def test_scoring_is_chosen_once_from_the_settings(values_from_no_grad, old_log_prob, kl_beta, expected):
     from flowrl.trainer.update import Scoring
 

@@ -10,11 +10,28 @@ from safetensors.torch import load_file
 from flowrl.trainer.checkpoint import latest_checkpoint
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
-SMALL = ("rollout.n=2", "trainer.prompts_per_step=3", "trainer.micro_batch_size=3", "trainer.lora.enabled=true",
-         "trainer.lora.rank=4", "trainer.lr=0.01", "rollout.sampling.sde_window_size=2",
-         "algorithm.old_log_prob=recompute", "algorithm.kl_beta=0.01", "algorithm.train_timestep_fraction=0.5")
-COMPARED = ("reward/mean", "reward/std", "actor/policy_loss", "actor/approx_kl", "actor/kl", "actor/grad_norm",
-            "actor/ratio_max", "rollout/policy_version")
+SMALL = (
+    "rollout.n=2",
+    "trainer.prompts_per_step=3",
+    "trainer.micro_batch_size=3",
+    "trainer.lora.enabled=true",
+    "trainer.lora.rank=4",
+    "trainer.lr=0.01",
+    "rollout.sampling.sde_window_size=2",
+    "algorithm.old_log_prob=recompute",
+    "algorithm.kl_beta=0.01",
+    "algorithm.train_timestep_fraction=0.5",
+)
+COMPARED = (
+    "reward/mean",
+    "reward/std",
+    "actor/policy_loss",
+    "actor/approx_kl",
+    "actor/kl",
+    "actor/grad_norm",
+    "actor/ratio_max",
+    "rollout/policy_version",
+)
 
 
 def _metrics(path):
@@ -53,16 +70,31 @@ def test_resume_equals_straight_run(make_cfg):
 def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
     from diffusers import StableDiffusion3Pipeline
 
-    cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.lora.enabled=true", "trainer.lora.rank=4",
-                   "trainer.lora.alpha=16", "trainer.lr=0.05", "trainer.total_steps=2", "trainer.save_every=2")
+    cfg = make_cfg(
+        "rollout.n=2",
+        "trainer.prompts_per_step=2",
+        "trainer.lora.enabled=true",
+        "trainer.lora.rank=4",
+        "trainer.lora.alpha=16",
+        "trainer.lr=0.05",
+        "trainer.total_steps=2",
+        "trainer.save_every=2",
+    )
     trainer = FlowGRPOTrainer(cfg)
     trainer.fit()
     lora_dir = latest_checkpoint(cfg.trainer.output_dir) / "lora"
     assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
 
     def sample(pipe):
-        return pipe(prompt="a red apple", height=64, width=64, num_inference_steps=3, guidance_scale=1.0,
-                    generator=torch.Generator().manual_seed(0), output_type="pt").images
+        return pipe(
+            prompt="a red apple",
+            height=64,
+            width=64,
+            num_inference_steps=3,
+            guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
 
     pipe = StableDiffusion3Pipeline.from_pretrained(cfg.model.path)
     pipe.set_progress_bar_config(disable=True)

@@ -12,9 +12,24 @@ from flowrl.trainer.cli import load_train_config
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[2]
-REQUIRED_KEYS = ("step", "reward/mean", "reward/std", "actor/policy_loss", "actor/clipfrac", "actor/ratio_mean",
-                 "actor/ratio_max", "actor/approx_kl", "actor/kl", "actor/grad_norm", "actor/logprob_gap_mean",
-                 "actor/logprob_gap_max", "adv/zero_std_ratio", "timing/rollout_s", "timing/update_s", "timing/step_s")
+REQUIRED_KEYS = (
+    "step",
+    "reward/mean",
+    "reward/std",
+    "actor/policy_loss",
+    "actor/clipfrac",
+    "actor/ratio_mean",
+    "actor/ratio_max",
+    "actor/approx_kl",
+    "actor/kl",
+    "actor/grad_norm",
+    "actor/logprob_gap_mean",
+    "actor/logprob_gap_max",
+    "adv/zero_std_ratio",
+    "timing/rollout_s",
+    "timing/update_s",
+    "timing/step_s",
+)
 
 
 def test_tiny_run_reward_rises(make_cfg):
@@ -39,7 +54,9 @@ def test_tiny_run_reward_rises(make_cfg):
 
 
 def test_tiny_recipe_is_the_embedded_default():
-    assert config_to_dict(load_config(str(REPO / "recipes" / "tiny_cpu.yaml"))) == config_to_dict(load_train_config(None, []))
+    assert config_to_dict(load_config(str(REPO / "recipes" / "tiny_cpu.yaml"))) == config_to_dict(
+        load_train_config(None, [])
+    )
 
 
 def test_real_recipes_load_with_group_size_16():
@@ -54,9 +71,23 @@ def test_real_recipes_load_with_group_size_16():
 def test_cli_smoke(tiny_sd3_path, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(
-        [sys.executable, "-m", "flowrl.cli", "train", f"model.path={tiny_sd3_path}", f"trainer.output_dir={tmp_path / 'out'}",
-         "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=2", "logging.progress_bar=false"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "flowrl.cli",
+            "train",
+            f"model.path={tiny_sd3_path}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            "trainer.total_steps=2",
+            "trainer.val_every=0",
+            "trainer.save_every=2",
+            "logging.progress_bar=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mean reward, first 5 steps:" in result.stdout and "mean reward, last 5 steps:" in result.stdout

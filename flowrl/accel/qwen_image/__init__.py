@@ -60,7 +60,9 @@ class TransformerCallHook:
                 return None
             self.table = ModulationTable(adapter.transformer)
         # The schedules are read only when the table is built, not at every step.
-        rows = rows_to_device(self.table.rows(row_sigmas, adapter.device.type, adapter.schedule_sigma_values), adapter.device)
+        rows = rows_to_device(
+            self.table.rows(row_sigmas, adapter.device.type, adapter.schedule_sigma_values), adapter.device
+        )
         torch._dynamo.maybe_mark_dynamic(rows, 0)  # one compiled graph for every batch size, as the activations
         return rows
 

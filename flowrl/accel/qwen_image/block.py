@@ -78,7 +78,9 @@ def _real_rope_tables(module, args, output):
     tables = []
     for freqs in output:
         cos, sin = freqs.real.float(), freqs.imag.float()
-        tables.append((cos.repeat_interleave(2, dim=-1).contiguous(), torch.stack([-sin, sin], dim=-1).flatten(-2).contiguous()))
+        tables.append(
+            (cos.repeat_interleave(2, dim=-1).contiguous(), torch.stack([-sin, sin], dim=-1).flatten(-2).contiguous())
+        )
     return tuple(tables)
 
 
@@ -97,7 +99,9 @@ def _split_heads(attn, x: torch.Tensor) -> torch.Tensor:
 def _projected_heads(attn, img: torch.Tensor, txt: torch.Tensor):
     """Both streams' q, k, v projections split into heads: three (text, image) pairs."""
     projections = ((attn.add_q_proj, attn.to_q), (attn.add_k_proj, attn.to_k), (attn.add_v_proj, attn.to_v))
-    return tuple((_split_heads(attn, txt_proj(txt)), _split_heads(attn, img_proj(img))) for txt_proj, img_proj in projections)
+    return tuple(
+        (_split_heads(attn, txt_proj(txt)), _split_heads(attn, img_proj(img))) for txt_proj, img_proj in projections
+    )
 
 
 def _rotated_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, seq_dim: int):
@@ -114,7 +118,9 @@ def _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim: int):
     txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
     if rope is not None:  # tables (S, Dh) -> (S, 1, ..., Dh), broadcasting over the dims after the tokens
         ones = [1] * (img_q.dim() - seq_dim - 2)
-        (img_cos, img_sin), (txt_cos, txt_sin) = ((c.view(c.shape[0], *ones, -1), s.view(s.shape[0], *ones, -1)) for c, s in rope)
+        (img_cos, img_sin), (txt_cos, txt_sin) = (
+            (c.view(c.shape[0], *ones, -1), s.view(s.shape[0], *ones, -1)) for c, s in rope
+        )
         img_q, img_k = _rotate(img_q, img_cos, img_sin), _rotate(img_k, img_cos, img_sin)
         txt_q, txt_k = _rotate(txt_q, txt_cos, txt_sin), _rotate(txt_k, txt_cos, txt_sin)
     return (txt_q, img_q), (txt_k, img_k), v_pair
@@ -125,8 +131,7 @@ def _plain_qk_projections(attn) -> bool:
     nn.Linear, or LoRA Linears whose low-rank term is accumulated inside the GEMM's output there
     (flowrl.accel.lora_fold). Left to inductor, a LoRA projection's output is a sum that would
     have to be stored before the hand-written kernel reads it."""
-    return all(type(p) is torch.nn.Linear or folds(p)
-               for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
+    return all(type(p) is torch.nn.Linear or folds(p) for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
 
 
 def _joint_kernel_applies(attn, img_q: torch.Tensor, rope, options: AccelOptions) -> bool:
@@ -137,10 +142,16 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope, options: AccelOptions
     rotation, so the kernel applies under it, and the joint v projection casts its inputs as
     autocast would (flowrl.accel.qwen_image.joint_linear). `options.qk_kernel` off turns it off,
     and with it the joint v projection; `options.joint_v` off only the latter."""
-    return (options.qk_kernel and not torch.is_grad_enabled()
-            and torch.compiler.is_compiling() and _plain_qk_projections(attn)
-            and all(qk_norm_rope.applicable(img_q, norm, rope)
-                    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)))
+    return (
+        options.qk_kernel
+        and not torch.is_grad_enabled()
+        and torch.compiler.is_compiling()
+        and _plain_qk_projections(attn)
+        and all(
+            qk_norm_rope.applicable(img_q, norm, rope)
+            for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+        )
+    )
 
 
 def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, options: AccelOptions):
@@ -163,8 +174,15 @@ class RealRopeQwenAttention:
     on batch-major tensors with real-arithmetic RoPE: the processor of blocks that run diffusers'
     forward (see the module docstring). Takes the tables made by `_real_rope_tables`."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
-                 attention_mask=None, image_rotary_emb=None):
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        encoder_hidden_states_mask=None,
+        attention_mask=None,
+        image_rotary_emb=None,
+    ):
         assert encoder_hidden_states is not None and attention_mask is None
         attention_mask = _joint_mask(encoder_hidden_states_mask, *hidden_states.shape[:2])
         pairs = _rotated_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, seq_dim=1)
@@ -177,8 +195,14 @@ class RealRopeQwenAttention:
         return img_out, attn.to_add_out(out[:, :seq_txt].contiguous())
 
 
-def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torch.Tensor | None, rope,
-                     options: AccelOptions = AccelOptions()):
+def _joint_attention(
+    attn,
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope,
+    options: AccelOptions = AccelOptions(),
+):
     """RealRopeQwenAttention's math on sequence-major streams img (L_img, B, D), txt (L_txt, B, D);
     returns the two streams' outputs, sequence-major. The joint buffers are (L, B, H, Dh) with the
     text rows first, so each stream is a contiguous block of rows (see the module docstring)."""
@@ -206,9 +230,16 @@ def _norm_kernel_applies(block, img: torch.Tensor) -> bool:
     reproduces, with `norm_kernel` on, and not under autocast (the trainer's mixed precision,
     whose rounding points the kernel does not reproduce: with it, a rollout under bf16 autocast
     and the trainer's graph would differ by a log-prob gap)."""
-    return (block._flowrl_accel.norm_kernel and not torch.is_grad_enabled()
-            and torch.compiler.is_compiling() and not _autocast_on(img)
-            and all(modulated_norm.applicable(img, norm) for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)))
+    return (
+        block._flowrl_accel.norm_kernel
+        and not torch.is_grad_enabled()
+        and torch.compiler.is_compiling()
+        and not _autocast_on(img)
+        and all(
+            modulated_norm.applicable(img, norm)
+            for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
+        )
+    )
 
 
 def _modulated_input(x: torch.Tensor, norm, params: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,15 +266,31 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, kernel
     return modulated_norm.residual(x, gate, y) if kernel else x + gate * y
 
 
-def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                            image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
+def _sequence_major_forward(
+    self,
+    hidden_states,
+    encoder_hidden_states,
+    encoder_hidden_states_mask,
+    temb,
+    image_rotary_emb=None,
+    joint_attention_kwargs=None,
+    modulate_index=None,
+):
     """QwenImageTransformerBlock.forward's math on sequence-major activations (module docstring).
     Same signature and return value ((text, image) states of diffusers' shapes)."""
     kwargs = dict(joint_attention_kwargs or {})
     table_rows = kwargs.pop(ROWS_KEY, None)
     if modulate_index is not None or self.zero_cond_t or kwargs:
-        return type(self).forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                                  image_rotary_emb, joint_attention_kwargs, modulate_index)
+        return type(self).forward(
+            self,
+            hidden_states,
+            encoder_hidden_states,
+            encoder_hidden_states_mask,
+            temb,
+            image_rotary_emb,
+            joint_attention_kwargs,
+            modulate_index,
+        )
     img, txt = hidden_states.transpose(0, 1), encoder_hidden_states.transpose(0, 1)  # (L, B, D)
     if table_rows is None:
         img_mod, txt_mod = self.img_mod(temb), self.txt_mod(temb)
@@ -254,8 +301,9 @@ def _sequence_major_forward(self, hidden_states, encoder_hidden_states, encoder_
     kernel = _norm_kernel_applies(self, img)
     img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1, kernel)
     txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1, kernel)
-    img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb,
-                                          self._flowrl_accel)
+    img_attn, txt_attn = _joint_attention(
+        self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, self._flowrl_accel
+    )
     img, img_in, img_gate2 = _residual_modulated_input(img, img_gate1, img_attn, self.img_norm2, img_mod2, kernel)
     txt, txt_in, txt_gate2 = _residual_modulated_input(txt, txt_gate1, txt_attn, self.txt_norm2, txt_mod2, kernel)
     img = _gated_residual(img, img_gate2, self.img_mlp(img_in), kernel)
@@ -288,9 +336,11 @@ def prepare_for_compile(transformer: torch.nn.Module, options: AccelOptions = Ac
     layout must be the first call's."""
     if getattr(transformer, "_flowrl_compile_ready", False):
         if transformer._flowrl_sequence_major != options.sequence_major:
-            raise ValueError(f"sequence_major={options.sequence_major} but this transformer's blocks run "
-                             f"sequence_major={transformer._flowrl_sequence_major} already; the layout is fixed "
-                             "by the first compile_adapter call")
+            raise ValueError(
+                f"sequence_major={options.sequence_major} but this transformer's blocks run "
+                f"sequence_major={transformer._flowrl_sequence_major} already; the layout is fixed "
+                "by the first compile_adapter call"
+            )
         for block in transformer.transformer_blocks:
             block._flowrl_accel = options
         return False

@@ -25,10 +25,19 @@ from flowrl.accel.lora_fold import linear_into
 
 
 @torch.library.custom_op("flowrl::joint_linear", mutates_args=())
-def joint_linear(txt: torch.Tensor, txt_weight: torch.Tensor, txt_bias: torch.Tensor | None,
-                 txt_down: torch.Tensor | None, txt_up: torch.Tensor | None,
-                 img: torch.Tensor, img_weight: torch.Tensor, img_bias: torch.Tensor | None,
-                 img_down: torch.Tensor | None, img_up: torch.Tensor | None, low_rank_first: bool) -> torch.Tensor:
+def joint_linear(
+    txt: torch.Tensor,
+    txt_weight: torch.Tensor,
+    txt_bias: torch.Tensor | None,
+    txt_down: torch.Tensor | None,
+    txt_up: torch.Tensor | None,
+    img: torch.Tensor,
+    img_weight: torch.Tensor,
+    img_bias: torch.Tensor | None,
+    img_down: torch.Tensor | None,
+    img_up: torch.Tensor | None,
+    low_rank_first: bool,
+) -> torch.Tensor:
     """(T + L, B, N): txt (T, B, K) and img (L, B, K) through their own linear layers (each with
     its LoRA factors down, up or None, in the GEMM order `low_rank_first`), joined."""
     out = txt.new_empty((txt.shape[0] + img.shape[0], txt.shape[1], txt_weight.shape[0]))
@@ -66,10 +75,20 @@ def _operands(proj: torch.nn.Module, dtype: torch.dtype) -> tuple:
     return linear.weight.to(dtype), bias, *factors
 
 
-def joint_projection(txt: torch.Tensor, txt_proj: torch.nn.Module, img: torch.Tensor, img_proj: torch.nn.Module,
-                     low_rank_first: bool = True) -> torch.Tensor:
+def joint_projection(
+    txt: torch.Tensor,
+    txt_proj: torch.nn.Module,
+    img: torch.Tensor,
+    img_proj: torch.nn.Module,
+    low_rank_first: bool = True,
+) -> torch.Tensor:
     """The joint (T + L, B, N) output of txt_proj(txt) and img_proj(img), sequence-major inputs;
     low_rank_first: the GEMM order of LoRA projections (AccelOptions.lora_low_rank_first)."""
     dtype = lora_fold.compute_dtype(img)
-    return joint_linear(txt.to(dtype).contiguous(), *_operands(txt_proj, dtype),
-                        img.to(dtype).contiguous(), *_operands(img_proj, dtype), low_rank_first)
+    return joint_linear(
+        txt.to(dtype).contiguous(),
+        *_operands(txt_proj, dtype),
+        img.to(dtype).contiguous(),
+        *_operands(img_proj, dtype),
+        low_rank_first,
+    )

@@ -50,8 +50,11 @@ def applicable(x: torch.Tensor, norm: torch.nn.Module | None = None) -> bool:
     dim without affine weights."""
     if not (available() and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 3):
         return False
-    return norm is None or (type(norm) is torch.nn.LayerNorm and not norm.elementwise_affine
-                            and tuple(norm.normalized_shape) == (x.shape[-1],))
+    return norm is None or (
+        type(norm) is torch.nn.LayerNorm
+        and not norm.elementwise_affine
+        and tuple(norm.normalized_shape) == (x.shape[-1],)
+    )
 
 
 if triton is not None:
@@ -68,8 +71,24 @@ if triton is not None:
         return ((bits >> 16) << 16).to(tl.float32, bitcast=True)  # the low 16 bits cleared
 
     @triton.jit
-    def _modulated_norm_kernel(x, y, gate, shift, scale, x_out, out, batch, width, gate_stride, shift_stride,
-                               scale_stride, eps, RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    def _modulated_norm_kernel(
+        x,
+        y,
+        gate,
+        shift,
+        scale,
+        x_out,
+        out,
+        batch,
+        width,
+        gate_stride,
+        shift_stride,
+        scale_stride,
+        eps,
+        RESIDUAL: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # Program r: row r of the (L * B, D) activations; its per-row parameters are row r % B.
         row = tl.program_id(0).to(tl.int64)
         b = row % batch
@@ -97,8 +116,24 @@ if triton is not None:
         length, batch, width = x.shape
         block = triton.next_power_of_2(width)
         torch.library.wrap_triton(_modulated_norm_kernel)[(length * batch,)](
-            x, y, gate, shift, scale, x_out, out, batch, width, gate.stride(0), shift.stride(0), scale.stride(0), eps,
-            RESIDUAL=residual, NORM=norm, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            x,
+            y,
+            gate,
+            shift,
+            scale,
+            x_out,
+            out,
+            batch,
+            width,
+            gate.stride(0),
+            shift.stride(0),
+            scale.stride(0),
+            eps,
+            RESIDUAL=residual,
+            NORM=norm,
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+        )
 
     @torch.library.triton_op("flowrl::norm_modulate", mutates_args={})
     def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,8 +152,9 @@ if triton is not None:
         return x_out
 
     @torch.library.triton_op("flowrl::gated_residual_norm_modulate", mutates_args={})
-    def gated_residual_norm_modulate(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
-                                     scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def gated_residual_norm_modulate(
+        x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x', LN(x') * (1 + scale) + shift) with x' = x + gate * y."""
         x_out, out = torch.empty_like(x), torch.empty_like(x)
         _launch(x, y, gate, shift, scale, x_out, out, eps, residual=True, norm=True)
@@ -140,8 +176,15 @@ def residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return torch.ops.flowrl.gated_residual(x.contiguous(), y.contiguous(), _rows_ok(gate))
 
 
-def residual_modulated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm: torch.nn.LayerNorm,
-                       shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_modulated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    norm: torch.nn.LayerNorm,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + gate * y, norm(that) * (1 + scale) + shift) by the kernel; only where `applicable(x, norm)`."""
-    return torch.ops.flowrl.gated_residual_norm_modulate(x.contiguous(), y.contiguous(), _rows_ok(gate),
-                                                         _rows_ok(shift), _rows_ok(scale), float(norm.eps))
+    return torch.ops.flowrl.gated_residual_norm_modulate(
+        x.contiguous(), y.contiguous(), _rows_ok(gate), _rows_ok(shift), _rows_ok(scale), float(norm.eps)
+    )

@@ -36,8 +36,12 @@ MIN_CAPACITY = 64
 
 
 def _plain_modulation(layer: torch.nn.Module) -> bool:
-    return (isinstance(layer, torch.nn.Sequential) and len(layer) == 2 and type(layer[0]) is torch.nn.SiLU
-            and type(layer[1]) is torch.nn.Linear)
+    return (
+        isinstance(layer, torch.nn.Sequential)
+        and len(layer) == 2
+        and type(layer[0]) is torch.nn.SiLU
+        and type(layer[1]) is torch.nn.Linear
+    )
 
 
 def applicable(transformer: torch.nn.Module) -> bool:
@@ -46,9 +50,14 @@ def applicable(transformer: torch.nn.Module) -> bool:
 
     embed = getattr(transformer, "time_text_embed", None)
     blocks = getattr(transformer, "transformer_blocks", ())
-    return (getattr(transformer, "_flowrl_sequence_major", False) and not getattr(transformer, "zero_cond_t", False)
-            and type(embed) is QwenTimestepProjEmbeddings and not getattr(embed, "use_additional_t_cond", False)
-            and len(blocks) > 0 and all(_plain_modulation(b.img_mod) and _plain_modulation(b.txt_mod) for b in blocks))
+    return (
+        getattr(transformer, "_flowrl_sequence_major", False)
+        and not getattr(transformer, "zero_cond_t", False)
+        and type(embed) is QwenTimestepProjEmbeddings
+        and not getattr(embed, "use_additional_t_cond", False)
+        and len(blocks) > 0
+        and all(_plain_modulation(b.img_mod) and _plain_modulation(b.txt_mod) for b in blocks)
+    )
 
 
 class ModulationTable:
@@ -58,16 +67,22 @@ class ModulationTable:
     def __init__(self, transformer: torch.nn.Module):
         self.transformer = transformer
         self.blocks = list(transformer.transformer_blocks)
-        self.params = [*transformer.time_text_embed.parameters(),
-                       *(p for b in self.blocks for p in (*b.img_mod.parameters(), *b.txt_mod.parameters()))]
+        self.params = [
+            *transformer.time_text_embed.parameters(),
+            *(p for b in self.blocks for p in (*b.img_mod.parameters(), *b.txt_mod.parameters())),
+        ]
         self.keys: dict[float, int] = {}
         self.stamp: tuple | None = None
         self.builds = 0  # how often the table was computed (tests, logs)
 
     def _stamp(self, device_type: str) -> tuple:
         autocast = torch.is_autocast_enabled(device_type)
-        return (autocast, torch.get_autocast_dtype(device_type) if autocast else None,
-                tuple(p._version for p in self.params), tuple(p.data_ptr() for p in self.params))
+        return (
+            autocast,
+            torch.get_autocast_dtype(device_type) if autocast else None,
+            tuple(p._version for p in self.params),
+            tuple(p.data_ptr() for p in self.params),
+        )
 
     @torch.no_grad()
     def _build(self, keys: list[float]) -> None:

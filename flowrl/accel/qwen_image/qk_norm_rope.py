@@ -45,17 +45,38 @@ def applicable(x: torch.Tensor, norm, rope) -> bool:
     from diffusers.models.normalization import RMSNorm  # its rounding is the one reproduced
 
     weight = getattr(norm, "weight", None)
-    return (available() and rope is not None and x.is_cuda and type(norm) is RMSNorm
-            and weight is not None and getattr(norm, "bias", None) is None
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.shape[-1] & (x.shape[-1] - 1) == 0)
+    return (
+        available()
+        and rope is not None
+        and x.is_cuda
+        and type(norm) is RMSNorm
+        and weight is not None
+        and getattr(norm, "bias", None) is None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.shape[-1] & (x.shape[-1] - 1) == 0
+    )
 
 
 if triton is not None:
 
     @triton.jit
-    def _joint_norm_rope_kernel(txt, img, txt_weight, img_weight, txt_cos, txt_sin, img_cos, img_sin, out,
-                                rows_per_token, txt_tokens, eps, D: tl.constexpr, ROWS: tl.constexpr):
+    def _joint_norm_rope_kernel(
+        txt,
+        img,
+        txt_weight,
+        img_weight,
+        txt_cos,
+        txt_sin,
+        img_cos,
+        img_sin,
+        out,
+        rows_per_token,
+        txt_tokens,
+        eps,
+        D: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
         # Program (token, j): rows j*ROWS.. of one token's B*H rows, all from one stream, so the
         # weight and the token's table row are loaded once; every load and store is contiguous.
         token = tl.program_id(0).to(tl.int64)
@@ -72,7 +93,7 @@ if triton is not None:
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         half = out.dtype.element_ty
         # diffusers' RMSNorm rounding: half(half(x * r) * weight)
-        y = ((x * r[:, None]).to(half).to(tl.float32) * tl.load(weight + cols).to(tl.float32)[None, :])
+        y = (x * r[:, None]).to(half).to(tl.float32) * tl.load(weight + cols).to(tl.float32)[None, :]
         y_re, y_im = tl.split(tl.reshape(y.to(half).to(tl.float32), [ROWS, D // 2, 2]))
         # Expanded tables: cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...).
         c, _ = tl.split(tl.reshape(tl.load(cos + cols), [D // 2, 2]))
@@ -85,17 +106,39 @@ if triton is not None:
         tl.store(dst + rows[:, None] * D + cols[None, :], rotated.to(half), mask=valid)
 
     @torch.library.triton_op("flowrl::joint_norm_rope", mutates_args={})
-    def joint_norm_rope(txt: torch.Tensor, img: torch.Tensor, txt_weight: torch.Tensor, img_weight: torch.Tensor,
-                        txt_cos: torch.Tensor, txt_sin: torch.Tensor, img_cos: torch.Tensor, img_sin: torch.Tensor,
-                        eps: float) -> torch.Tensor:
+    def joint_norm_rope(
+        txt: torch.Tensor,
+        img: torch.Tensor,
+        txt_weight: torch.Tensor,
+        img_weight: torch.Tensor,
+        txt_cos: torch.Tensor,
+        txt_sin: torch.Tensor,
+        img_cos: torch.Tensor,
+        img_sin: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
         """(T + L, B, H, D): RMSNorm + RoPE of txt (T, B, H, D) and img (L, B, H, D), joined."""
         txt_tokens, batch, heads, dim = txt.shape
         out = txt.new_empty((txt_tokens + img.shape[0], batch, heads, dim))
         rows_per_token = batch * heads
         grid = (out.shape[0], triton.cdiv(rows_per_token, ROWS_PER_PROGRAM))
         torch.library.wrap_triton(_joint_norm_rope_kernel)[grid](
-            txt, img, txt_weight, img_weight, txt_cos, txt_sin, img_cos, img_sin, out,
-            rows_per_token, txt_tokens, eps, D=dim, ROWS=ROWS_PER_PROGRAM, num_warps=4)
+            txt,
+            img,
+            txt_weight,
+            img_weight,
+            txt_cos,
+            txt_sin,
+            img_cos,
+            img_sin,
+            out,
+            rows_per_token,
+            txt_tokens,
+            eps,
+            D=dim,
+            ROWS=ROWS_PER_PROGRAM,
+            num_warps=4,
+        )
         return out
 
 
@@ -105,5 +148,14 @@ def joint_rotated(txt: torch.Tensor, img: torch.Tensor, txt_norm, img_norm, rope
     (img_cos, img_sin), (txt_cos, txt_sin) = rope
     if txt_norm.eps != img_norm.eps:
         raise ValueError(f"text and image RMSNorm eps differ ({txt_norm.eps} vs {img_norm.eps})")
-    return torch.ops.flowrl.joint_norm_rope(txt.contiguous(), img.contiguous(), txt_norm.weight, img_norm.weight,
-                                            txt_cos, txt_sin, img_cos, img_sin, float(img_norm.eps))
+    return torch.ops.flowrl.joint_norm_rope(
+        txt.contiguous(),
+        img.contiguous(),
+        txt_norm.weight,
+        img_norm.weight,
+        txt_cos,
+        txt_sin,
+        img_cos,
+        img_sin,
+        float(img_norm.eps),
+    )
