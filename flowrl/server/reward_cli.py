@@ -45,33 +45,22 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_body_bytes / 2**20,
         help="request body size in MiB (default: %(default)s)",
     )
-    limits.add_argument(
-        "--max-batch-size", type=int, default=defaults.max_batch_size, help="images per request (default: %(default)s)"
-    )
-    limits.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=defaults.max_image_pixels,
-        help="width x height of one image (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-request-pixels",
-        type=int,
-        default=defaults.max_request_pixels,
-        help="summed width x height of a request's images; decoded, 3 bytes each (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=defaults.max_concurrency,
-        help="requests decoded and scored at once; raise only for thread-safe rewards with spare cores (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-connections",
-        type=int,
-        default=16,
-        help="connections served at once; past it the server answers 503, which clients retry (default: %(default)s)",
-    )
+    for flag, default, meaning in (
+        ("--max-batch-size", defaults.max_batch_size, "images per request"),
+        ("--max-image-pixels", defaults.max_image_pixels, "width x height of one image"),
+        (
+            "--max-request-pixels",
+            defaults.max_request_pixels,
+            "summed width x height of a request's images (3 bytes each decoded)",
+        ),
+        (
+            "--max-concurrency",
+            defaults.max_concurrency,
+            "requests decoded and scored at once; raise only for thread-safe rewards with spare cores",
+        ),
+        ("--max-connections", 16, "connections served at once; past it the server answers 503, which clients retry"),
+    ):
+        limits.add_argument(flag, type=int, default=default, help=f"{meaning} (default: %(default)s)")
 
 
 def _fail(message: str, code: int = 2) -> int:
