@@ -121,7 +121,7 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _parse_metrics(path: Path) -> list[tuple[str, dict]]:
+def _parse_metrics(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
     """(line, record) for every line of metrics.jsonl; see `read_metrics` for damaged lines."""
     lines = path.read_text(errors="replace").splitlines()
     numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
@@ -133,6 +133,8 @@ def _parse_metrics(path: Path) -> list[tuple[str, dict]]:
                 raise ValueError("not an object with an integer step")
         except ValueError as error:
             if index == len(numbered) - 1:
+                if not warn:
+                    break
                 print(
                     f"warning: {path} line {number} is incomplete (a crash mid-write?); dropped it",
                     file=sys.stderr,
@@ -147,13 +149,14 @@ def _parse_metrics(path: Path) -> list[tuple[str, dict]]:
     return parsed
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl ([] when there is none). A torn last line is dropped with a
-    warning on stderr; a damaged line before it raises ValueError naming the file and line."""
+def read_metrics(path: str | Path, warn: bool = True) -> list[dict]:
+    """The records of a metrics.jsonl ([] when there is none). A torn last line is dropped, with a
+    warning on stderr unless warn=False; a damaged line before it raises ValueError naming the file
+    and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [record for _, record in _parse_metrics(path)]
+    return [record for _, record in _parse_metrics(path, warn)]
 
 
 def drop_tensorboard_events_after(tb_dir: str | Path, step: int) -> None:

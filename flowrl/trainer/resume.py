@@ -155,6 +155,18 @@ def _finished_line(output_dir, step: int, why: str) -> str:
     )
 
 
+def _finished_by_final_weights(tcfg) -> str | None:
+    """The finished line when final/ is written and metrics.jsonl reached trainer.total_steps."""
+    out = Path(tcfg.output_dir)
+    if not (out / "final").is_dir():
+        return None
+    # warn=False: a resumed run's logger repairs a torn last line and says so
+    logged = [record["step"] for record in read_metrics(out / METRICS_FILE, warn=False)]
+    if not logged or max(logged) < tcfg.total_steps:
+        return None
+    return _finished_line(out, max(logged), f"trainer.total_steps={tcfg.total_steps}")
+
+
 def plan_run(cfg, config_dict: dict) -> RunPlan:
     """Decide how the run starts (see the module docstring); ValueError for a folder or resume
     that cannot be used, naming the folder or file and the choices."""
@@ -172,9 +184,9 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
         used = run_files(out)
         if not used:
             return RunPlan()
-        logged = [r["step"] for r in read_metrics(out / METRICS_FILE)]
-        if tcfg.resume == "auto" and "final" in used and logged and max(logged) >= tcfg.total_steps:
-            return RunPlan(finished=_finished_line(out, max(logged), f"trainer.total_steps={tcfg.total_steps}"))
+        finished = _finished_by_final_weights(tcfg) if tcfg.resume == "auto" else None
+        if finished:
+            return RunPlan(finished=finished)
         raise _used_folder_error(tcfg, used)
     if out.resolve() not in found.resolve().parents and run_files(out):
         raise ValueError(
@@ -194,4 +206,6 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
         plan.finished = _finished_line(out, plan.step, f"trainer.total_steps={tcfg.total_steps}")
     elif tcfg.epochs is not None and epoch >= tcfg.epochs:
         plan.finished = _finished_line(out, plan.step, f"trainer.epochs={tcfg.epochs} done")
+    else:  # the last steps may be past the last checkpoint (total_steps not a multiple of save_every)
+        plan.finished = _finished_by_final_weights(tcfg)
     return plan

@@ -108,3 +108,11 @@ def test_rerun_of_a_finished_run_without_checkpoints_has_nothing_to_do(tiny_sd3_
     assert _train_cli(tiny_sd3_path, out_dir, "trainer.total_steps=2", "trainer.save_every=0") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no checkpoint that can be resumed" in err[0], err
+
+
+def test_rerun_of_a_run_that_ended_past_its_last_checkpoint_has_nothing_to_do(tiny_sd3_path, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert _train_cli(tiny_sd3_path, out_dir, "trainer.total_steps=3", "trainer.save_every=2") == 0
+    capsys.readouterr()
+    assert _train_cli(tiny_sd3_path, out_dir, "trainer.total_steps=3", "trainer.save_every=2") == 0
+    assert "nothing to do" in capsys.readouterr().out  # not a redo of step 3 from the step-2 checkpoint
