@@ -120,6 +120,10 @@ def verify_checkpoint(path: str | Path) -> bool:
     if not isinstance(files, dict) or STATE not in files:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} lists no files (damaged)")
     for name, entry in files.items():
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+        ):
+            raise CheckpointError(f"checkpoint {folder}: {MANIFEST} has a damaged entry for {name}")
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {folder}: {name} is missing")
