@@ -16,16 +16,7 @@ from flowrl.config import (
     load_config,
 )
 from flowrl.sampling_params import SamplingParams
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+from flowrl.trainer.resume import flatten as _flatten
 
 
 def test_defaults_load_as_plain_dataclasses():

@@ -280,7 +280,9 @@ class TrainerConfig:
     micro_batch_size: samples per forward/backward in the update.
     grad_accum: micro-batches per optimizer step; None derives it so that one optimizer step
         covers the whole rollout batch (see `resolve_grad_accum`).
-    resume: "auto" (latest checkpoint in output_dir, if any), "never", or a checkpoint path.
+    resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
+        path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
+    overwrite: a new run deletes another run's files in output_dir first (and nothing else).
     save_every / val_every / log_every: in steps; 0 disables saving / validation.
     num_val_images: validation prompts (one ODE sample each, fixed seeds).
     """
@@ -302,6 +304,7 @@ class TrainerConfig:
     save_every: int = 10
     val_every: int = 10
     resume: str = "auto"
+    overwrite: bool = False
     log_every: int = 1
     seed: int = 42
     num_val_images: int = 4

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from flowrl import sampler
-from flowrl.trainer import checkpoint
+from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
@@ -43,15 +43,21 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
+    the model loads.
     """
 
-    def __init__(self, cfg, engine=None, reward=None):
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        self.config_dict = config_to_dict(cfg)
+        # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
+        self.plan = plan or resume.plan_run(cfg, self.config_dict)
+        self.plan.start(cfg.trainer.output_dir)
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -100,10 +106,8 @@ class FlowGRPOTrainer:
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
-        self.config_dict = config_to_dict(cfg)
-        resume_from = checkpoint.resolve_resume(tcfg.resume, self.output_dir)
-        if resume_from is not None:
-            self._restore(resume_from)
+        if self.plan.checkpoint is not None:
+            self._restore(self.plan.checkpoint)
         log = cfg.logging
         self.logger = MetricsLogger(
             self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
@@ -237,7 +241,13 @@ class FlowGRPOTrainer:
         )
 
     def _restore(self, path: Path) -> None:
-        restored = checkpoint.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
+        """Continue from the checkpoint `plan_run` verified; this config's optimizer
+        hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
+        optimizer = self.updater.optimizer
+        restored = checkpoint.load_checkpoint(path, self.adapter.transformer, optimizer, self.param_names, verify=False)
+        tcfg = self.cfg.trainer
+        for group in optimizer.param_groups:
+            group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -261,6 +271,12 @@ class FlowGRPOTrainer:
         from tqdm.auto import tqdm
 
         tcfg = self.cfg.trainer
+        if self.plan.finished:
+            self.scorer.close()
+            self.logger.close()
+            print(self.plan.finished, flush=True)
+            return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
+        start_step = self.step
         if tcfg.val_every and self.step == 0:
             self.logger.log(0, self.validate())
         bar = tqdm(
@@ -283,7 +299,7 @@ class FlowGRPOTrainer:
             bar.close()
             self.scorer.close()
             self.logger.close()
-        return self.summary()
+        return {**self.summary(), "steps_trained": self.step - start_step}
 
     def summary(self) -> dict:
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]

@@ -104,3 +104,59 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
     trained = sample(trainer.adapter.pipeline)  # the trainer's own model, LoRA active
     assert (with_lora - base).abs().max() > 1e-4
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_applies_changeable_keys_and_reports_them(make_cfg, capsys):
+    FlowGRPOTrainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
+    capsys.readouterr()
+    cfg = make_cfg(
+        *SMALL, "trainer.total_steps=2", "trainer.lr=0.003", "trainer.betas=[0.8,0.95]", "trainer.save_every=1"
+    )
+    trainer = FlowGRPOTrainer(cfg)
+    out = capsys.readouterr().out
+    report = [line for line in out.splitlines() if "config changes" in line]
+    assert len(report) == 1, out
+    for fragment in ("trainer.lr: 0.01 -> 0.003", "trainer.total_steps: 1 -> 2", "trainer.betas:", "new values apply"):
+        assert fragment in report[0], report[0]
+    groups = trainer.updater.optimizer.param_groups
+    assert all(g["lr"] == 0.003 and tuple(g["betas"]) == (0.8, 0.95) for g in groups)
+    assert trainer.updater.optimizer.state  # the Adam moments were restored, not reset
+    trainer.fit()
+    state = json.loads((latest_checkpoint(cfg.trainer.output_dir) / "state.json").read_text())
+    assert all(g["lr"] == 0.003 for g in state["optimizer"]["param_groups"])
+
+
+def test_resume_refuses_keys_that_change_what_the_checkpoint_means(make_cfg):
+    from flowrl.config import config_to_dict
+    from flowrl.trainer.resume import plan_run
+
+    FlowGRPOTrainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
+    cfg = make_cfg(
+        *SMALL,
+        "trainer.total_steps=2",
+        "rollout.n=4",
+        "trainer.lora.rank=8",
+        "algorithm.clip_range=0.2",
+        "trainer.lr=1",
+    )
+    with pytest.raises(ValueError) as caught:
+        plan_run(cfg, config_to_dict(cfg))
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in (
+        "rollout.n (2 -> 4)",
+        "trainer.lora.rank (4 -> 8)",
+        "algorithm.clip_range",
+        "trainer.resume=never",
+    ):
+        assert fragment in message, message
+    assert "trainer.lr" not in message  # changeable: not part of the refusal
+
+
+def test_every_config_key_has_a_resume_rule():
+    from flowrl.config import FlowRLConfig, config_to_dict
+    from flowrl.trainer.resume import RESUME_RULES, flatten
+
+    patterns = [p for p, _ in RESUME_RULES]
+    for key in flatten(config_to_dict(FlowRLConfig())):
+        assert any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns), key
