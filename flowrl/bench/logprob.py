@@ -264,7 +264,7 @@ def run_logprob(args) -> int:
     report.data["peak"] = peak
     # 1. Rollout with the engine (batched, model dtype).
     from flowrl.engine.engine import DiffusionEngine
-    from flowrl.trainer.policy import TransitionSpec
+    from flowrl.engine.output import TransitionSpec
 
     rows_per_sample = 2 if args.guidance_scale > 1.0 else 1
     # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout

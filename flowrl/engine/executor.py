@@ -20,7 +20,7 @@ import time
 import torch
 
 from flowrl import sampler
-from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.output import DiffusionOutput, TransitionSpec
 from flowrl.engine.sample import SampleState
 from flowrl.models.base import FlowModelAdapter, rows_to_device
 
@@ -186,7 +186,7 @@ class Executor:
             seed=s.seed,
             policy_version=s.policy_version,
             sde_window=(start, end),
-            guidance_scale=float(s.params.guidance_scale),
+            transition_spec=TransitionSpec.of(s.params),
             timings={
                 "queued_s": s.admitted_at - s.submitted_at,
                 "denoise_s": now - s.admitted_at - decode_s,

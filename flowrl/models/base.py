@@ -134,9 +134,16 @@ class FlowModelAdapter:
 
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
+    # The most text tokens the family's pipeline encodes (its own check_inputs limit).
+    max_sequence_length_limit: int = 512
 
     def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
         """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
+        if not 1 <= max_sequence_length <= self.max_sequence_length_limit:
+            raise ValueError(
+                f"max_sequence_length={max_sequence_length} (model.max_sequence_length) is outside what the "
+                f"{self.family} pipeline encodes; use a value in [1, {self.max_sequence_length_limit}]"
+            )
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae

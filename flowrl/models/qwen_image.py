@@ -31,6 +31,7 @@ from flowrl.models.schedule import schedule_sigmas
 class QwenImageAdapter(FlowModelAdapter):
     family = "qwen_image"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
+    max_sequence_length_limit = 1024
     default_lora_targets = (
         "attn.to_q",
         "attn.to_k",

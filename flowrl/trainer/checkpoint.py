@@ -4,6 +4,8 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 - `trainable.safetensors`  the trainable parameters by name (LoRA weights, or the full transformer)
 - `optimizer.safetensors`  every tensor of the optimizer state, keyed `<param name>.<state key>`
 - `rng.safetensors`        torch CPU (and CUDA) generator states
+- `ema.safetensors`        with `trainer.ema`: the moving average of the trainable parameters, with
+                           the keys of `trainable.safetensors` (its meta in state.json, "ema")
 - `lora/`                  the LoRA in diffusers format (`pipe.load_lora_weights(dir)`), when LoRA
 - `state.json`             step, policy version, data position, optimizer hyper-parameters, Python
                            and numpy RNG states, and the run's config.
@@ -255,8 +257,10 @@ def save_checkpoint(
     param_names: list[str],
     trainer_state: dict,
     config: dict | None = None,
+    ema=None,
 ) -> Path:
-    """Write the checkpoint of `step` (see the module docstring); returns its folder."""
+    """Write the checkpoint of `step` (see the module docstring); returns its folder.
+    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none)."""
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -273,6 +277,9 @@ def save_checkpoint(
     if has_lora(transformer) and hasattr(adapter, "pipeline"):
         save_lora_for_diffusers(adapter, tmp / "lora")
     state = {"step": step, "trainer": trainer_state, "optimizer": opt_meta, "rng": rng_meta, "config": config}
+    if ema is not None:
+        ema_tensors, state["ema"] = ema.state_dict()
+        save_file(ema_tensors, str(tmp / "ema.safetensors"))
     (tmp / STATE).write_text(json.dumps(state, indent=1))
     write_manifest(tmp)  # last: it covers every file written above
     if final.exists():
@@ -301,8 +308,10 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     param_names: list[str],
     verify: bool = True,
+    ema=None,
 ) -> dict:
-    """Restore weights, optimizer and RNG from `path`; return {"step", "trainer", "config"}.
+    """Restore weights, optimizer and RNG (and `ema`'s averages, when given and saved) from `path`;
+    return {"step", "trainer", "config", "ema_restored"}.
 
     verify=True checks the folder against its manifest first (`verify_checkpoint`); pass False
     only for a folder that `find_resume_checkpoint` has just verified.
@@ -317,4 +326,12 @@ def load_checkpoint(
         optimizer, _load_tensors(path, "optimizer.safetensors", device), state["optimizer"], param_names
     )
     _rng_from_files(_load_tensors(path, "rng.safetensors"), state["rng"])
-    return {"step": state["step"], "trainer": state["trainer"], "config": state.get("config")}
+    ema_restored = ema is not None and "ema" in state
+    if ema_restored:
+        ema.load_state_dict(_load_tensors(path, "ema.safetensors", device), state["ema"])
+    return {
+        "step": state["step"],
+        "trainer": state["trainer"],
+        "config": state.get("config"),
+        "ema_restored": ema_restored,
+    }

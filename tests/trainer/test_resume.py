@@ -1,5 +1,6 @@
-"""Checkpoint/resume: N+M steps straight equal N steps, a fresh process-like restart, M steps;
-and the saved LoRA loads into the diffusers pipeline."""
+"""Checkpoint/resume: N+M steps straight equal N steps, a fresh process-like restart, M steps
+(EMA of the weights and the validation it samples included); and the saved LoRA loads into the
+diffusers pipeline."""
 
 import json
 
@@ -21,6 +22,11 @@ SMALL = (
     "algorithm.old_log_prob=recompute",
     "algorithm.kl_beta=0.01",
     "algorithm.train_timestep_fraction=0.5",
+    "trainer.updates_per_step=2",
+    "trainer.ema.enabled=true",
+    "trainer.ema.update_every=3",
+    "trainer.val_every=2",
+    "trainer.num_val_images=2",
 )
 COMPARED = (
     "reward/mean",
@@ -38,8 +44,8 @@ def _metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _final_weights(output_dir):
-    return load_file(str(latest_checkpoint(output_dir) / "trainable.safetensors"))
+def _final_weights(output_dir, name="trainable"):
+    return load_file(str(latest_checkpoint(output_dir) / f"{name}.safetensors"))
 
 
 def test_resume_equals_straight_run(make_cfg):
@@ -50,21 +56,28 @@ def test_resume_equals_straight_run(make_cfg):
     FlowGRPOTrainer(first).fit()
     second = make_cfg(*SMALL, "trainer.total_steps=4", "trainer.save_every=4", "trainer.resume=auto", output="resumed")
     resumed = FlowGRPOTrainer(second)
-    assert resumed.step == 2 and resumed.policy_version == 2
+    assert resumed.step == 2 and resumed.policy_version == 4  # two optimizer steps per training step
     resumed.fit()
 
     out_a, out_b = straight_cfg.trainer.output_dir, second.trainer.output_dir
     from pathlib import Path
 
     a, b = _metrics(Path(out_a) / "metrics.jsonl"), _metrics(Path(out_b) / "metrics.jsonl")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a, b):
+    train_a, train_b = ([r for r in m if "reward/mean" in r] for m in (a, b))
+    assert [r["step"] for r in train_a] == [r["step"] for r in train_b] == [1, 2, 3, 4]
+    for ra, rb in zip(train_a, train_b):
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-9), (ra["step"], key)
-    wa, wb = _final_weights(out_a), _final_weights(out_b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-7)
+    # Validation samples with the EMA weights, which the resumed run restored.
+    val_a, val_b = ({r["step"]: r["val/reward_mean"] for r in m if "val/reward_mean" in r} for m in (a, b))
+    assert sorted(val_a) == sorted(val_b) == [0, 2, 4]
+    for step in val_a:
+        assert val_a[step] == pytest.approx(val_b[step], rel=1e-5, abs=1e-9), step
+    for name in ("trainable", "ema"):
+        wa, wb = _final_weights(out_a, name), _final_weights(out_b, name)
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-7)
 
 
 def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
