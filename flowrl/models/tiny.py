@@ -21,11 +21,13 @@ from flowrl.models.tiny_tokenizers import (
     build_qwen2_tokenizer,
     build_t5_tokenizer,
 )
+from flowrl.models.tiny_z_image import build_z_image_pipeline
 
 # kind -> the pipeline class name that model_index.json records for it.
 TINY_KINDS: dict[str, str] = {
     "sd3": "StableDiffusion3Pipeline",
     "qwen_image": "QwenImagePipeline",
+    "z_image": "ZImagePipeline",
 }
 
 
@@ -217,7 +219,7 @@ def _build_qwen_image():
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image}
+_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image, "z_image": build_z_image_pipeline}
 
 
 def build_tiny_pipeline(kind: str, seed: int = 0):
