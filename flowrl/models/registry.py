@@ -27,7 +27,7 @@ FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
 
 
 def read_model_family(path: str | Path) -> str:
-    """Return the family name ("sd3", "qwen_image") of a local diffusers folder."""
+    """Return the family name ("sd3", "qwen_image", "z_image") of a local diffusers folder."""
     return _family_entry(path)[0]
 
 

@@ -1,4 +1,4 @@
-"""Tiny random diffusers checkpoints (SD3, Qwen-Image), built offline and deterministically.
+"""Tiny random diffusers checkpoints (SD3, Qwen-Image, Z-Image), built offline and deterministically.
 
 `build_tiny_checkpoint(kind, path, seed)` assembles a complete pipeline (transformer, VAE, text
 encoders, hand-built tokenizers, FlowMatchEulerDiscreteScheduler) with random weights drawn from
@@ -232,7 +232,7 @@ def build_tiny_pipeline(kind: str, seed: int = 0):
 
 
 def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random checkpoint of `kind` ("sd3" or "qwen_image") and save it to `path`.
+    """Build a tiny random checkpoint of `kind` (a TINY_KINDS key) and save it to `path`.
 
     Reuses `path` as it is when it already holds a checkpoint of the same kind (so demos can call
     this on every run). Returns the path.
