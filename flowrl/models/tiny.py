@@ -48,9 +48,30 @@ def _existing_kind(path: Path) -> str | None:
     return next((kind for kind, name in TINY_KINDS.items() if name == class_name), None)
 
 
+def tiny_kl_vae(scaling_factor: float, shift_factor: float):
+    """A tiny AutoencoderKL with the real ones' structure (16 latent channels, downsampling 8) and
+    the family's latent scale and shift (SD3's; FLUX.1's, which Z-Image uses)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
+
 def _build_sd3():
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -105,21 +126,7 @@ def _build_sd3():
         pooled_projection_dim=64,
         pos_embed_max_size=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+    vae = tiny_kl_vae(scaling_factor=1.5035, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer,

@@ -42,8 +42,10 @@ def build_z_image_tokenizer():
 
 def build_z_image_pipeline():
     """A tiny ZImagePipeline with random weights from torch's current RNG (float32, CPU)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
+
+    from flowrl.models.tiny import tiny_kl_vae  # here: flowrl.models.tiny imports this module
 
     tokenizer = build_z_image_tokenizer()
     token_id = tokenizer.convert_tokens_to_ids
@@ -80,21 +82,7 @@ def build_z_image_pipeline():
         axes_dims=[8, 4, 4],
         axes_lens=[1024, 64, 64],
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    vae = tiny_kl_vae(scaling_factor=0.3611, shift_factor=0.1159)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
