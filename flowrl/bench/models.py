@@ -10,7 +10,11 @@ Named architectures (random weights, no text encoders):
   tokens of width 4096 plus a pooled 2048 vector, as CLIP-L/G + T5 give.
 - `qwen-image`: QwenImageTransformer2DModel and AutoencoderKLQwenImage with the configs of
   Qwen/Qwen-Image (20.4 B transformer parameters); prompts are 64 tokens of width 3584.
-- `tiny-sd3`, `tiny-qwen`: the modules of `flowrl.models.tiny` (CPU smoke tests).
+- `z-image`: ZImageTransformer2DModel and AutoencoderKL with the configs of
+  Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
+  architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
+  Qwen3-4B gives.
+- `tiny-sd3`, `tiny-qwen`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU smoke tests).
 
 Big models are built parameter by parameter directly on the target device in the target dtype
 (constructing a 20 B model on the CPU takes minutes). Prompt embeddings are fixed random tensors
@@ -31,6 +35,7 @@ import torch
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, pad_encodings
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 
 SD35_MEDIUM_TRANSFORMER = dict(
     sample_size=128,
@@ -82,6 +87,26 @@ QWEN_IMAGE_VAE = dict(  # AutoencoderKLQwenImage's defaults are the published co
     temperal_downsample=[False, True, True],
     dropout=0.0,
 )
+Z_IMAGE_TRANSFORMER = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1536, 512, 512],
+)
+# FLUX.1's VAE, which Z-Image uses: SD3.5's layout with its own latent scale and shift.
+Z_IMAGE_VAE = dict(SD35_MEDIUM_VAE, scaling_factor=0.3611, shift_factor=0.1159)
+Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
 QWEN_IMAGE_SCHEDULER = dict(
     base_shift=0.5,
     max_shift=0.9,
@@ -97,8 +122,10 @@ QWEN_IMAGE_SCHEDULER = dict(
 ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
     "sd35-medium": ("sd3", 77 + 256, 4096, 2048),
     "qwen-image": ("qwen_image", 64, 3584, None),
+    "z-image": ("z_image", 64, 2560, None),
     "tiny-sd3": ("sd3", 77 + 32, 64, 64),
     "tiny-qwen": ("qwen_image", 16, 32, None),
+    "tiny-z-image": ("z_image", 16, 32, None),
 }
 
 
@@ -139,6 +166,13 @@ class BenchQwenImageAdapter(_RandomPromptsMixin, QwenImageAdapter):
     pass
 
 
+class BenchZImageAdapter(_RandomPromptsMixin, ZImageAdapter):
+    pass
+
+
+BENCH_ADAPTERS = {"sd3": BenchSD3Adapter, "qwen_image": BenchQwenImageAdapter, "z_image": BenchZImageAdapter}
+
+
 def _fill_parameter(data: torch.Tensor, name: str, generator: torch.Generator) -> None:
     """PyTorch's default scale: weights U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norm weights 1; biases 0."""
     if data.dim() >= 2:
@@ -175,8 +209,14 @@ def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_lay
         FlowMatchEulerDiscreteScheduler,
         QwenImageTransformer2DModel,
         SD3Transformer2DModel,
+        ZImageTransformer2DModel,
     )
 
+    if name == "z-image":
+        config = dict(Z_IMAGE_TRANSFORMER, **({} if num_layers is None else {"n_layers": num_layers}))
+        transformer = build_random_module(ZImageTransformer2DModel, config, device, dtype, seed=0)
+        vae = build_random_module(AutoencoderKL, Z_IMAGE_VAE, device, dtype, seed=1)
+        return transformer, vae, FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER)
     if name == "sd35-medium":
         config = dict(SD35_MEDIUM_TRANSFORMER)
         if num_layers is not None:
@@ -196,7 +236,7 @@ def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_lay
 def _tiny_modules(name: str, device: torch.device, dtype: torch.dtype):
     from flowrl.models.tiny import build_tiny_pipeline
 
-    pipe = build_tiny_pipeline("sd3" if name == "tiny-sd3" else "qwen_image", seed=0)
+    pipe = build_tiny_pipeline(ARCHITECTURES[name][0], seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
     return modules[0], modules[1], pipe.scheduler
 
@@ -219,11 +259,10 @@ def _pipeline(family: str, transformer, vae, scheduler):
             tokenizer_3=None,
         )
     else:
-        from diffusers import QwenImagePipeline
+        from diffusers import QwenImagePipeline, ZImagePipeline
 
-        pipe = QwenImagePipeline(
-            scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
-        )
+        cls = ZImagePipeline if family == "z_image" else QwenImagePipeline
+        pipe = cls(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -249,8 +288,7 @@ def build_bench_model(
     else:
         transformer, vae, scheduler = _random_modules(model, device, dtype, num_layers)
     pipe = _pipeline(family, transformer, vae, scheduler)
-    adapter_cls = BenchSD3Adapter if family == "sd3" else BenchQwenImageAdapter
-    adapter = adapter_cls(pipe, device, dtype)
+    adapter = BENCH_ADAPTERS[family](pipe, device, dtype)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     return BenchModel(model, family, adapter, pipe)
 
@@ -273,9 +311,16 @@ def pipeline_prompt_kwargs(bench: BenchModel, prompts: list[str], guidance_scale
     with the empty negative prompt's embeddings when guidance_scale > 1."""
     adapter = bench.adapter
     encodings = adapter.encode_prompts(prompts)
-    embeds, mask, pooled = pad_encodings(encodings)
     uses_cfg = guidance_scale > 1.0
     negatives = adapter.encode_prompts([""]) * len(prompts) if uses_cfg else None
+    if bench.family == "z_image":
+        # Unpadded captions, as the pipeline's own encoder gives them; its guidance_scale is
+        # flowrl's minus 1 (flowrl.models.z_image), and 0 turns guidance off.
+        kwargs = dict(prompt_embeds=[e.embeds for e in encodings], guidance_scale=max(guidance_scale - 1.0, 0.0))
+        if uses_cfg:
+            kwargs.update(negative_prompt_embeds=[e.embeds for e in negatives])
+        return kwargs
+    embeds, mask, pooled = pad_encodings(encodings)
     if bench.family == "sd3":
         kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance_scale)
         if uses_cfg:

@@ -75,7 +75,7 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
     max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; Qwen-Image:
@@ -84,7 +84,7 @@ class ModelConfig:
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "z_image"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     max_sequence_length: int | None = None
@@ -200,7 +200,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, Z-Image) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:

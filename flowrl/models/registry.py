@@ -16,16 +16,18 @@ import torch
 from flowrl.models.base import FlowModelAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 
 # model_index.json's `_class_name` -> (family, adapter class)
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
+    "ZImagePipeline": ("z_image", ZImageAdapter),
 }
 
 
 def read_model_family(path: str | Path) -> str:
-    """Return the family name ("sd3", "qwen_image") of a local diffusers folder."""
+    """Return the family name ("sd3", "qwen_image", "z_image") of a local diffusers folder."""
     return _family_entry(path)[0]
 
 

@@ -1,4 +1,4 @@
-"""Tiny random diffusers checkpoints (SD3, Qwen-Image), built offline and deterministically.
+"""Tiny random diffusers checkpoints (SD3, Qwen-Image, Z-Image), built offline and deterministically.
 
 `build_tiny_checkpoint(kind, path, seed)` assembles a complete pipeline (transformer, VAE, text
 encoders, hand-built tokenizers, FlowMatchEulerDiscreteScheduler) with random weights drawn from
@@ -21,11 +21,13 @@ from flowrl.models.tiny_tokenizers import (
     build_qwen2_tokenizer,
     build_t5_tokenizer,
 )
+from flowrl.models.tiny_z_image import build_z_image_pipeline
 
 # kind -> the pipeline class name that model_index.json records for it.
 TINY_KINDS: dict[str, str] = {
     "sd3": "StableDiffusion3Pipeline",
     "qwen_image": "QwenImagePipeline",
+    "z_image": "ZImagePipeline",
 }
 
 
@@ -46,9 +48,30 @@ def _existing_kind(path: Path) -> str | None:
     return next((kind for kind, name in TINY_KINDS.items() if name == class_name), None)
 
 
+def tiny_kl_vae(scaling_factor: float, shift_factor: float):
+    """A tiny AutoencoderKL with the real ones' structure (16 latent channels, downsampling 8) and
+    the family's latent scale and shift (SD3's; FLUX.1's, which Z-Image uses)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
+
 def _build_sd3():
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -103,21 +126,7 @@ def _build_sd3():
         pooled_projection_dim=64,
         pos_embed_max_size=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+    vae = tiny_kl_vae(scaling_factor=1.5035, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -217,7 +226,7 @@ def _build_qwen_image():
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image}
+_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image, "z_image": build_z_image_pipeline}
 
 
 def build_tiny_pipeline(kind: str, seed: int = 0):
@@ -230,7 +239,7 @@ def build_tiny_pipeline(kind: str, seed: int = 0):
 
 
 def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random checkpoint of `kind` ("sd3" or "qwen_image") and save it to `path`.
+    """Build a tiny random checkpoint of `kind` (a TINY_KINDS key) and save it to `path`.
 
     Reuses `path` as it is when it already holds a checkpoint of the same kind (so demos can call
     this on every run). Returns the path.

@@ -9,6 +9,7 @@ from flowrl.bench import flops
 from flowrl.bench.models import (
     QWEN_IMAGE_TRANSFORMER,
     SD35_MEDIUM_TRANSFORMER,
+    Z_IMAGE_TRANSFORMER,
     build_bench_model,
     build_random_module,
 )
@@ -19,6 +20,7 @@ from flowrl.bench.models import (
     [
         ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),  # stable-diffusion-3.5-medium
         ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
+        ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, 6.15),  # Z-Image (-Turbo)
     ],
 )
 def test_published_configs_have_published_sizes(cls_name, config, billions):
@@ -49,7 +51,7 @@ def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
     assert bench.pipeline.transformer is bench.adapter.transformer and bench.pipeline.vae is bench.adapter.vae
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-z-image"])
 def test_flops_count_attention_and_scale_with_rows(name):
     bench = build_bench_model(name, "cpu", torch.float32)
     adapter = bench.adapter

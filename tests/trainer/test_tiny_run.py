@@ -60,7 +60,7 @@ def test_tiny_recipe_is_the_embedded_default():
 
 
 def test_real_recipes_load_with_group_size_16():
-    for name in ("sd35_medium_ocr_lora", "qwen_image_ocr_lora"):
+    for name in ("sd35_medium_ocr_lora", "qwen_image_ocr_lora", "z_image_ocr_lora"):
         cfg = load_config(str(REPO / "recipes" / f"{name}.yaml"))
         assert cfg.rollout.n == 16 and cfg.rollout.enable_batched_diffusion
         assert cfg.trainer.lora.enabled and cfg.reward.name == "ocr"
