@@ -28,7 +28,7 @@ from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
-from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.lora import apply_trainable
 from flowrl.trainer.policy import TransitionSpec
 from flowrl.trainer.update import PolicyUpdater
 
@@ -248,12 +248,12 @@ class FlowGRPOTrainer:
         print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
-        """The trained weights for use outside flowrl: a diffusers LoRA folder, or the transformer."""
-        final = self.output_dir / "final"
-        if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, final / "lora")
-        self.adapter.transformer.save_pretrained(final / "transformer")
-        return final / "transformer"
+        """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
+        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs); see
+        flowrl.trainer.export."""
+        from flowrl.trainer.export import export_pipeline
+
+        return export_pipeline(self.adapter, self.output_dir / "final", self.step, self.config_dict)
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
