@@ -182,6 +182,8 @@ def _read_lora_folder(folder: Path):
         module, _, part = key.removeprefix("transformer.").rpartition(".lora_")
         state[f"{module}.lora_{part.replace('.weight', '.default.weight')}"] = tensor
     modules = sorted({key.rpartition(".lora_")[0] for key in state})
+    if not modules:
+        raise ValueError(f"{file} holds no LoRA weights; pass the folder of a saved LoRA")
     rank = int(settings.get("r") or state[f"{modules[0]}.lora_A.default.weight"].shape[0])
     unsupported = [k for k in ("rank_pattern", "alpha_pattern", "use_dora", "use_rslora") if settings.get(k)]
     if unsupported:

@@ -27,21 +27,19 @@ def make_cfg(tiny_sd3_path, tmp_path):
     return build
 
 
-@pytest.fixture(scope="session")
-def tiny_lora_run(tiny_sd3_path, tmp_path_factory):
-    """A finished 2-step LoRA run of the tiny SD3 model (checkpoints at steps 1 and 2, validation
-    at steps 0 and 2) and the validation images it produced, by step: what flowrl eval and
-    flowrl generate must reproduce."""
+def train_tiny_lora_run(model_path, out, *overrides):
+    """Train a 2-step LoRA run of the tiny SD3 model at `out` (checkpoints at steps 1 and 2,
+    validation at steps 0 and 2); returns the run with the validation images it produced, by
+    step: what flowrl eval and flowrl generate must reproduce."""
     from types import SimpleNamespace
 
     from flowrl.trainer.cli import load_train_config
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
-    out = tmp_path_factory.mktemp("tiny_lora_run")
     cfg = load_train_config(
         None,
         [
-            f"model.path={tiny_sd3_path}",
+            f"model.path={model_path}",
             f"trainer.output_dir={out}",
             "logging.tensorboard=false",
             "logging.progress_bar=false",
@@ -52,6 +50,7 @@ def tiny_lora_run(tiny_sd3_path, tmp_path_factory):
             "trainer.prompts_per_step=2",
             "trainer.num_val_images=3",
             "rollout.n=4",
+            *overrides,
         ],
     )
     trainer = FlowGRPOTrainer(cfg)
@@ -68,4 +67,10 @@ def tiny_lora_run(tiny_sd3_path, tmp_path_factory):
     trainer.fit()
     trainer.engine.shutdown()
     prompts = [row["raw_prompt"] for row in trainer.val_rows]
-    return SimpleNamespace(dir=out, model=tiny_sd3_path, validation_images=validation_images, val_prompts=prompts)
+    return SimpleNamespace(dir=out, model=model_path, validation_images=validation_images, val_prompts=prompts)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(tiny_sd3_path, tmp_path_factory):
+    """A finished tiny LoRA run on CPU (train_tiny_lora_run)."""
+    return train_tiny_lora_run(tiny_sd3_path, tmp_path_factory.mktemp("tiny_lora_run"))

@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from flowrl.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def _generate(tmp_path: Path, name: str, *flags: str) -> np.ndarray:
     """Images (N, 3, H, W) uint8 that `flowrl generate ... --out tmp/name` wrote, in prompt order."""
@@ -31,7 +33,9 @@ def _prompt_flags(run) -> list[str]:
 def test_generate_lora_equals_the_runs_validation_images(tiny_lora_run, tmp_path):
     run = tiny_lora_run
     prompts = _prompt_flags(run)
-    base = _generate(tmp_path, "base", "--model", str(run.model), "--config", "recipes/tiny_cpu.yaml", *prompts)
+    base = _generate(
+        tmp_path, "base", "--model", str(run.model), "--config", str(REPO / "recipes" / "tiny_cpu.yaml"), *prompts
+    )
     lora = _generate(tmp_path, "lora", "--model", str(run.model), "--lora", str(run.dir / "final" / "lora"), *prompts)
     assert np.array_equal(base, run.validation_images[0].numpy())  # step 0: before any update
     assert np.array_equal(lora, run.validation_images[2].numpy())
