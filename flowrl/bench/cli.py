@@ -11,14 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import get_args
 
+from flowrl.cli import positive_int
 from flowrl.config.sections import CompileRounding
-
-
-def positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
-    return number
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +28,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first sample (sample j: seed + j)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     parser.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, float16"
@@ -85,7 +79,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument(
         "--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)"
     )
-    rollout.add_argument("--decode-chunk-size", type=positive_int, default=16)
+    rollout.add_argument(
+        "--decode-chunk-size", type=positive_int, default=16, help="most samples VAE-decoded at once (engine)"
+    )
     rollout.add_argument(
         "--lora-rank",
         type=int,

@@ -49,6 +49,13 @@ OUTPUT_TO_BATCH = {
 }
 
 
+def row_seed(base_seed: int, row: int) -> int:
+    """The seed of row `row` of a batch whose base seed is `base_seed` (rollout.seed for training
+    rows, counted over the whole run; rollout.val_seed for validation rows, counted from 0).
+    Consecutive rows get consecutive seeds, as generate_batched gives sample j seed + j."""
+    return (base_seed * 1_000_000_007) % 2**62 + row
+
+
 class AgentLoop:
     """Drives engines with the rows of a RolloutBatch (rollout config slice only)."""
 
@@ -108,8 +115,7 @@ class AgentLoop:
         seeds = []
         for i in range(len(batch)):
             explicit = None if given is None else given[i]
-            # Consecutive rows get consecutive seeds, as generate_batched gives sample j seed + j.
-            seeds.append(int(explicit) if explicit is not None else (base * 1_000_000_007) % 2**62 + row_offset + i)
+            seeds.append(int(explicit) if explicit is not None else row_seed(base, row_offset + i))
         return seeds
 
     # --- main entry --------------------------------------------------------------------------------
