@@ -25,3 +25,14 @@ def make_cfg(tiny_sd3_path, tmp_path):
         )
 
     return build
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model fails the test: the error must come first."""
+    from flowrl.engine.engine import DiffusionEngine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(DiffusionEngine, "from_pretrained", classmethod(lambda cls, *a, **k: refuse()))
