@@ -10,7 +10,8 @@ This module knows nothing about models, engines or trainers: it only describes a
 
 Every choice list is a `Literal` type on its field, its one home: `check_choices` (run by each
 section's `validate()`, and by the loader on every file and override value) rejects any other
-value, naming the field and the choices. Code that needs a list as a tuple takes
+value, naming the field and the choices. `check_finite` (run first by the root's `validate()`)
+rejects NaN and infinity in every float of every section. Code that needs a list as a tuple takes
 `typing.get_args` of the type (`StdMode`, `MixedPrecision`, `OldLogProbSource`, and
 `flowrl.sampling_params.SdeType`).
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowrl.sampling_params import SamplingParams
+from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
 StdMode = Literal["global", "group"]
@@ -65,8 +67,27 @@ def check_choices(section, prefix: str) -> None:
 
 
 def _check_min(key: str, value, minimum, strict: bool = False) -> None:
-    if value is not None and (value <= minimum if strict else value < minimum):
+    # Written as "not above" so that NaN, which compares False with everything, fails too.
+    if value is not None and not (value > minimum if strict else value >= minimum):
         _fail(key, value, f"must be {'>' if strict else '>='} {minimum}")
+
+
+def check_finite(node, key: str = "") -> None:
+    """Every float anywhere in `node` (a config dataclass, with its nested dataclasses, tuples,
+    lists and mappings) is finite: NaN or infinity is never a meaningful setting (a NaN guidance
+    scale would silently turn CFG off, a NaN learning rate would train on garbage)."""
+    if dataclasses.is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            _fail(key, node, "must be a finite number (not NaN or infinity)")
+        return
+    for name, value in items:
+        check_finite(value, f"{key}.{name}" if key else str(name))
 
 
 @dataclass
@@ -122,6 +143,8 @@ class ModelConfig:
 # `compile` and `compile_rounding`): the one list of each, which flowrl.accel reads.
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 CompileRounding = Literal["eager", "fused"]
+# Where the engine keeps prompt encodings (flowrl.engine.prompt_cache): host memory or the device.
+PromptCacheDevice = Literal["host", "device"]
 
 
 @dataclass
@@ -137,6 +160,9 @@ class EngineConfig:
         (only where kernels write); the trainer's log-prob values come from the rollout's graph
         either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
+    prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
+        0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
+        copied to the device per request) or "device" (no copy, costs device memory).
     """
 
     max_batch_rows: int = 32
@@ -144,10 +170,13 @@ class EngineConfig:
     compile: bool = False
     compile_rounding: CompileRounding = "eager"
     num_replicas: int = 1
+    prompt_cache_mb: int = 1024
+    prompt_cache_device: PromptCacheDevice = "host"
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
+        _check_min("engine.prompt_cache_mb", self.prompt_cache_mb, 0)
         check_choices(self, "engine")
         if self.compile_rounding != "eager" and not self.compile:
             raise ValueError(
@@ -369,6 +398,8 @@ class TrainerConfig:
             _fail("trainer.output_dir", self.output_dir, "give a folder for checkpoints and metrics")
         if not self.resume:
             _fail("trainer.resume", self.resume, "use 'auto', 'never' or a checkpoint path")
+        if not 0 <= self.seed <= MAX_SEED:
+            _fail("trainer.seed", self.seed, f"must be in [0, {MAX_SEED}]")
         self.lora.validate()
         self.ema.validate()
         return self
@@ -491,8 +522,18 @@ class FlowRLConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> "FlowRLConfig":
+        check_finite(self)
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        for name in ("sampling", "val_sampling"):
+            params = getattr(self.rollout, name)
+            if params.uses_cfg and self.engine.max_batch_rows < 2:
+                _fail(
+                    "engine.max_batch_rows",
+                    self.engine.max_batch_rows,
+                    f"rollout.{name}.guidance_scale={params.guidance_scale} runs CFG, two rows per sample; "
+                    f"use engine.max_batch_rows >= 2 or rollout.{name}.guidance_scale <= 1",
+                )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
             _fail(

@@ -134,9 +134,11 @@ class Executor:
         return sum(s.num_rows for s in group)
 
     @torch.no_grad()
-    def finish(self, samples: list[SampleState]) -> list[tuple[SampleState, DiffusionOutput]]:
-        """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk)."""
-        results = []
+    def finish(self, samples: list[SampleState]) -> list[tuple[list[SampleState], list[DiffusionOutput] | Exception]]:
+        """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk).
+        Returns each chunk with its outputs, or with the error its decode raised: a failure is
+        the chunk's alone, the other chunks are still decoded."""
+        chunks = []
         # Samples of one prompt share its cached encoding: copy each encoding tensor to the host
         # once per call, not once per sample (SD3's T5 embeddings are 2.7 MB per prompt).
         host_copies: dict[int, torch.Tensor] = {}
@@ -154,12 +156,16 @@ class Executor:
         for (height, width), same in by_key.items():
             for start in range(0, len(same), self.decode_chunk_size):
                 chunk = same[start : start + self.decode_chunk_size]
-                t0 = time.perf_counter()
-                images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
-                decode_s = (time.perf_counter() - t0) / len(chunk)
-                for s, image in zip(chunk, images):
-                    results.append((s, self._package(s, image, decode_s, to_host)))
-        return results
+                try:
+                    t0 = time.perf_counter()
+                    images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
+                    decode_s = (time.perf_counter() - t0) / len(chunk)
+                    outputs = [self._package(s, image, decode_s, to_host) for s, image in zip(chunk, images)]
+                except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails this chunk
+                    chunks.append((chunk, exc))
+                else:
+                    chunks.append((chunk, outputs))
+        return chunks
 
     def _package(self, s: SampleState, image: torch.Tensor, decode_s: float, to_host) -> DiffusionOutput:
         start, end = s.sde_window

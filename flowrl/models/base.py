@@ -128,6 +128,9 @@ class FlowModelAdapter:
 
     family: str = "base"
     size_multiple: int = 16  # height and width must be multiples of this
+    # The largest height or width in pixels the transformer can take (its position table's
+    # size), set by each family from its modules; None: no limit of the model's own.
+    max_image_side: int | None = None
     transformer: torch.nn.Module
     device: torch.device
     dtype: torch.dtype

@@ -54,6 +54,11 @@ class QwenImageAdapter(FlowModelAdapter):
         self.true_cfg_renorm = true_cfg_renorm
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.latent_channels = self.vae.config.z_dim
+        # RoPE positions come from a table of P positions: an image of t tokens a side takes
+        # t / 2 on each side of 0, and the text follows at t / 2 .. t / 2 + text length.
+        positions = self.transformer.pos_embed.pos_freqs.shape[0]
+        max_tokens = 2 * (positions - max_sequence_length)
+        self.max_image_side = max_tokens * 2 * self.vae_scale_factor  # 2x2 packing of VAE latents
         self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
         decode_single_frames_in_2d(self.vae)  # taken only inside `decode` (see flowrl/models/qwen_vae.py)
 
