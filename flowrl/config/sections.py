@@ -75,21 +75,29 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
+    max_sequence_length: text tokens of the long text encoder (T5 for SD3 and FLUX, Qwen2.5-VL for
+        Qwen-Image); None keeps the family's default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024).
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
+    max_sequence_length: int | None = None
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             _fail("model.device", self.device, "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check_min("model.max_sequence_length", self.max_sequence_length, 1)
         return self
+
+    def adapter_options(self) -> dict:
+        """Keyword arguments of the family adapter's from_pretrained that this section sets."""
+        return {} if self.max_sequence_length is None else {"max_sequence_length": self.max_sequence_length}
 
     def resolve_device(self) -> str:
         """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""
@@ -188,7 +196,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, FLUX) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:

@@ -182,8 +182,11 @@ class DiffusionEngine:
         params = self._validated(prompt, sampling_params)
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
         window = self._choose_window(params, base_seed)
+        num_rows = self.adapter.rows_per_sample(params)
         samples = [
-            SampleState(prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future())
+            SampleState(
+                prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future(), num_rows=num_rows
+            )
             for j in range(num_outputs_per_prompt)
         ]
         self._enqueue(samples)
@@ -248,12 +251,15 @@ class DiffusionEngine:
             raise ValueError(f"prompt={prompt!r} must be a string")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate(self.adapter.size_multiple)
+        self.adapter.check_guidance(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.
         self.adapter.sigmas(params.num_inference_steps, params.height, params.width)
-        if params.uses_cfg and self.max_batch_rows < 2:
+        rows = self.adapter.rows_per_sample(params)
+        if rows > self.max_batch_rows:
+            field = "true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"
             raise ValueError(
-                f"guidance_scale={params.guidance_scale} needs 2 rows per sample but the engine's "
-                f"max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set guidance_scale <= 1"
+                f"{field}={getattr(params, field)} needs {rows} rows per sample (cond + uncond) but the "
+                f"engine's max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set {field} <= 1"
             )
         return params
 
@@ -300,12 +306,13 @@ class DiffusionEngine:
         """Encode prompts (cache first) and queue the samples; failures go to their futures."""
         try:
             texts = [samples[0].prompt]
-            if samples[0].params.uses_cfg:
+            has_uncond = samples[0].num_rows > 1  # one request: the same settings for every sample
+            if has_uncond:
                 texts.append(samples[0].params.negative_prompt or "")
             encodings = self._encode(texts)
             for s in samples:
                 s.cond = encodings[0]
-                s.uncond = encodings[1] if s.params.uses_cfg else None
+                s.uncond = encodings[1] if has_uncond else None
                 self.scheduler.add(s)
         except Exception as exc:  # noqa: BLE001 - the error belongs to these callers only
             logger.exception("engine: failed to accept a request")

@@ -27,6 +27,7 @@ class DiffusionOutput:
         None (SD3 only). negative_*: the same for the uncond row, None without CFG.
     seed: the seed of this sample's generator. policy_version: the engine's policy version when
         the sample was admitted. sde_window: (start, end) step indices.
+    guidance_scale, true_cfg_scale: the guidance settings it was drawn with (SamplingParams).
     timings: seconds spent queued, denoising and decoding.
     """
 
@@ -46,6 +47,7 @@ class DiffusionOutput:
     policy_version: int
     sde_window: tuple[int, int]
     guidance_scale: float
+    true_cfg_scale: float = 1.0
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):

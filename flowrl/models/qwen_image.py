@@ -21,8 +21,10 @@ from flowrl.models.base import (
     PromptEncoding,
     cfg_forward_inputs,
     combine_cfg,
+    pack_2x2,
     pad_encodings,
     to_uint8,
+    unpack_2x2,
 )
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 from flowrl.models.schedule import schedule_sigmas
@@ -98,16 +100,11 @@ class QwenImageAdapter(FlowModelAdapter):
 
     def pack(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """(B, C, h, w) -> (B, h/2 * w/2, 4C): each token is a 2x2 patch, channel-major."""
-        b, c = latents.shape[:2]
-        x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+        return pack_2x2(latents)
 
     def unpack(self, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """Inverse of pack: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
-        b, _, d = tokens.shape
-        c = d // 4
-        x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, h, w)
+        return unpack_2x2(tokens, h, w)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         seq_len = self.latent_shape(height, width)[0]

@@ -17,8 +17,9 @@ from flowrl.models.base import (
     PromptEncoding,
     cfg_forward_inputs,
     combine_cfg,
+    decode_autoencoder_kl,
     pad_encodings,
-    to_uint8,
+    vae_memory_format,
 )
 from flowrl.models.schedule import schedule_sigmas
 
@@ -42,10 +43,7 @@ class SD3Adapter(FlowModelAdapter):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         self._sigma_cache: dict[int, torch.Tensor] = {}
-        # cuDNN's convolutions run NHWC on the GPU; an NCHW VAE makes every conv transpose its
-        # input and output, a sizeable share of a short rollout's device time.
-        self.vae_memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
-        self.vae.to(memory_format=self.vae_memory_format)
+        self.vae_memory_format = vae_memory_format(self.vae, self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
@@ -105,8 +103,4 @@ class SD3Adapter(FlowModelAdapter):
     # --- VAE -----------------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        config = self.vae.config
-        scaled = latents / config.scaling_factor + config.shift_factor
-        scaled = scaled.to(self.vae.dtype).contiguous(memory_format=self.vae_memory_format)
-        image = self.vae.decode(scaled, return_dict=False)[0]
-        return to_uint8(image)
+        return decode_autoencoder_kl(self.vae, latents, self.vae_memory_format)

@@ -57,6 +57,7 @@ class TransitionSpec:
     noise_level: float
     sde_type: SdeType
     guidance_scale: float
+    true_cfg_scale: float = 1.0
 
 
 def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
@@ -106,13 +107,15 @@ class _StepInputs:
 
 
 def _step_inputs(
-    tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device
+    adapter: FlowModelAdapter, tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec
 ) -> _StepInputs:
+    device = adapter.device
     sigma_values = tensors["sigmas"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     cond = _encodings(tensors, "", device)
-    uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
-    uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
+    # The engine's rule for an uncond row (adapter.rows_per_sample), on the stored negative embeddings.
+    has_uncond = adapter.rows_per_sample(spec) > 1 and "negative_prompt_embeds" in tensors
+    uncond = _encodings(tensors, "negative_", device) if has_uncond else [None] * len(cond)
     return _StepInputs(latents, next_latents, sigma, sigma_next, sigma_values, cond, uncond)
 
 
@@ -140,7 +143,7 @@ def score_transitions(
     """Log-prob (B,) of the stored next latents under the current policy, plus the step's mean
     and std (for the KL). Gradients flow when called with grad enabled; with `values_from_no_grad`
     too, the log-prob's and the mean's values come from a no-grad pass (module docstring)."""
-    inputs = _step_inputs(tensors, step_index, spec, adapter.device)
+    inputs = _step_inputs(adapter, tensors, step_index, spec)
     if not (values_from_no_grad and torch.is_grad_enabled()):
         return _score(adapter, inputs, spec, autocast_dtype)
     with torch.no_grad():
@@ -174,6 +177,7 @@ def _score(
         else contextlib.nullcontext()
     )
     sigma = inputs.sigma
+    cfg_scale = torch.full((sigma.shape[0],), float(adapter.cfg_scale(spec)), device=device)
     guidance = torch.full((sigma.shape[0],), float(spec.guidance_scale), device=device)
     with autocast:
         velocity = adapter.velocity(
@@ -181,10 +185,11 @@ def _score(
             sigma,
             inputs.cond,
             inputs.uncond,
-            guidance,
+            cfg_scale,
             spec.height,
             spec.width,
             sigma_values=inputs.sigma_values,
+            **adapter.guidance_embedding_kwargs(guidance),
         )
     schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
     sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]

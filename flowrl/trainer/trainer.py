@@ -65,6 +65,7 @@ class FlowGRPOTrainer:
                 dtype=cfg.model.torch_dtype,
                 max_batch_rows=cfg.engine.max_batch_rows,
                 decode_chunk_size=cfg.engine.decode_chunk_size,
+                **cfg.model.adapter_options(),
             )
         self.engine = engine
         self.adapter = engine.adapter
@@ -90,7 +91,7 @@ class FlowGRPOTrainer:
         self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
         s = cfg.rollout.sampling
         self.spec = TransitionSpec(
-            s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale
+            s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale, s.true_cfg_scale
         )
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.

@@ -123,4 +123,4 @@ def test_registry_and_config_name_the_same_families():
         ModelConfig(family=family).validate()
     ModelConfig(family="auto").validate()
     with pytest.raises(ValueError, match="model.family"):
-        ModelConfig(family="flux").validate()
+        ModelConfig(family="sdxl").validate()
