@@ -23,12 +23,14 @@ from flowrl.accel.regional_compile import compile_in_place, compiled_settings, t
 
 @dataclass(frozen=True)
 class FamilyFastPath:
-    """extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
+    """block_lists: the transformer's ModuleLists of blocks, each block compiled on its own.
+    extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
     install(adapter, options): the family's own fast path, installed before compiling.
     no_grad_inductor_options: inductor settings of its no-grad (rollout) graphs, on top of
     regional_compile.INDUCTOR_OPTIONS: a setting that pays on one model's rollout kernels need not
     on another's, nor on the training graphs."""
 
+    block_lists: tuple[str, ...] = ("transformer_blocks",)
     extra_regions: tuple[str, ...] = ()
     install: Callable[[object, AccelOptions], None] | None = None
     no_grad_inductor_options: dict = field(default_factory=dict)
@@ -41,16 +43,21 @@ FAMILIES = {
     "qwen_image": FamilyFastPath(
         install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS
     ),
+    # Double-stream blocks, then single-stream ones (each list shares one compiled graph).
+    "flux": FamilyFastPath(block_lists=("transformer_blocks", "single_transformer_blocks")),
 }
 
 
 def compiled_regions(adapter) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) pairs that compile_adapter compiles: every transformer block, then the
     family's extra regions."""
+    family = FAMILIES.get(adapter.family, FamilyFastPath())
     regions = [
-        (f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(adapter.transformer.transformer_blocks)
+        (f"transformer.{blocks}.{i}", block)
+        for blocks in family.block_lists
+        for i, block in enumerate(getattr(adapter.transformer, blocks))
     ]
-    for path in FAMILIES.get(adapter.family, FamilyFastPath()).extra_regions:
+    for path in family.extra_regions:
         module = adapter
         for part in path.split("."):
             module = getattr(module, part)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter
+from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
 
@@ -21,11 +22,12 @@ from flowrl.models.sd3 import SD3Adapter
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
+    "FluxPipeline": ("flux", FluxAdapter),
 }
 
 
 def read_model_family(path: str | Path) -> str:
-    """Return the family name ("sd3", "qwen_image") of a local diffusers folder."""
+    """Return the family name (a FAMILIES name: "sd3", "qwen_image", ...) of a local diffusers folder."""
     return _family_entry(path)[0]
 
 

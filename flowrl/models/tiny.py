@@ -1,4 +1,4 @@
-"""Tiny random diffusers checkpoints (SD3, Qwen-Image), built offline and deterministically.
+"""Tiny random diffusers checkpoints (SD3, Qwen-Image, FLUX), built offline and deterministically.
 
 `build_tiny_checkpoint(kind, path, seed)` assembles a complete pipeline (transformer, VAE, text
 encoders, hand-built tokenizers, FlowMatchEulerDiscreteScheduler) with random weights drawn from
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.models.tiny_flux import build_tiny_flux
 from flowrl.models.tiny_tokenizers import (
     QWEN_MAX_LENGTH,
     build_clip_tokenizer,
@@ -26,6 +27,7 @@ from flowrl.models.tiny_tokenizers import (
 TINY_KINDS: dict[str, str] = {
     "sd3": "StableDiffusion3Pipeline",
     "qwen_image": "QwenImagePipeline",
+    "flux": "FluxPipeline",
 }
 
 
@@ -46,20 +48,11 @@ def _existing_kind(path: Path) -> str | None:
     return next((kind for kind, name in TINY_KINDS.items() if name == class_name), None)
 
 
-def _build_sd3():
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+def clip_text_config(clip_tokenizer):
+    """The tiny CLIP text encoder's config (SD3's two CLIPs, FLUX's CLIP-L)."""
+    from transformers import CLIPTextConfig
 
-    clip_tokenizer = build_clip_tokenizer()
-    t5_tokenizer = build_t5_tokenizer()
-    # Constraints: joint_attention_dim = T5 d_model >= 2 x CLIP hidden (the two CLIP embeddings are
-    # concatenated and zero-padded to the T5 width); pooled_projection_dim = 2 x CLIP projection_dim.
-    clip_config = CLIPTextConfig(
+    return CLIPTextConfig(
         vocab_size=len(clip_tokenizer),
         hidden_size=32,
         intermediate_size=37,
@@ -72,9 +65,13 @@ def _build_sd3():
         eos_token_id=clip_tokenizer.eos_token_id,
         pad_token_id=clip_tokenizer.pad_token_id,
     )
-    text_encoder = CLIPTextModelWithProjection(clip_config)
-    text_encoder_2 = CLIPTextModelWithProjection(clip_config)
-    text_encoder_3 = T5EncoderModel(
+
+
+def t5_text_encoder(t5_tokenizer):
+    """The tiny T5 encoder (d_model 64) of SD3 and FLUX."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
         T5Config(
             vocab_size=len(t5_tokenizer),
             d_model=64,
@@ -88,6 +85,42 @@ def _build_sd3():
             decoder_start_token_id=t5_tokenizer.pad_token_id,
         )
     )
+
+
+def autoencoder_kl(scaling_factor: float, shift_factor: float):
+    """The tiny 16-channel AutoencoderKL (downsampling 8, as SD3's and FLUX's) with the family's
+    latent normalisation."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 16, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
+
+def _build_sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    clip_tokenizer = build_clip_tokenizer()
+    t5_tokenizer = build_t5_tokenizer()
+    # Constraints: joint_attention_dim = T5 d_model >= 2 x CLIP hidden (the two CLIP embeddings are
+    # concatenated and zero-padded to the T5 width); pooled_projection_dim = 2 x CLIP projection_dim.
+    clip_config = clip_text_config(clip_tokenizer)
+    text_encoder = CLIPTextModelWithProjection(clip_config)
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config)
+    text_encoder_3 = t5_text_encoder(t5_tokenizer)
     # sample_size only sets the default resolution (8 latents = 64 px); pos_embed_max_size=32
     # lets the same weights run up to 256 px.
     transformer = SD3Transformer2DModel(
@@ -103,21 +136,7 @@ def _build_sd3():
         pooled_projection_dim=64,
         pos_embed_max_size=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+    vae = autoencoder_kl(scaling_factor=1.5035, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -217,7 +236,7 @@ def _build_qwen_image():
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image}
+_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image, "flux": build_tiny_flux}
 
 
 def build_tiny_pipeline(kind: str, seed: int = 0):
@@ -230,7 +249,7 @@ def build_tiny_pipeline(kind: str, seed: int = 0):
 
 
 def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random checkpoint of `kind` ("sd3" or "qwen_image") and save it to `path`.
+    """Build a tiny random checkpoint of `kind` (a TINY_KINDS name) and save it to `path`.
 
     Reuses `path` as it is when it already holds a checkpoint of the same kind (so demos can call
     this on every run). Returns the path.
