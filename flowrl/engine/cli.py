@@ -12,14 +12,19 @@ from pathlib import Path
 
 
 def build_parser(parser):
-    parser.add_argument("--model", required=True, help="local diffusers checkpoint folder (SD3/3.5 or Qwen-Image)")
+    parser.add_argument(
+        "--model", required=True, help="local diffusers checkpoint folder (SD3/3.5, Qwen-Image or FLUX.1 [dev])"
+    )
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
     parser.add_argument("-n", "--num-outputs", type=int, default=1, help="samples per prompt (default 1)")
     parser.add_argument("--out", required=True, help="output folder for PNGs and stats.json")
     parser.add_argument("--height", type=int, default=None, help="default: 512 (64 for tiny checkpoints)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 10)")
-    parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--guidance-scale", type=float, default=1.0, help="CFG scale, or FLUX.1 [dev]'s guidance embedding (3.5)"
+    )
+    parser.add_argument("--true-cfg-scale", type=float, default=1.0, help="true CFG on FLUX.1 [dev] (> 1: uncond rows)")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--noise-level", type=float, default=0.7, help="SDE noise level; 0 = ODE sampling")
     parser.add_argument("--sde-type", default="sde", choices=["sde", "cps"])
@@ -52,6 +57,7 @@ def run(args) -> int:
         width=args.width or size,
         num_inference_steps=args.steps or 10,
         guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale,
         negative_prompt=args.negative_prompt,
         noise_level=args.noise_level,
         sde_type=args.sde_type,

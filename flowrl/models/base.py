@@ -132,22 +132,6 @@ def combine_cfg(
     return guided if every_row else cond_v.index_copy(0, index, guided)
 
 
-def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each token a 2x2 patch, channel-major (the packed
-    layout of Qwen-Image and FLUX transformers)."""
-    b, c, h, w = latents.shape
-    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of pack_2x2: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
-    b, _, d = tokens.shape
-    c = d // 4
-    x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
-
-
 def check_guidance(guidance_kind: GuidanceKind, params) -> None:
     """ValueError for guidance settings the family cannot honour (`params`: SamplingParams or
     anything with guidance_scale and true_cfg_scale). Errors name SamplingParams' fields."""

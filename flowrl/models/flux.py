@@ -24,24 +24,21 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import (
-    FlowModelAdapter,
     PromptEncoding,
     cfg_forward_inputs,
     combine_cfg,
     decode_autoencoder_kl,
-    pack_2x2,
     pad_encodings,
-    unpack_2x2,
     vae_memory_format,
     with_cfg_rows,
 )
-from flowrl.models.schedule import schedule_sigmas
+from flowrl.models.packed import PackedLatentAdapter, unpack_2x2
 
 # FluxPipeline refuses longer T5 prompts (its check_inputs).
 MAX_T5_TOKENS = 512
 
 
-class FluxAdapter(FlowModelAdapter):
+class FluxAdapter(PackedLatentAdapter):
     family = "flux"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
     guidance_kind = "distilled"
@@ -73,7 +70,6 @@ class FluxAdapter(FlowModelAdapter):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels // 4
         self.has_guidance_embedding = bool(self.transformer.config.guidance_embeds)
-        self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
         self._position_ids: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.vae_memory_format = vae_memory_format(self.vae, self.device)
 
@@ -108,28 +104,7 @@ class FluxAdapter(FlowModelAdapter):
         mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=self.device)
         return [PromptEncoding(embeds[i], mask, pooled[i]) for i in range(len(prompts))]
 
-    # --- latents and schedule ----------------------------------------------------------------
-    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        h, w = self._latent_hw(height, width)
-        return ((h // 2) * (w // 2), self.latent_channels * 4)
-
-    def initial_noise(self, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        h, w = self._latent_hw(height, width)
-        noise = torch.randn(
-            (1, self.latent_channels, h, w), generator=generator, dtype=torch.float32, device=generator.device
-        )
-        return pack_2x2(noise)[0]
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        seq_len = self.latent_shape(height, width)[0]
-        key = (num_steps, seq_len)
-        if key not in self._sigma_cache:
-            self._sigma_cache[key] = schedule_sigmas(self.scheduler, num_steps, image_seq_len=seq_len, linear_base=True)
-        return self._sigma_cache[key]
-
+    # --- latents and schedule: flowrl.models.packed; positions -----------------------------------
     def position_ids(self, height: int, width: int, text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(txt_ids (L, 3), img_ids (h/2 * w/2, 3)) on the device in the model dtype, as the
         pipeline builds them; kept per shape, so a step copies nothing from the host."""
