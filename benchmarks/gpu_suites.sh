@@ -81,6 +81,15 @@
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
 #                      --compile-rounding fused                                              ~3 min each
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
+#   z-image   Z-Image rollout: 16 samples, 50 steps (ZImagePipeline's default), CFG 5.0 (the
+#             pipeline's guidance 4.0, as the Z-Image recipe), eager + compiled, 1 repeat    ~7-9 min
+#   z-image-compiled   the z-image rollout, compiled engine modes only, 3 repeats, a profile ~5-6 min
+#   z-image-logprob    the Z-Image bf16 log-prob gap at the recipe's settings (10 steps, CFG 5,
+#             noise 1.0, SDE window 2, LoRA rank 64, bf16 autocast, gradient checkpointing,
+#             compiled, old_log_prob recompute; micro-batches 1, 8, 16) and the training step
+#             at the recipe's micro-batch 8 (16 rows)                                        ~5-7 min
+#   z-image-smoke the z-image bench at its published widths with one main block, eager, 64 px:
+#             checks the z-image builder and its pipeline baseline on any machine (CPU: ~2 min)
 #   cpu-smoke tiny models, to check this script on any machine
 #
 # Writes $OUT/<suite>-rollout.json, $OUT/<suite>-logprob.json (rewritten after every
@@ -260,6 +269,20 @@ suite() {
     qwen-cfg-compiled-fused)
       run qwen-cfg-compiled-fused-rollout 240 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 \
         --guidance-scale 4.0 --compile --compile-rounding fused --modes engine-batched-compiled --repeats 1 ;;
+    z-image)
+      run z-image-rollout 540 "$log" rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 \
+        --compile --serial-samples 2 --repeats 1 --profile engine-batched-compiled --profile-steps 2 ;;
+    z-image-compiled)
+      run z-image-compiled-rollout 360 "$log" rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 \
+        --compile --modes engine-batched-compiled,engine-concurrent-compiled --repeats 3 \
+        --profile engine-batched-compiled --profile-steps 4 ;;
+    z-image-logprob)
+      run z-image-logprob 420 "$log" logprob --model z-image -n 16 --steps 10 --size 512 --guidance-scale 5.0 \
+        --noise-level 1.0 --sde-window-size 2 --micro-batches 1,8,16 --lora-rank 64 --compile --autocast bf16 \
+        --gradient-checkpointing --old-log-prob recompute --train-micro-batch 8 ;;
+    z-image-smoke)
+      run z-image-smoke-rollout 240 "$log" rollout --model z-image --num-layers 1 -n 2 --steps 2 --size 64 \
+        --guidance-scale 5.0 --modes pipeline-batched,engine-batched --warmup-steps 1 --peak-seconds 0.1 ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)
@@ -274,8 +297,13 @@ suite() {
       run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \
         --true-cfg-scale 2.0 --peak-seconds 0.1 --modes pipeline-batched,engine-batched
       run smoke-flux-logprob 120 "$log" logprob --model tiny-flux -n 2 --steps 3 --size 64 --guidance-scale 3.5 \
-        --micro-batches 1,2 --peak-seconds 0.1 --train-repeats 1 ;;
-    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, flux, sd35-large, sd35-quick, qwen-quick)" | tee -a "$log" ;;
+        --micro-batches 1,2 --peak-seconds 0.1 --train-repeats 1
+      run smoke-z-image-rollout 120 "$log" rollout --model tiny-z-image -n 3 --steps 3 --size 64 --guidance-scale 5.0 \
+        --compile --compile-backend aot_eager --peak-seconds 0.1
+      run smoke-z-image-logprob 120 "$log" logprob --model tiny-z-image -n 4 --steps 4 --size 64 --guidance-scale 5.0 \
+        --noise-level 1.0 --sde-window-size 2 --micro-batches 1,4 --lora-rank 4 --autocast bf16 \
+        --gradient-checkpointing --old-log-prob recompute --train-micro-batch 2 --peak-seconds 0.1 ;;
+    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, flux, sd35-large, z-image, sd35-quick, qwen-quick)" | tee -a "$log" ;;
   esac
 }
 

@@ -3,8 +3,9 @@
 Every family: the GELU epilogue in its MLPs (fused_mlp), the LoRA fold in its adapted projections
 (lora_fold), every transformer block compiled in place (regional_compile: identical blocks share
 one compiled graph, so compile time stays short), and gradient checkpoints taken inside the
-compiled blocks. Per family (FAMILIES, keyed by `adapter.family`): modules compiled besides the
-blocks, a fast path installed before compiling, and inductor settings for no-grad graphs.
+compiled blocks. Per family (FAMILIES, keyed by `adapter.family`): where its blocks are, modules
+compiled besides the blocks, a fast path installed before compiling, and inductor settings for
+no-grad graphs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flowrl.accel.regional_compile import compile_in_place, compiled_settings, t
 
 @dataclass(frozen=True)
 class FamilyFastPath:
-    """block_lists: the transformer's ModuleLists of blocks, each block compiled on its own.
+    """block_lists: the transformer's ModuleLists of blocks, each block compiled in place.
     extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
     install(adapter, options): the family's own fast path, installed before compiling.
     no_grad_inductor_options: inductor settings of its no-grad (rollout) graphs, on top of
@@ -45,6 +46,8 @@ FAMILIES = {
     ),
     # Double-stream blocks, then single-stream ones (each list shares one compiled graph).
     "flux": FamilyFastPath(block_lists=("transformer_blocks", "single_transformer_blocks")),
+    # One stream of blocks, in the order the forward runs them: image tokens, text tokens, joint.
+    "z_image": FamilyFastPath(block_lists=("noise_refiner", "context_refiner", "layers")),
 }
 
 
@@ -53,9 +56,9 @@ def compiled_regions(adapter) -> list[tuple[str, torch.nn.Module]]:
     family's extra regions."""
     family = FAMILIES.get(adapter.family, FamilyFastPath())
     regions = [
-        (f"transformer.{blocks}.{i}", block)
-        for blocks in family.block_lists
-        for i, block in enumerate(getattr(adapter.transformer, blocks))
+        (f"transformer.{name}.{i}", block)
+        for name in family.block_lists
+        for i, block in enumerate(getattr(adapter.transformer, name))
     ]
     for path in family.extra_regions:
         module = adapter

@@ -5,6 +5,7 @@ prompts (tokens, width, pooled width). Plain data; flowrl.bench.models builds fr
 from __future__ import annotations
 
 from flowrl.models.tiny_flux import FLUX_DEV_SCHEDULER
+from flowrl.models.tiny_z_image import Z_IMAGE_SCHEDULER
 
 SD35_MEDIUM_TRANSFORMER = dict(
     sample_size=128,
@@ -95,15 +96,36 @@ FLUX_DEV_TRANSFORMER = dict(
 )
 FLUX_DEV_VAE = dict(SD35_MEDIUM_VAE, shift_factor=0.1159, scaling_factor=0.3611)  # the same AutoencoderKL
 
+Z_IMAGE_TRANSFORMER = dict(  # Tongyi-MAI/Z-Image-Turbo's (the undistilled Z-Image's is the same)
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1536, 512, 512],
+)
+Z_IMAGE_VAE = FLUX_DEV_VAE  # Z-Image uses FLUX.1's VAE
+
 # name -> (family, text tokens, text width, pooled width or None)
 ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
     "sd35-medium": ("sd3", 77 + 256, 4096, 2048),
     "sd35-large": ("sd3", 77 + 256, 4096, 2048),
     "qwen-image": ("qwen_image", 64, 3584, None),
     "flux-dev": ("flux", 512, 4096, 768),
+    "z-image": ("z_image", 64, 2560, None),
     "tiny-sd3": ("sd3", 77 + 32, 64, 64),
     "tiny-qwen": ("qwen_image", 16, 32, None),
     "tiny-flux": ("flux", 512, 64, 32),
+    "tiny-z-image": ("z_image", 16, 32, None),
 }
 
 
@@ -121,4 +143,5 @@ RANDOM_WEIGHT_MODULES: dict[str, tuple[str, dict, str, dict, dict]] = {
         QWEN_IMAGE_SCHEDULER,
     ),
     "flux-dev": ("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER, "AutoencoderKL", FLUX_DEV_VAE, FLUX_DEV_SCHEDULER),
+    "z-image": ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, "AutoencoderKL", Z_IMAGE_VAE, Z_IMAGE_SCHEDULER),
 }

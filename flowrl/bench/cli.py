@@ -1,8 +1,9 @@
 """`flowrl bench rollout|logprob ...` (see flowrl.bench.rollout / .logprob).
 
 --model takes a local diffusers folder or a named architecture with random weights:
-sd35-medium, sd35-large, qwen-image, flux-dev (published sizes, built on the device in the model
-dtype), tiny-sd3, tiny-qwen, tiny-flux (CPU smoke tests). The experiments in benchmarks/ reuse the common options
+sd35-medium, sd35-large, qwen-image, flux-dev, z-image (published sizes, built on the device in the
+model dtype), tiny-sd3, tiny-qwen, tiny-flux, tiny-z-image (CPU smoke tests). The experiments in benchmarks/ reuse
+the common options
 (`add_common_arguments`, `add_compile_arguments`).
 """
 
@@ -25,8 +26,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="local diffusers folder, or sd35-medium | sd35-large | qwen-image | flux-dev | tiny-sd3 | tiny-qwen "
-        "| tiny-flux (random weights)",
+        help="local diffusers folder, or sd35-medium | sd35-large | qwen-image | flux-dev | z-image | tiny-sd3 "
+        "| tiny-qwen | tiny-flux | tiny-z-image (random weights)",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
     parser.add_argument("--size", type=positive_int, default=512, help="image height = width in pixels (default 512)")

@@ -265,7 +265,7 @@ def run_logprob(args) -> int:
     report.data["peak"] = peak
     # 1. Rollout with the engine (batched, model dtype).
     from flowrl.engine.engine import DiffusionEngine
-    from flowrl.trainer.policy import TransitionSpec
+    from flowrl.engine.output import TransitionSpec
 
     params_sampling = SamplingParams(
         height=args.size,
@@ -293,15 +293,7 @@ def run_logprob(args) -> int:
     report.data["rollout_rows_per_forward"] = engine.stats()["mean_rows_per_forward"]
     engine.shutdown()
     tensors = _rollout_tensors(outputs)
-    spec = TransitionSpec(
-        height=args.size,
-        width=args.size,
-        num_inference_steps=args.steps,
-        noise_level=args.noise_level,
-        sde_type="sde",
-        guidance_scale=args.guidance_scale,
-        true_cfg_scale=args.true_cfg_scale,
-    )
+    spec = TransitionSpec.of(params_sampling)
     print(
         f"[bench] rollout of {args.num_samples} samples x {tensors['all_log_probs'].shape[1]} window steps "
         f"in {report.data['rollout_seconds']:.1f}s",

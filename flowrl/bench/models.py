@@ -14,7 +14,12 @@ Named architectures (random weights, no text encoders; their configs: flowrl.ben
 - `flux-dev`: FluxTransformer2DModel (guidance embedding) and AutoencoderKL with the configs of
   black-forest-labs/FLUX.1-dev (11.9 B); prompts are 512 T5 tokens of width 4096 (the pipeline's
   default max_sequence_length) plus CLIP-L's pooled 768 vector.
-- `tiny-sd3`, `tiny-qwen`, `tiny-flux`: the modules of `flowrl.models.tiny` (CPU smoke tests).
+- `z-image`: ZImageTransformer2DModel and AutoencoderKL with the configs of
+  Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
+  architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
+  Qwen3-4B gives.
+- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU
+  smoke tests).
 
 Big models are built parameter by parameter directly on the target device in the target dtype
 (constructing a 20 B model on the CPU takes minutes). Prompt embeddings are fixed random tensors
@@ -37,6 +42,7 @@ from flowrl.models.base import FlowModelAdapter, PromptEncoding, pad_encodings
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 from flowrl.sampling_params import SamplingParams
 
 
@@ -81,8 +87,17 @@ class BenchFluxAdapter(_RandomPromptsMixin, FluxAdapter):
     pass
 
 
+class BenchZImageAdapter(_RandomPromptsMixin, ZImageAdapter):
+    pass
+
+
 # family -> the adapter over random prompt embeddings
-BENCH_ADAPTERS = {"sd3": BenchSD3Adapter, "qwen_image": BenchQwenImageAdapter, "flux": BenchFluxAdapter}
+BENCH_ADAPTERS = {
+    "sd3": BenchSD3Adapter,
+    "qwen_image": BenchQwenImageAdapter,
+    "flux": BenchFluxAdapter,
+    "z_image": BenchZImageAdapter,
+}
 
 
 def _fill_parameter(data: torch.Tensor, name: str, generator: torch.Generator) -> None:
@@ -119,12 +134,12 @@ def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_lay
 
     transformer_cls, config, vae_cls, vae_config, scheduler_config = RANDOM_WEIGHT_MODULES[name]
     config = dict(config)
-    if num_layers is not None:  # fewer blocks of every kind, at the published widths
-        config["num_layers"] = num_layers
+    if num_layers is not None:  # fewer main blocks of every kind, at the published widths
+        for key in ("num_layers", "num_single_layers", "n_layers"):  # Z-Image's is n_layers
+            if key in config:
+                config[key] = num_layers
         if "dual_attention_layers" in config:
             config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
-        if "num_single_layers" in config:
-            config["num_single_layers"] = num_layers
     transformer = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=0)
     vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
     return transformer, vae, diffusers.FlowMatchEulerDiscreteScheduler(**scheduler_config)
@@ -133,8 +148,7 @@ def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_lay
 def _tiny_modules(name: str, device: torch.device, dtype: torch.dtype):
     from flowrl.models.tiny import build_tiny_pipeline
 
-    kind = {"tiny-sd3": "sd3", "tiny-qwen": "qwen_image", "tiny-flux": "flux"}[name]
-    pipe = build_tiny_pipeline(kind, seed=0)
+    pipe = build_tiny_pipeline(ARCHITECTURES[name][0], seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
     return modules[0], modules[1], pipe.scheduler
 
@@ -148,8 +162,14 @@ def _pipeline(family: str, transformer, vae, scheduler):
         "sd3": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
         "qwen_image": ("text_encoder", "tokenizer"),
         "flux": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
+        "z_image": ("text_encoder", "tokenizer"),
     }[family]
-    pipeline_cls = {"sd3": "StableDiffusion3Pipeline", "qwen_image": "QwenImagePipeline", "flux": "FluxPipeline"}
+    pipeline_cls = {
+        "sd3": "StableDiffusion3Pipeline",
+        "qwen_image": "QwenImagePipeline",
+        "flux": "FluxPipeline",
+        "z_image": "ZImagePipeline",
+    }
     pipe = getattr(diffusers, pipeline_cls[family])(
         transformer=transformer, scheduler=scheduler, vae=vae, **dict.fromkeys(text_modules)
     )
@@ -207,10 +227,18 @@ def pipeline_prompt_kwargs(
     adapter's rule: flowrl.models.base)."""
     adapter = bench.adapter
     encodings = adapter.encode_prompts(prompts)
-    embeds, mask, pooled = pad_encodings(encodings)
     settings = SamplingParams(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale)
     uses_uncond = adapter.rows_per_sample(settings) > 1
-    negatives = pad_encodings(adapter.encode_prompts([""]) * len(prompts)) if uses_uncond else None
+    negative_encodings = adapter.encode_prompts([""]) * len(prompts) if uses_uncond else None
+    if bench.family == "z_image":
+        # Unpadded captions, as the pipeline's own encoder gives them; its guidance_scale is
+        # flowrl's minus 1 (flowrl.models.z_image), and 0 turns guidance off.
+        kwargs = dict(prompt_embeds=[e.embeds for e in encodings], guidance_scale=max(guidance_scale - 1.0, 0.0))
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=[e.embeds for e in negative_encodings])
+        return kwargs
+    embeds, mask, pooled = pad_encodings(encodings)
+    negatives = pad_encodings(negative_encodings) if uses_uncond else None
     if bench.family in ("sd3", "flux"):
         kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance_scale)
         if bench.family == "flux":

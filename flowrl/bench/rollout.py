@@ -184,8 +184,9 @@ class RolloutBench:
             )
         else:
             batch = 1 if base == "pipeline-serial" else n
-            # SD3's pipeline concatenates cond and uncond rows; Qwen-Image's and FLUX's run two forwards.
-            rows = batch * (self.rows_per_image if self.bench.family == "sd3" else 1)
+            # SD3's and Z-Image's pipelines concatenate cond and uncond rows; Qwen-Image's and FLUX's run
+            # two forwards.
+            rows = batch * (self.rows_per_image if self.bench.family in ("sd3", "z_image") else 1)
             result.update(mean_rows_per_forward=float(rows))
         return result
 

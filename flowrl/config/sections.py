@@ -75,15 +75,17 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
-    max_sequence_length: text tokens of the long text encoder (T5 for SD3 and FLUX, Qwen2.5-VL for
-        Qwen-Image); None keeps the family's default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024).
+    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's;
+        Qwen-Image and Z-Image: the longest prompt, shorter ones stay unpadded). None: the family's
+        default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024, Z-Image 512); the pipelines
+        allow up to 512 (SD3, FLUX, Z-Image) and 1024 (Qwen-Image).
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image", "flux"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     max_sequence_length: int | None = None
@@ -96,8 +98,11 @@ class ModelConfig:
         return self
 
     def adapter_options(self) -> dict:
-        """Keyword arguments of the family adapter's from_pretrained that this section sets."""
-        return {} if self.max_sequence_length is None else {"max_sequence_length": self.max_sequence_length}
+        """Keyword options of the family's adapter (`flowrl.models.registry.load_adapter`): the
+        settings given here, the family's defaults for those left at None."""
+        if self.max_sequence_length is None:
+            return {}
+        return {"max_sequence_length": self.max_sequence_length}
 
     def resolve_device(self) -> str:
         """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""
@@ -196,7 +201,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image, FLUX) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, FLUX, Z-Image) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:
@@ -217,9 +222,11 @@ class AlgorithmConfig:
 
     adv_estimator: "flow_grpo": (r - mean_group) / (std + std_eps), clamped to +-adv_clip_max.
     std_mode: "global" (std over the whole batch, Flow-GRPO default) or "group" (per prompt).
-    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "keep"
-        leaves those rows in the loss (as the reference code does), "drop" removes them. Either way
-        the trainer reports their share as `zero_std_ratio`.
+    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "drop"
+        removes its rows from the update (as Flow-GRPO does with rows whose advantage is zero),
+        "keep" leaves them in, where they add nothing to the policy gradient but still count in
+        its mean (shrinking it by the share of such rows) and in the KL term. Either way the
+        trainer reports their share as `zero_std_ratio`.
     clip_range: PPO ratio clip epsilon. kl_beta: weight of the KL to the reference (LoRA off).
     old_log_prob: PPO denominator: the rollout's log-prob, or a recompute by the trainer before
         the update.
@@ -230,7 +237,7 @@ class AlgorithmConfig:
     std_mode: StdMode = "global"
     std_eps: float = 1e-4
     adv_clip_max: float = 5.0
-    zero_std_policy: Literal["keep", "drop"] = "keep"
+    zero_std_policy: Literal["keep", "drop"] = "drop"
     zero_std_threshold: float = 1e-6
     clip_range: float = 1e-4
     kl_beta: float = 0.0
@@ -278,6 +285,26 @@ class LoraConfig:
 
 
 @dataclass
+class EmaConfig:
+    """An exponential moving average of the trained weights (Flow-GRPO's: decay 0.9 every 8
+    optimizer steps), which validation samples with and checkpoints save beside the weights.
+
+    After every `update_every`-th optimizer step t: ema += (1 - d) * (weights - ema), with
+    d = min(decay, (1 + t) / (10 + t)) (a warm-up: early averages follow the weights faster).
+    """
+
+    enabled: bool = False
+    decay: float = 0.9
+    update_every: int = 8
+
+    def validate(self) -> "EmaConfig":
+        if not 0.0 <= self.decay < 1.0:
+            _fail("trainer.ema.decay", self.decay, "must be in [0, 1), e.g. 0.9")
+        _check_min("trainer.ema.update_every", self.update_every, 1)
+        return self
+
+
+@dataclass
 class TrainerConfig:
     """The training loop.
 
@@ -285,10 +312,15 @@ class TrainerConfig:
         prompt dataset (None: cycle until total_steps). Training stops at whichever comes first.
     prompts_per_step: prompts per step; the step holds prompts_per_step * rollout.n samples.
     update_epochs: passes of updates over one rollout batch.
-    micro_batch_size: samples per forward/backward in the update.
-    grad_accum: micro-batches per optimizer step; None derives it so that one optimizer step
-        covers the whole rollout batch (see `resolve_grad_accum`).
-    resume: "auto" (latest checkpoint in output_dir, if any), "never", or a checkpoint path.
+    updates_per_step: optimizer steps per pass: the pass's samples (shuffled) split into this many
+        mini-batches of (nearly) equal size, one optimizer step each; every step after the first
+        is slightly off-policy, which is where the PPO clip acts (the references use 2).
+    micro_batch_size: samples per forward/backward in the update; gradients accumulate over a
+        mini-batch's micro-batches, every trained (sample, step) pair weighing the same.
+    ema: an exponential moving average of the trained weights (EmaConfig).
+    resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
+        path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
+    overwrite: a new run deletes another run's files in output_dir first (and nothing else).
     save_every / val_every / log_every: in steps; 0 disables saving / validation.
     num_val_images: validation prompts (one ODE sample each, fixed seeds).
     """
@@ -298,8 +330,8 @@ class TrainerConfig:
     epochs: int | None = None
     prompts_per_step: int = 4
     update_epochs: int = 1
+    updates_per_step: int = 1
     micro_batch_size: int = 8
-    grad_accum: int | None = None
     lr: float = 1e-3
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
@@ -307,9 +339,11 @@ class TrainerConfig:
     mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     save_every: int = 10
     val_every: int = 10
     resume: str = "auto"
+    overwrite: bool = False
     log_every: int = 1
     seed: int = 42
     num_val_images: int = 4
@@ -321,8 +355,8 @@ class TrainerConfig:
             "epochs",
             "prompts_per_step",
             "update_epochs",
+            "updates_per_step",
             "micro_batch_size",
-            "grad_accum",
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
@@ -337,13 +371,8 @@ class TrainerConfig:
         if not self.resume:
             _fail("trainer.resume", self.resume, "use 'auto', 'never' or a checkpoint path")
         self.lora.validate()
+        self.ema.validate()
         return self
-
-    def resolve_grad_accum(self, samples_per_step: int) -> int:
-        """Micro-batches per optimizer step: explicit, or enough to cover samples_per_step."""
-        if self.grad_accum is not None:
-            return self.grad_accum
-        return max(1, -(-samples_per_step // self.micro_batch_size))
 
 
 @dataclass

@@ -13,7 +13,9 @@ from pathlib import Path
 
 def build_parser(parser):
     parser.add_argument(
-        "--model", required=True, help="local diffusers checkpoint folder (SD3/3.5, Qwen-Image or FLUX.1 [dev])"
+        "--model",
+        required=True,
+        help="local diffusers checkpoint folder (SD3/3.5, Qwen-Image, FLUX.1 [dev] or Z-Image)",
     )
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
     parser.add_argument("-n", "--num-outputs", type=int, default=1, help="samples per prompt (default 1)")

@@ -3,10 +3,10 @@ decodes finished samples in bounded chunks and packages them as DiffusionOutputs
 
 A step packs every row (CFG rows inside the adapter: `SampleState.num_rows` per sample), calls
 the shared `sampler.sde_step` once for the batch with per-row sigmas, noise levels and noise drawn
-from each sample's own generator, and unpacks the results back into the samples. Nothing in `step` reads a device value back to the
-host, so on a GPU the loop never waits for the device between steps. With `autocast_dtype` set
-(the trainer's mixed precision), the transformer runs under the same torch.autocast as the
-trainer's forward, so rollout and trainer log-probs agree.
+from each sample's own generator, and unpacks the results back into the samples. Nothing in
+`step` reads a device value back to the host, so on a GPU the loop never waits for the device
+between steps. With `autocast_dtype` set (the trainer's mixed precision), the transformer runs
+under the same torch.autocast as the trainer's forward, so rollout and trainer log-probs agree.
 
 The executor knows nothing about queues or scheduling (which samples step together is
 scheduler.py's choice) nor about training: it runs the device work it is handed.
@@ -20,7 +20,7 @@ import time
 import torch
 
 from flowrl import sampler
-from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.output import DiffusionOutput, TransitionSpec
 from flowrl.engine.sample import SampleState
 from flowrl.models.base import FlowModelAdapter, rows_to_device
 
@@ -189,8 +189,7 @@ class Executor:
             seed=s.seed,
             policy_version=s.policy_version,
             sde_window=(start, end),
-            guidance_scale=float(s.params.guidance_scale),
-            true_cfg_scale=float(s.params.true_cfg_scale),
+            transition_spec=TransitionSpec.of(s.params),
             timings={
                 "queued_s": s.admitted_at - s.submitted_at,
                 "denoise_s": now - s.admitted_at - decode_s,

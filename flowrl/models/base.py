@@ -18,9 +18,9 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   `embedded_guidance` (B,), the value of its guidance embedding (`guidance_embedding_kwargs`).
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
 
-Guidance semantics (`guidance_kind`, one rule for every caller): "cfg" families (SD3, Qwen-Image)
-read `SamplingParams.guidance_scale` as the classifier-free guidance weight, > 1 adding an uncond
-row to the same forward; "distilled" families (FLUX.1 [dev]) feed guidance_scale to the
+Guidance semantics (`guidance_kind`, one rule for every caller): "cfg" families (SD3, Qwen-Image,
+Z-Image) read `SamplingParams.guidance_scale` as the classifier-free guidance weight, > 1 adding
+an uncond row to the same forward; "distilled" families (FLUX.1 [dev]) feed guidance_scale to the
 transformer's guidance embedding, one row per sample, and add an uncond row (the negative prompt)
 only for `true_cfg_scale` > 1. `cfg_scale`, `rows_per_sample` and `check_guidance` are the one
 home of that rule: the engine's scheduler and executor and the trainer's re-scoring ask them.
@@ -147,24 +147,6 @@ def check_guidance(guidance_kind: GuidanceKind, params) -> None:
         )
 
 
-def vae_memory_format(vae: torch.nn.Module, device: torch.device) -> torch.memory_format:
-    """Put an AutoencoderKL (SD3, FLUX) in the memory format its convolutions run fastest in and
-    return it: channels_last on the GPU, where cuDNN runs NHWC (an NCHW VAE makes every conv
-    transpose its input and output, a sizeable share of a short rollout's device time)."""
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    vae.to(memory_format=memory_format)
-    return memory_format
-
-
-def decode_autoencoder_kl(vae: torch.nn.Module, latents: torch.Tensor, memory_format) -> torch.Tensor:
-    """(B, C, h, w) latents of an AutoencoderKL (SD3, FLUX) -> (B, 3, H, W) uint8: undo the
-    latent normalisation (latents / scaling_factor + shift_factor), as the pipelines do, decode."""
-    config = vae.config
-    scaled = latents / config.scaling_factor + config.shift_factor
-    scaled = scaled.to(vae.dtype).contiguous(memory_format=memory_format)
-    return to_uint8(vae.decode(scaled, return_dict=False)[0])
-
-
 def to_uint8(image: torch.Tensor) -> torch.Tensor:
     """VAE output in [-1, 1] -> uint8 (B, 3, H, W), rounding clamp(x/2 + 0.5, 0, 1) * 255.
     Non-finite pixels are an error (a NaN would otherwise become a silent 0)."""
@@ -187,9 +169,16 @@ class FlowModelAdapter:
     default_lora_targets: tuple[str, ...] = ()
     # How SamplingParams.guidance_scale acts (module docstring).
     guidance_kind: GuidanceKind = "cfg"
+    # The most text tokens the family's pipeline encodes (its own check_inputs limit).
+    max_sequence_length_limit: int = 512
 
     def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
         """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
+        if not 1 <= max_sequence_length <= self.max_sequence_length_limit:
+            raise ValueError(
+                f"max_sequence_length={max_sequence_length} (model.max_sequence_length) is outside what the "
+                f"{self.family} pipeline encodes; use a value in [1, {self.max_sequence_length_limit}]"
+            )
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae

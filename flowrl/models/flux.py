@@ -27,11 +27,10 @@ from flowrl.models.base import (
     PromptEncoding,
     cfg_forward_inputs,
     combine_cfg,
-    decode_autoencoder_kl,
     pad_encodings,
-    vae_memory_format,
     with_cfg_rows,
 )
+from flowrl.models.kl_vae import decode_kl_latents, prepare_kl_vae
 from flowrl.models.packed import PackedLatentAdapter, unpack_2x2
 
 # FluxPipeline refuses longer T5 prompts (its check_inputs).
@@ -42,6 +41,7 @@ class FluxAdapter(PackedLatentAdapter):
     family = "flux"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
     guidance_kind = "distilled"
+    max_sequence_length_limit = MAX_T5_TOKENS
     # Flow-GRPO's FLUX LoRA targets (yifan123/flow_grpo, scripts/train_flux.py): both streams'
     # attention projections and both MLPs of the double-stream blocks; `attn.to_q/k/v` also match
     # the single-stream blocks' attention.
@@ -61,17 +61,12 @@ class FluxAdapter(PackedLatentAdapter):
     )
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = MAX_T5_TOKENS):
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_T5_TOKENS:
-            raise ValueError(
-                f"model.max_sequence_length={max_sequence_length!r}: FLUX's T5 prompt takes 1 to "
-                f"{MAX_T5_TOKENS} tokens (FluxPipeline's limit); use e.g. {MAX_T5_TOKENS} (the default) or 128"
-            )
         super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels // 4
         self.has_guidance_embedding = bool(self.transformer.config.guidance_embeds)
         self._position_ids: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.vae_memory_format = vae_memory_format(self.vae, self.device)
+        self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
 
     @classmethod
     def from_pretrained(
@@ -152,7 +147,6 @@ class FluxAdapter(PackedLatentAdapter):
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
 
     # --- VAE -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         h, w = self._latent_hw(height, width)
-        return decode_autoencoder_kl(self.vae, unpack_2x2(latents, h, w), self.vae_memory_format)
+        return decode_kl_latents(self.vae, unpack_2x2(latents, h, w), self.vae_memory_format)

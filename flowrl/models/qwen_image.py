@@ -24,6 +24,7 @@ from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 class QwenImageAdapter(PackedLatentAdapter):
     family = "qwen_image"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
+    max_sequence_length_limit = 1024
     default_lora_targets = (
         "attn.to_q",
         "attn.to_k",

@@ -17,12 +17,14 @@ from flowrl.models.base import FlowModelAdapter
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 
 # model_index.json's `_class_name` -> (family, adapter class)
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
     "FluxPipeline": ("flux", FluxAdapter),
+    "ZImagePipeline": ("z_image", ZImageAdapter),
 }
 
 

@@ -10,6 +10,7 @@ flowrl.models.tiny seeds the RNG and saves it.
 from __future__ import annotations
 
 from flowrl.models.flux import MAX_T5_TOKENS
+from flowrl.models.tiny_modules import clip_text_config, t5_text_encoder, tiny_kl_vae
 from flowrl.models.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 # FLUX.1 [dev]'s scheduler_config.json.
@@ -27,8 +28,6 @@ FLUX_DEV_SCHEDULER = dict(
 def build_tiny_flux():
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
-
-    from flowrl.models.tiny import autoencoder_kl, clip_text_config, t5_text_encoder
 
     clip_tokenizer = build_clip_tokenizer()
     t5_tokenizer = build_t5_tokenizer()
@@ -49,7 +48,7 @@ def build_tiny_flux():
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
     )
-    vae = autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159)
+    vae = tiny_kl_vae(scaling_factor=0.3611, shift_factor=0.1159)
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER),
         vae=vae,

@@ -56,9 +56,16 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         cfg = load_train_config(args.config, list(args.overrides))
+        from flowrl.config import config_to_dict
+        from flowrl.trainer.resume import plan_run
+
+        plan = plan_run(cfg, config_to_dict(cfg))  # before the model loads: a finished run loads nothing
+        if plan.finished:
+            print(f"flowrl train: {plan.finished}")
+            return 0
         from flowrl.trainer.trainer import FlowGRPOTrainer
 
-        trainer = FlowGRPOTrainer(cfg)
+        trainer = FlowGRPOTrainer(cfg, plan=plan)
     except ValueError as error:
         print(f"flowrl train: error: {error}", file=sys.stderr)
         return 2
@@ -68,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
             f"outputs in {cfg.trainer.output_dir}"
         )
     summary = trainer.fit()
-    print(f"steps trained: {summary['steps']}")
+    trained, reached = summary["steps_trained"], summary["steps"]
+    print(
+        f"steps trained: {trained}"
+        + (f" (resumed at step {reached - trained}, now at {reached})" if trained != reached else "")
+    )
     print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
     print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
     print(

@@ -7,15 +7,19 @@ One training step:
    reward scorer while the others are still denoising;
 3. group advantages by uid; drop rows with NaN rewards (and zero-std groups with
    zero_std_policy=drop);
-4. PPO update (flowrl.trainer.update); the engine is idle here, since the rollout has returned;
+4. PPO update (flowrl.trainer.update), each row re-scored with the settings it was drawn with (the
+   rollout's per-row TransitionSpec, so per-row sampling overrides score as they sampled); the
+   engine is idle here, since the rollout has returned;
 5. bump the policy version: the engine's transformer IS the trained module (LoRA injected in
    place), so the next rollout samples from the new weights with no copy, and every output
    records the version that produced it;
-6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds) and checkpoints every k steps.
+6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
+   with the moving average of the weights) and checkpoints every k steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -23,13 +27,14 @@ import numpy as np
 import torch
 
 from flowrl import sampler
-from flowrl.trainer import checkpoint
+from flowrl.engine.output import TransitionSpec
+from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
+from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
-from flowrl.trainer.policy import TransitionSpec
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
@@ -43,15 +48,21 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
+    the model loads.
     """
 
-    def __init__(self, cfg, engine=None, reward=None):
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        self.config_dict = config_to_dict(cfg)
+        # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
+        self.plan = plan or resume.plan_run(cfg, self.config_dict)
+        self.plan.start(cfg.trainer.output_dir)
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -88,12 +99,11 @@ class FlowGRPOTrainer:
                 "half a minute, SD3.5-medium's VAE decoder a few minutes)",
                 flush=True,
             )
-        self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-        s = cfg.rollout.sampling
-        self.spec = TransitionSpec(
-            s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale, s.true_cfg_scale
-        )
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
+        named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        self.param_names = list(named)
+        ema = tcfg.ema
+        self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.agent_loop = AgentLoop(engine, cfg.rollout)
@@ -101,10 +111,8 @@ class FlowGRPOTrainer:
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
-        self.config_dict = config_to_dict(cfg)
-        resume_from = checkpoint.resolve_resume(tcfg.resume, self.output_dir)
-        if resume_from is not None:
-            self._restore(resume_from)
+        if self.plan.checkpoint is not None:
+            self._restore(self.plan.checkpoint)
         log = cfg.logging
         self.logger = MetricsLogger(
             self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
@@ -166,8 +174,12 @@ class FlowGRPOTrainer:
         if keep.any():
             rows_kept = np.flatnonzero(keep)
             tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
+            specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
+            advantages = torch.from_numpy(adv.values[rows_kept])
             metrics.update(
-                self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]), torch.ones(len(rows_kept)), step)
+                self.updater.update(
+                    tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
+                )
             )
             self.policy_version = self.updater.num_optimizer_steps
             self.engine.set_policy_version(self.policy_version)
@@ -203,14 +215,16 @@ class FlowGRPOTrainer:
 
     # --- validation -------------------------------------------------------------------------------
     def validate(self) -> dict:
-        """ODE samples of the validation prompts with fixed seeds; a captioned grid PNG."""
+        """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the
+        moving average of the weights); a captioned grid PNG."""
         from flowrl.rollout.batch import RolloutBatch
 
         if not self.val_rows:  # trainer.num_val_images=0
             return {}
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
-        out = self.agent_loop.generate_sequences(batch, validation=True)
+        with self._evaluation_weights():
+            out = self.agent_loop.generate_sequences(batch, validation=True)
         images = out.batch["images"]
         prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
         scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
@@ -234,11 +248,29 @@ class FlowGRPOTrainer:
             "num_optimizer_steps": self.updater.num_optimizer_steps,
         }
         return checkpoint.save_checkpoint(
-            self.output_dir, self.step, self.adapter, self.updater.optimizer, self.param_names, state, self.config_dict
+            self.output_dir,
+            self.step,
+            self.adapter,
+            self.updater.optimizer,
+            self.param_names,
+            state,
+            self.config_dict,
+            ema=self.ema,
         )
 
     def _restore(self, path: Path) -> None:
-        restored = checkpoint.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
+        """Continue from the checkpoint `plan_run` verified; this config's optimizer
+        hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
+        optimizer = self.updater.optimizer
+        restored = checkpoint.load_checkpoint(
+            path, self.adapter.transformer, optimizer, self.param_names, verify=False, ema=self.ema
+        )
+        tcfg = self.cfg.trainer
+        for group in optimizer.param_groups:
+            group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+        if self.ema is not None and not restored["ema_restored"]:
+            self.ema.reset()  # from the restored weights
+            print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -249,12 +281,25 @@ class FlowGRPOTrainer:
         print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
-        """The trained weights for use outside flowrl: a diffusers LoRA folder, or the transformer."""
-        final = self.output_dir / "final"
+        """The trained weights for use outside flowrl: a diffusers LoRA folder (`final/lora`), or
+        the transformer (`final/transformer`); with trainer.ema, the moving average's weights the
+        same way under `final/ema/`. Returns the trained weights' folder."""
+        final = self._save_weights(self.output_dir / "final")
+        if self.ema is not None:
+            with self.ema.applied():
+                self._save_weights(self.output_dir / "final" / "ema")
+        return final
+
+    def _save_weights(self, folder: Path) -> Path:
         if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, final / "lora")
-        self.adapter.transformer.save_pretrained(final / "transformer")
-        return final / "transformer"
+            return save_lora_for_diffusers(self.adapter, folder / "lora")
+        self.adapter.transformer.save_pretrained(folder / "transformer")
+        return folder / "transformer"
+
+    def _evaluation_weights(self):
+        """The weights validation samples with: the moving average with trainer.ema (put back
+        after), else the trained weights as they are."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -262,6 +307,12 @@ class FlowGRPOTrainer:
         from tqdm.auto import tqdm
 
         tcfg = self.cfg.trainer
+        if self.plan.finished:
+            self.scorer.close()
+            self.logger.close()
+            print(self.plan.finished, flush=True)
+            return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
+        start_step = self.step
         if tcfg.val_every and self.step == 0:
             self.logger.log(0, self.validate())
         bar = tqdm(
@@ -284,7 +335,7 @@ class FlowGRPOTrainer:
             bar.close()
             self.scorer.close()
             self.logger.close()
-        return self.summary()
+        return {**self.summary(), "steps_trained": self.step - start_step}
 
     def summary(self) -> dict:
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]

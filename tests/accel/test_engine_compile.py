@@ -28,7 +28,7 @@ def _staggered_run(engine, guidance):
     return [f.result() for f in futures]
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 def test_compiled_engine_matches_eager(name):
     torch._dynamo.reset()
     eager_model = build_bench_model(name, "cpu", torch.float32)
@@ -65,7 +65,7 @@ def test_compile_option_rejects_unknown_values(bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_step_loop_never_syncs_with_the_host(name, compile, guidance):

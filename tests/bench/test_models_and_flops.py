@@ -11,6 +11,7 @@ from flowrl.bench.architectures import (
     QWEN_IMAGE_TRANSFORMER,
     SD35_LARGE_TRANSFORMER,
     SD35_MEDIUM_TRANSFORMER,
+    Z_IMAGE_TRANSFORMER,
 )
 from flowrl.bench.models import build_bench_model, build_random_module
 
@@ -22,6 +23,7 @@ from flowrl.bench.models import build_bench_model, build_random_module
         ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
         ("SD3Transformer2DModel", SD35_LARGE_TRANSFORMER, 8.06),  # stable-diffusion-3.5-large
         ("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER, 11.9),  # FLUX.1-dev
+        ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, 6.15),  # Z-Image (-Turbo)
     ],
 )
 def test_published_configs_have_published_sizes(cls_name, config, billions):
@@ -52,7 +54,7 @@ def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
     assert bench.pipeline.transformer is bench.adapter.transformer and bench.pipeline.vae is bench.adapter.vae
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 def test_flops_count_attention_and_scale_with_rows(name):
     bench = build_bench_model(name, "cpu", torch.float32)
     adapter = bench.adapter

@@ -165,7 +165,7 @@ def test_batched_sample_j_equals_solo_and_a_sample_takes_the_guidance_kinds_rows
     assert flux_engine.stats()["rows_per_forward_hist"] == {3 * rows: params.num_inference_steps}
     for j, out in enumerate(outs):
         assert (out.negative_prompt_embeds is not None) == (rows == 2)
-        assert out.guidance_scale == 3.5 and out.true_cfg_scale == true_cfg_scale
+        assert out.transition_spec.guidance_scale == 3.5 and out.transition_spec.true_cfg_scale == true_cfg_scale
         solo = flux_engine.generate(PROMPT, params.replace(seed=params.seed + j))
         torch.testing.assert_close(out.all_latents, solo.all_latents, atol=ATOL, rtol=0)
         torch.testing.assert_close(out.all_log_probs, solo.all_log_probs, atol=ATOL, rtol=0)
@@ -184,7 +184,7 @@ def test_guidance_errors_name_the_field_and_the_fix(flux_engine):
             one_row.generate(PROMPT, params.replace(true_cfg_scale=float("nan")))
     finally:
         one_row.shutdown()
-    with pytest.raises(ValueError, match=r"model.max_sequence_length=600: .* 1 to 512 tokens"):
+    with pytest.raises(ValueError, match=r"max_sequence_length=600 \(model.max_sequence_length\) .* \[1, 512\]"):
         FluxAdapter(flux_engine.adapter.pipeline, "cpu", torch.float32, max_sequence_length=600)
 
 
@@ -212,6 +212,7 @@ def _train_config(path, output, *overrides):
 def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(tiny_flux_path, tmp_path):
     """With true CFG the trainer re-scores each row with its stored negative embeddings in the same
     forward (distilled guidance alone: the 3-step run below)."""
+    from flowrl.engine.output import TransitionSpec
     from flowrl.rollout.batch import RolloutBatch
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
@@ -231,7 +232,11 @@ def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(tiny_flux_path,
     out = trainer.agent_loop.generate_sequences(RolloutBatch.from_rows(rows).repeat(3))
     tensors = {k: v for k, v in out.batch.items() if k != "images"}
     assert "negative_prompt_embeds" in tensors
-    metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), torch.ones(6), step=1)
+    # Each row records the true-CFG weight it was drawn with, and is re-scored with it.
+    specs = TransitionSpec.from_columns(out.non_tensor_batch)
+    assert [spec.true_cfg_scale for spec in specs] == [2.0] * 6
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(6), step=1)
     # CPU float32: the same function on the same inputs, only the batch composition differs.
     assert metrics["actor/logprob_gap_max"] < 1e-6
     assert metrics["actor/grad_norm"] > 0.0

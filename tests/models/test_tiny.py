@@ -29,7 +29,7 @@ def _file_hashes(folder: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind", ["sd3", "qwen_image", "flux"])
+@pytest.mark.parametrize("kind", ["sd3", "qwen_image", "flux", "z_image"])
 def test_same_seed_builds_are_byte_identical_and_other_seeds_differ(kind, tmp_path):
     first = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "a", seed=3))
     second = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "b", seed=3))

@@ -64,6 +64,7 @@ def test_real_recipes_load_with_their_group_sizes():
         "sd35_medium_ocr_lora": (16, "ocr"),
         "sd35_large_ocr_lora": (16, "ocr"),
         "qwen_image_ocr_lora": (16, "ocr"),
+        "z_image_ocr_lora": (16, "ocr"),
         "flux_dev_pickscore_lora": (24, "pickscore"),  # Flow-GRPO's FLUX group size
     }
     for name, (group_size, reward) in recipes.items():
