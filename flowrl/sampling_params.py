@@ -4,7 +4,8 @@
 It knows nothing about torch, models or engines and imports only the standard library, so
 importing it never pulls in the engine or torch's compiler. `validate()` is the one home of every
 field's rules: the config, the engine and the servers call it before anything is queued or loaded
-(the engine passes its model's size limits). Every error names the field, the value and the fix.
+(the engine passes its model's size limits and adds its guidance rule: how many rows a sample
+takes, flowrl.models.base). Every error names the field, the value and the fix.
 
 `SdeType` is the one list of step types; `flowrl.sampler` implements each of them.
 """
@@ -38,9 +39,14 @@ class SamplingParams:
         MAX_IMAGE_PIXELS per image.
     num_inference_steps: denoising steps T (the schedule has T + 1 sigmas, ending at 0), at most
         MAX_INFERENCE_STEPS.
-    guidance_scale: classifier-free guidance g; g > 1 runs cond and uncond rows in one forward
-        (Qwen-Image "true CFG"); g <= 1 runs the cond row only.
-    negative_prompt: text of the uncond row when g > 1 (None means the empty string).
+    guidance_scale: the model's guidance g. On classifier-free-guidance models (SD3, Qwen-Image)
+        g > 1 runs cond and uncond rows in one forward (Qwen-Image "true CFG") and g <= 1 the
+        cond row only; on guidance-distilled models (FLUX.1 [dev]) g is the value of the
+        transformer's guidance embedding, one row per sample (flowrl.models.base says which).
+    true_cfg_scale: classifier-free guidance on top of a guidance-distilled model: > 1 adds the
+        uncond row (negative_prompt) to the same forward, as FluxPipeline's true_cfg_scale does.
+        Must stay 1.0 on classifier-free-guidance models (their guidance_scale is that already).
+    negative_prompt: text of the uncond row, when there is one (None means the empty string).
     noise_level: the SDE noise level a; 0 makes every step the Euler ODE step.
     sde_type: "sde" (Flow-GRPO) or "cps" (coefficient-preserving).
     sde_window: explicit [start, end) step indices that are stochastic; None lets the engine
@@ -57,6 +63,7 @@ class SamplingParams:
     width: int = 512
     num_inference_steps: int = 10
     guidance_scale: float = 1.0
+    true_cfg_scale: float = 1.0
     negative_prompt: str | None = None
     noise_level: float = 0.7
     sde_type: SdeType = "sde"
@@ -65,10 +72,6 @@ class SamplingParams:
     sde_window_range: tuple[int, int] | None = None
     seed: int | None = None
     logprobs: bool = True
-
-    @property
-    def uses_cfg(self) -> bool:
-        return self.guidance_scale > 1.0
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

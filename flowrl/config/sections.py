@@ -96,16 +96,17 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "z_image".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
-    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; Qwen-Image:
-        the longest prompt, shorter ones stay unpadded). None: the family's default (SD3 256,
-        Qwen-Image 1024); the pipelines allow up to 512 (SD3) and 1024 (Qwen-Image).
+    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's;
+        Qwen-Image and Z-Image: the longest prompt, shorter ones stay unpadded). None: the family's
+        default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024, Z-Image 512); the pipelines
+        allow up to 512 (SD3, FLUX, Z-Image) and 1024 (Qwen-Image).
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image", "z_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     max_sequence_length: int | None = None
@@ -229,7 +230,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image, Z-Image) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, FLUX, Z-Image) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:
@@ -527,12 +528,17 @@ class FlowRLConfig:
             getattr(self, section.name).validate()
         for name in ("sampling", "val_sampling"):
             params = getattr(self.rollout, name)
-            if params.uses_cfg and self.engine.max_batch_rows < 2:
+            # An uncond row: true CFG on any family, or guidance_scale > 1 on the classifier-free-
+            # guidance families (FLUX.1 [dev] embeds its guidance_scale instead; the engine applies
+            # the family's exact rule, flowrl.models.base, once the model is known).
+            field_name = "true_cfg_scale" if params.true_cfg_scale > 1 else "guidance_scale"
+            uncond_row = params.true_cfg_scale > 1 or (params.guidance_scale > 1 and self.model.family != "flux")
+            if uncond_row and self.engine.max_batch_rows < 2:
                 _fail(
                     "engine.max_batch_rows",
                     self.engine.max_batch_rows,
-                    f"rollout.{name}.guidance_scale={params.guidance_scale} runs CFG, two rows per sample; "
-                    f"use engine.max_batch_rows >= 2 or rollout.{name}.guidance_scale <= 1",
+                    f"rollout.{name}.{field_name}={getattr(params, field_name)} runs CFG, two rows per sample; "
+                    f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
                 )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:

@@ -264,12 +264,15 @@ class DiffusionEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} must be a flowrl SamplingParams (or None for the defaults)")
         params.validate(self.adapter.size_multiple, self.adapter.max_image_side, num_samples)
+        self.adapter.check_guidance(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.
         self.adapter.sigmas(params.num_inference_steps, params.height, params.width)
-        if params.uses_cfg and self.max_batch_rows < 2:
+        rows = self.adapter.rows_per_sample(params)
+        if rows > self.max_batch_rows:
+            field = "true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"
             raise ValueError(
-                f"guidance_scale={params.guidance_scale} needs 2 rows per sample but the engine's "
-                f"max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set guidance_scale <= 1"
+                f"{field}={getattr(params, field)} needs {rows} rows per sample (cond + uncond) but the "
+                f"engine's max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set {field} <= 1"
             )
         return params
 
@@ -277,8 +280,11 @@ class DiffusionEngine:
         """The samples of one request: seeds seed + j, one SDE window for all of them."""
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
         window = self._choose_window(params, base_seed)
+        num_rows = self.adapter.rows_per_sample(params)
         return [
-            SampleState(prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future())
+            SampleState(
+                prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future(), num_rows=num_rows
+            )
             for j in range(num_samples)
         ]
 

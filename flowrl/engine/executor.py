@@ -1,12 +1,12 @@
 """Executor: owns the device work. Steps a group of samples with one transformer forward, then
 decodes finished samples in bounded chunks and packages them as DiffusionOutputs.
 
-A step packs every row (CFG rows inside the adapter), calls the shared `sampler.sde_step` once for
-the batch with per-row sigmas, noise levels and noise drawn from each sample's own generator, and
-unpacks the results back into the samples. Nothing in `step` reads a device value back to the
-host, so on a GPU the loop never waits for the device between steps. With `autocast_dtype` set
-(the trainer's mixed precision), the transformer runs under the same torch.autocast as the
-trainer's forward, so rollout and trainer log-probs agree.
+A step packs every row (CFG rows inside the adapter: `SampleState.num_rows` per sample), calls
+the shared `sampler.sde_step` once for the batch with per-row sigmas, noise levels and noise drawn
+from each sample's own generator, and unpacks the results back into the samples. Nothing in
+`step` reads a device value back to the host, so on a GPU the loop never waits for the device
+between steps. With `autocast_dtype` set (the trainer's mixed precision), the transformer runs
+under the same torch.autocast as the trainer's forward, so rollout and trainer log-probs agree.
 
 The executor knows nothing about queues or scheduling (which samples step together is
 scheduler.py's choice) nor about training: it runs the device work it is handed.
@@ -61,16 +61,18 @@ class Executor:
         latents = torch.stack([s.latents for s in group])
         in_window = [s.in_window(s.step) for s in group]
         sigma_values = [s.sigmas[s.step] for s in group]
-        sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device(
+        sigma, sigma_next, cfg_scale, guidance, noise_level, sigma_first = self._host_to_device(
             [
                 sigma_values,
                 [s.sigmas[s.step + 1] for s in group],
+                [self.adapter.cfg_scale(s.params) for s in group],
                 [s.params.guidance_scale for s in group],
                 [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
                 [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
             ]
         ).unbind(0)
-        # 2. one guided forward for every row (CFG rows inside the adapter)
+        # 2. one guided forward for every row (CFG rows inside the adapter; a guidance-distilled
+        #    model also takes guidance_scale for its guidance embedding)
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
@@ -82,10 +84,11 @@ class Executor:
                 sigma,
                 [s.cond for s in group],
                 [s.uncond for s in group],
-                guidance,
+                cfg_scale,
                 p0.height,
                 p0.width,
                 sigma_values=sigma_values,
+                **self.adapter.guidance_embedding_kwargs(guidance),
             )
         # 3. noise from each sample's own generator, for its SDE-window steps only
         if any(in_window):

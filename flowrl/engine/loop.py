@@ -193,12 +193,12 @@ class EngineLoop:
             return
         try:
             texts = [live[0].prompt]
-            if live[0].params.uses_cfg:
+            if live[0].num_rows > 1:  # one request: every sample has the uncond row or none does
                 texts.append(live[0].params.negative_prompt or "")
             encodings = self._encode(texts)
             for s in live:
                 s.cond = encodings[0]
-                s.uncond = encodings[1] if s.params.uses_cfg else None
+                s.uncond = encodings[1] if s.num_rows > 1 else None
                 self.scheduler.add(s)
         except Exception as exc:  # noqa: BLE001 - the error belongs to these callers only
             logger.exception("engine: failed to accept a request")

@@ -1,7 +1,7 @@
 """Everything the trainer checks and builds before training, cheapest and most error-prone first.
 
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
-a group advantage with n=1, unknown reward, a KL reference without LoRA, a GPU device on a machine
+a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the model family cannot honour, a GPU device on a machine
 without one, a schedule with no step to train, an output folder that cannot be written) before any
 model is loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
 model when `model.path` is unset.
@@ -145,5 +145,21 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         from flowrl.rewards import build_reward_from_config
 
         reward = build_reward_from_config(cfg.reward)
-    check_model_path(cfg.model)
+    check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
     return Prepared(train_rows, val_rows, reward)
+
+
+def check_guidance_settings(model_path: Path | None, rollout_cfg) -> None:
+    """rollout.sampling and rollout.val_sampling against the guidance rule of the model's family
+    (flowrl.models.base.check_guidance: e.g. true_cfg_scale on a classifier-free-guidance model),
+    before the model loads. model_path None is the embedded tiny SD3 model."""
+    from flowrl.models.base import check_guidance
+    from flowrl.models.registry import FAMILIES, read_model_family
+
+    family = "sd3" if model_path is None else read_model_family(model_path)
+    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    for name in ("sampling", "val_sampling"):
+        try:
+            check_guidance(kind, getattr(rollout_cfg, name))
+        except ValueError as error:
+            raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
