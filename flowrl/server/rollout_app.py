@@ -117,10 +117,13 @@ class RolloutService:
         async with self.admission.admit(request.num_samples):
             futures = []
             try:
-                for i, prompt in enumerate(request.prompts):
-                    # Prompt 0 carries the request's own seed, so the engine checks it before any sum.
-                    prompt_params = params if i == 0 else params.replace(seed=params.seed + i * n)
-                    futures += self._submit(prompt, n, prompt_params)
+                if n == 1 and len(request.prompts) > 1:  # engine.generate([...])'s path: queued at once
+                    futures = self._submit(self.engine.submit_many, request.prompts, params)
+                else:
+                    for i, prompt in enumerate(request.prompts):
+                        # Prompt 0 carries the request's own seed, so the engine checks it before any sum.
+                        prompt_params = params if i == 0 else params.replace(seed=params.seed + i * n)
+                        futures += self._submit(self.engine.submit_batched, prompt, n, prompt_params)
                 return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
             except BaseException as error:
                 for future in futures:
@@ -131,9 +134,11 @@ class RolloutService:
                     raise BadRequest(f"the server is shutting down ({error})", 503) from None
                 raise BadRequest(f"generation failed: {type(error).__name__}: {error}", 500) from None
 
-    def _submit(self, prompt: str, n: int, params: SamplingParams):
+    @staticmethod
+    def _submit(submit, *args) -> list:
+        """`submit(*args)` of the engine, its refusals as BadRequest."""
         try:
-            return self.engine.submit_batched(prompt, n, params)
+            return submit(*args)
         except ValueError as error:  # SamplingParams.validate and the engine's own request checks
             raise BadRequest(str(error), param=field_of(error)) from None
         except RuntimeError as error:  # the engine no longer serves (shut down)
