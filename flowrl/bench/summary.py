@@ -133,7 +133,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                 f"| {g['max_abs_diff']:.2e} | {passes} |"
             )
     for t in data.get("training_steps", []):
-        if "error" in t:
+        if "error" in t and "seconds_median" not in t:
             lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
             continue
         flops, counted = t.get("flops_forward_backward"), t.get("flops_counted_at_micro_batch")
@@ -146,6 +146,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
             f"(runs: {ms_list(t.get('seconds', []))}), {work}, peak {t['peak_memory_gb'] or 0:.0f} GB"
             f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
             f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}"
+            f"{'; then failed: ' + t['error'] if 'error' in t else ''}"
         )
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
