@@ -4,102 +4,31 @@
 diffusers pipeline that share one transformer and one VAE (so every mode of a benchmark runs the
 very same modules), plus the text geometry used for fake prompts.
 
-Named architectures (random weights, no text encoders):
+Named architectures (random weights, no text encoders; flowrl.models.random_weights builds them
+from the configs of flowrl.models.architectures, and the trainer takes them as `random:NAME`):
 - `sd35-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
   stabilityai/stable-diffusion-3.5-medium (2.24 B transformer parameters); prompts are 77 + 256
   tokens of width 4096 plus a pooled 2048 vector, as CLIP-L/G + T5 give.
+- `sd35-large`: the same with stabilityai/stable-diffusion-3.5-large's transformer (8.06 B).
 - `qwen-image`: QwenImageTransformer2DModel and AutoencoderKLQwenImage with the configs of
   Qwen/Qwen-Image (20.4 B transformer parameters); prompts are 64 tokens of width 3584.
 - `tiny-sd3`, `tiny-qwen`: the modules of `flowrl.models.tiny` (CPU smoke tests).
 
-Big models are built parameter by parameter directly on the target device in the target dtype
-(constructing a 20 B model on the CPU takes minutes). Prompt embeddings are fixed random tensors
-drawn from a hash of the prompt text: realistic shapes, no text encoder. Speed does not depend on
-the weights' values; the initialisation only keeps activations finite (PyTorch's default scale).
-A local diffusers folder loads through `flowrl.models.load_adapter` with its real text encoders.
+Prompt embeddings are fixed random tensors drawn from a hash of the prompt text: realistic
+shapes, no text encoder. A local diffusers folder loads through `flowrl.models.load_adapter` with
+its real text encoders.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, pad_encodings
-from flowrl.models.qwen_image import QwenImageAdapter
-from flowrl.models.sd3 import SD3Adapter
-
-SD35_MEDIUM_TRANSFORMER = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
-SD35_MEDIUM_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=1024,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    shift_factor=0.0609,
-    scaling_factor=1.5305,
-)
-QWEN_IMAGE_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=60,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=3584,
-    guidance_embeds=False,
-    axes_dims_rope=(16, 56, 56),
-)
-QWEN_IMAGE_VAE = dict(  # AutoencoderKLQwenImage's defaults are the published config; stated here
-    base_dim=96,
-    z_dim=16,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-)
-QWEN_IMAGE_SCHEDULER = dict(
-    base_shift=0.5,
-    max_shift=0.9,
-    use_dynamic_shifting=True,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift=1.0,
-)
-
-# name -> (family, text tokens, text width, pooled width or None)
-ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
-    "sd35-medium": ("sd3", 77 + 256, 4096, 2048),
-    "qwen-image": ("qwen_image", 64, 3584, None),
-    "tiny-sd3": ("sd3", 77 + 32, 64, 64),
-    "tiny-qwen": ("qwen_image", 16, 32, None),
-}
+from flowrl.models.architectures import ARCHITECTURES
+from flowrl.models.base import FlowModelAdapter, pad_encodings
+from flowrl.models.random_weights import RANDOM_PREFIX, load_random_adapter
 
 
 @dataclass
@@ -110,149 +39,26 @@ class BenchModel:
     pipeline: object  # the family's diffusers pipeline over the adapter's modules
 
 
-class _RandomPromptsMixin:
-    """encode_prompts without a text encoder: a fixed random (L, D) embedding per prompt text."""
-
-    text_tokens: int
-    text_dim: int
-    pooled_dim: int | None
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
-        out = []
-        for text in prompts:
-            gen = torch.Generator().manual_seed(zlib.crc32(text.encode()))
-            embeds = torch.randn((self.text_tokens, self.text_dim), generator=gen).to(self.device, self.dtype)
-            pooled = None
-            if self.pooled_dim is not None:
-                pooled = torch.randn((self.pooled_dim,), generator=gen).to(self.device, self.dtype)
-            mask = torch.ones(self.text_tokens, dtype=torch.bool, device=self.device)
-            out.append(PromptEncoding(embeds, mask, pooled))
-        return out
-
-
-class BenchSD3Adapter(_RandomPromptsMixin, SD3Adapter):
-    pass
-
-
-class BenchQwenImageAdapter(_RandomPromptsMixin, QwenImageAdapter):
-    pass
-
-
-def _fill_parameter(data: torch.Tensor, name: str, generator: torch.Generator) -> None:
-    """PyTorch's default scale: weights U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norm weights 1; biases 0."""
-    if data.dim() >= 2:
-        bound = 1.0 / math.sqrt(math.prod(data.shape[1:]))
-        data.uniform_(-bound, bound, generator=generator)
-    elif name == "weight":
-        data.fill_(1.0)
-    else:
-        data.zero_()
-
-
-def build_random_module(cls, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """Instantiate `cls(**config)` with parameters allocated and filled directly on `device` in
-    `dtype` (construction happens on the meta device; buffers are built normally, then moved)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        module = cls(**config)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for submodule in module.modules():
-        for name, param in list(submodule._parameters.items()):
-            if param is None:
-                continue
-            data = torch.empty(param.shape, device=device, dtype=dtype)
-            _fill_parameter(data, name, generator)
-            submodule._parameters[name] = torch.nn.Parameter(data, requires_grad=False)
-    return module.to(device=device, dtype=dtype).eval()
-
-
-def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None):
-    from diffusers import (
-        AutoencoderKL,
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-        SD3Transformer2DModel,
-    )
-
-    if name == "sd35-medium":
-        config = dict(SD35_MEDIUM_TRANSFORMER)
-        if num_layers is not None:
-            config["num_layers"] = num_layers
-            config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
-        transformer = build_random_module(SD3Transformer2DModel, config, device, dtype, seed=0)
-        vae = build_random_module(AutoencoderKL, SD35_MEDIUM_VAE, device, dtype, seed=1)
-        return transformer, vae, FlowMatchEulerDiscreteScheduler(shift=3.0)
-    config = dict(QWEN_IMAGE_TRANSFORMER)
-    if num_layers is not None:
-        config["num_layers"] = num_layers
-    transformer = build_random_module(QwenImageTransformer2DModel, config, device, dtype, seed=0)
-    vae = build_random_module(AutoencoderKLQwenImage, QWEN_IMAGE_VAE, device, dtype, seed=1)
-    return transformer, vae, FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
-
-
-def _tiny_modules(name: str, device: torch.device, dtype: torch.dtype):
-    from flowrl.models.tiny import build_tiny_pipeline
-
-    pipe = build_tiny_pipeline("sd3" if name == "tiny-sd3" else "qwen_image", seed=0)
-    modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
-    return modules[0], modules[1], pipe.scheduler
-
-
-def _pipeline(family: str, transformer, vae, scheduler):
-    """The family's diffusers pipeline over these modules, text encoders None (prompts are
-    passed as embeddings)."""
-    if family == "sd3":
-        from diffusers import StableDiffusion3Pipeline
-
-        pipe = StableDiffusion3Pipeline(
-            transformer=transformer,
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            text_encoder_2=None,
-            tokenizer_2=None,
-            text_encoder_3=None,
-            tokenizer_3=None,
-        )
-    else:
-        from diffusers import QwenImagePipeline
-
-        pipe = QwenImagePipeline(
-            scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
-        )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def build_bench_model(
     model: str, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None
 ) -> BenchModel:
-    """A BenchModel for a named architecture (see ARCHITECTURES) or a local diffusers folder.
-    num_layers: build a named architecture with fewer transformer blocks (smoke tests only)."""
+    """A BenchModel for a named architecture (flowrl.models.architectures; `random:NAME` too) or a
+    local diffusers folder. num_layers: build a named architecture with fewer transformer blocks
+    (smoke tests only)."""
     device = torch.device(device)
-    if model not in ARCHITECTURES:
+    name = model.removeprefix(RANDOM_PREFIX)
+    if name not in ARCHITECTURES:
         if num_layers is not None:
             raise ValueError(f"--num-layers={num_layers} applies to named architectures only, not model={model!r}")
         from flowrl.models.registry import load_adapter
 
         adapter = load_adapter(model, device=device, dtype=dtype)  # raises a ValueError naming the fix
         return BenchModel(model, adapter.family, adapter, adapter.pipeline)
-    family, tokens, width, pooled = ARCHITECTURES[model]
-    if model.startswith("tiny-"):
-        if num_layers is not None:
-            raise ValueError(f"--num-layers={num_layers} is for the published architectures, not {model!r}")
-        transformer, vae, scheduler = _tiny_modules(model, device, dtype)
-    else:
-        transformer, vae, scheduler = _random_modules(model, device, dtype, num_layers)
-    pipe = _pipeline(family, transformer, vae, scheduler)
-    adapter_cls = BenchSD3Adapter if family == "sd3" else BenchQwenImageAdapter
-    adapter = adapter_cls(pipe, device, dtype)
-    adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
-    return BenchModel(model, family, adapter, pipe)
+    try:
+        adapter = load_random_adapter(name, device, dtype, num_layers=num_layers, warn=False)
+    except ValueError as error:
+        raise ValueError(str(error).replace("num_layers=", "--num-layers=")) from None
+    return BenchModel(name, adapter.family, adapter, adapter.pipeline)
 
 
 def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[torch.nn.Parameter]:

@@ -1,8 +1,9 @@
 """The one list of supported model families: diffusers pipeline class -> family name -> adapter.
 
 `read_model_family(path)` reads a local diffusers folder's model_index.json and names its family;
-`load_adapter(path, ...)` loads that family's adapter. Adding a family means one adapter module and
-one entry in FAMILIES. (The config's `model.family` choices, flowrl.config, repeat these names;
+`load_adapter(path, ...)` loads that family's adapter. A path `random:NAME` names a published
+architecture with random weights instead (flowrl.models.random_weights). Adding a family means one
+adapter module and one entry in FAMILIES. (The config's `model.family` choices, flowrl.config, repeat these names;
 tests/models/test_adapters.py checks that the two lists agree.)
 """
 
@@ -25,14 +26,23 @@ FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
 
 
 def read_model_family(path: str | Path) -> str:
-    """Return the family name ("sd3", "qwen_image") of a local diffusers folder."""
+    """Return the family name ("sd3", "qwen_image") of a local diffusers folder or `random:NAME`."""
+    from flowrl.models import random_weights
+
+    if random_weights.is_random_path(path):
+        return random_weights.random_family(path)
     return _family_entry(path)[0]
 
 
 def load_adapter(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options
 ) -> FlowModelAdapter:
-    """Load the adapter of the family stored at `path` (a local diffusers folder)."""
+    """Load the adapter of the family stored at `path` (a local diffusers folder), or of
+    `random:NAME` with random weights."""
+    from flowrl.models import random_weights
+
+    if random_weights.is_random_path(path):
+        return random_weights.load_random_adapter(str(path), device=device, dtype=dtype, **options)
     _, adapter_class = _family_entry(path)
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)
 

@@ -3,7 +3,9 @@
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
 a group advantage with n=1, unknown reward, a KL reference without LoRA) before any model is
 loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
-model when `model.path` is unset.
+model when `model.path` is unset; `model.path=random:NAME` is a published architecture with random
+weights (flowrl.models.random_weights), built when the engine loads. `build_engine` loads the
+model into the rollout engine as the trainer runs it.
 """
 
 from __future__ import annotations
@@ -22,19 +24,22 @@ def tiny_model_cache_dir() -> Path:
     return Path(os.environ.get("FLOWRL_CACHE", "outputs")) / TINY_MODEL_DIRNAME
 
 
-def check_model_path(model_cfg) -> Path | None:
-    """The model folder (None: the embedded tiny model); ValueError when it is unusable."""
+def check_model_path(model_cfg) -> Path | str | None:
+    """The model folder, or `random:NAME` as it is (None: the embedded tiny model); ValueError
+    when it is unusable."""
+    from flowrl.models.random_weights import is_random_path
     from flowrl.models.registry import read_model_family
 
     if model_cfg.path is None:
         return None
-    path = Path(model_cfg.path)
-    if not path.exists():
+    path = model_cfg.path if is_random_path(model_cfg.path) else Path(model_cfg.path)
+    if not is_random_path(path) and not path.exists():
         raise ValueError(
             f"model.path={model_cfg.path!r} does not exist; pass a local diffusers folder (written by "
-            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), or leave model.path unset for the tiny model"
+            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), random:NAME for random weights at a "
+            "published architecture, or leave model.path unset for the tiny model"
         )
-    family = read_model_family(path)  # raises for a folder that is not a supported pipeline
+    family = read_model_family(path)  # raises for a folder that is not a supported pipeline, or an unknown NAME
     if model_cfg.family not in ("auto", family):
         raise ValueError(
             f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
@@ -42,14 +47,30 @@ def check_model_path(model_cfg) -> Path | None:
     return path
 
 
-def resolve_model_path(model_cfg) -> Path:
-    """model.path, or the embedded tiny SD3 model (built offline on first use)."""
+def resolve_model_path(model_cfg) -> Path | str:
+    """model.path (a folder or `random:NAME`), or the embedded tiny SD3 model (built offline on
+    first use)."""
     path = check_model_path(model_cfg)
     if path is not None:
         return path
     from flowrl.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
+
+
+def build_engine(cfg):
+    """The rollout engine over `cfg.model`, with the engine limits the trainer runs (compiling is
+    the trainer's, after LoRA injection)."""
+    from flowrl.engine.engine import DiffusionEngine
+
+    return DiffusionEngine.from_pretrained(
+        resolve_model_path(cfg.model),
+        device=cfg.model.resolve_device(),
+        dtype=cfg.model.torch_dtype,
+        max_batch_rows=cfg.engine.max_batch_rows,
+        decode_chunk_size=cfg.engine.decode_chunk_size,
+        **cfg.model.adapter_options(),
+    )
 
 
 @dataclass
