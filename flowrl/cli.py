@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reward-score": ("flowrl.rewards.cli", "score image files with a reward, one score per line"),
     "reward-server": ("flowrl.server.reward_cli", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.data.cli", "write prompt datasets (for example OCR prompts)"),
-    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput and log-prob parity"),
+    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput, log-prob parity, the whole training step"),
 }
 
 
