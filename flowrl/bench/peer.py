@@ -19,9 +19,11 @@ so that `flowrl bench train` can state flowrl's whole step as a ratio to it.
   then clipping, AdamW and the EMA (trainer.ema).
 
 It shares with flowrl only what is not the loop: the adapter's modules and prompt embeddings,
-the decode (flowrl's VAE path, a little faster than a stock pipeline's on Qwen-Image: a favour to
-the peer), the reward object, the advantage function and the EMA class. LoRA runs on peft's own
-forward. The caller sets up the trainable parameters (`flowrl.bench.train_flops.trainable`).
+the reward object, the advantage function and the EMA class, and two pieces that are cheaper than
+the references' own, a favour to the peer: the LoRA layers' forward (flowrl.trainer.lora: the
+low-rank product in the activations' dtype; peft's own copies every adapted projection's input to
+float32 first) and the decode (flowrl's VAE path, on Qwen-Image 0.39 x the stock decode's
+FLOPs). The caller sets up the trainable parameters (`flowrl.bench.train_flops.trainable`).
 """
 
 from __future__ import annotations

@@ -243,6 +243,8 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"- with {p['gpus']} GPUs about {p['hours_at_recipe_size_on_gpus']:.1f} h, if the step splits across them "
             "without loss (not measured)"
         )
+    if peer.get("error"):
+        lines.append(f"- the peer's loop failed: {peer['error']}")
     if data.get("error"):
         lines.append(f"- error: {data['error']}")
     return lines + [""]

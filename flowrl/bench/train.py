@@ -25,6 +25,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -240,25 +241,33 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
     report.data["flops"] = units.as_dict()
     report.save()
     if args.peer_steps:
-        _run_peer(adapter, cfg, prepared, units, args, report, device)
+        try:
+            _run_peer(adapter, cfg, prepared, units, args, report, device)
+        except Exception as exc:  # noqa: BLE001 - flowrl's own step is still worth measuring
+            traceback.print_exc()
+            report.data["peer"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the peer's optimizer states and cached blocks, back before flowrl's run
     trainer = FlowGRPOTrainer(cfg, engine=engine, reward=prepared.reward)
     try:
         _flowrl_step(trainer, units, cfg)  # warm-up: compiles
         reset_peak_memory(device)
         steps = []
+        report.data["flowrl"] = {"steps": steps}
         for _ in range(args.steps):
             steps.append(_flowrl_step(trainer, units, cfg))
+            report.save()  # a run cut short keeps the steps it timed
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
-        report.data["flowrl"] = {"steps": steps, "peak_memory_gb": peak_memory_gb(device)}
+        report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
     finally:
         trainer.scorer.close()
         trainer.logger.close()
         engine.shutdown()
     untrained = sum(not s["rows_trained"] for s in steps + report.data.get("peer", {}).get("steps", []))
     report.data["flowrl"].update(summarize(steps, peak["sustained_flops"]))
-    peer = report.data.get("peer")
-    if peer:
+    peer = report.data.get("peer", {})
+    if "step_seconds" in peer:
         report.data["peer_over_flowrl"] = peer["step_seconds"] / report.data["flowrl"]["step_seconds"]
     report.data["projection"] = projection(cfg, recipe_cfg, report.data["flowrl"], args.project_gpus)
     if untrained:
@@ -271,4 +280,4 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
     from flowrl.bench.summary import train_markdown
 
     print("\n".join(train_markdown("train", report.data)))
-    return 1 if untrained else 0
+    return 1 if untrained or "error" in peer else 0

@@ -52,14 +52,11 @@ def trained_steps_per_sample(cfg) -> int:
 @contextlib.contextmanager
 def trainable(transformer: torch.nn.Module, trainer_cfg):
     """The trainer's trainable parameters (LoRA initialised from trainer.seed, or the whole
-    transformer) on a bare transformer for the duration, LoRA on peft's own forward; removed
-    afterwards, so that the trainer sets itself up on the same modules as on a fresh model."""
+    transformer) on a bare transformer for the duration, as flowrl.trainer.lora sets them up;
+    removed afterwards, so that the trainer sets itself up on the same modules as on a fresh model."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(trainer_cfg.seed)
         params = apply_trainable(transformer, trainer_cfg.lora)
-    for module in transformer.modules():
-        if getattr(module, "_flowrl_lora_forward", False):  # flowrl's per-instance forward off
-            del module.forward, module._flowrl_lora_forward
     try:
         yield params
     finally:
