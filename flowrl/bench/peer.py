@@ -79,7 +79,6 @@ class PeerRollout:
     cond: list
     uncond: list
     uids: list[str]
-    rewards: np.ndarray | None = None
 
 
 class PeerLoop:

@@ -58,14 +58,14 @@ def resolve_model_path(model_cfg) -> Path | str:
     return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
 
 
-def build_engine(cfg):
-    """The rollout engine over `cfg.model`, with the engine limits the trainer runs (compiling is
-    the trainer's, after LoRA injection)."""
+def build_engine(cfg, device: str | None = None):
+    """The rollout engine over `cfg.model` on `device` (None: model.device), with the engine limits
+    the trainer runs (compiling is the trainer's, after LoRA injection)."""
     from flowrl.engine.engine import DiffusionEngine
 
     return DiffusionEngine.from_pretrained(
         resolve_model_path(cfg.model),
-        device=cfg.model.resolve_device(),
+        device=device or cfg.model.resolve_device(),
         dtype=cfg.model.torch_dtype,
         max_batch_rows=cfg.engine.max_batch_rows,
         decode_chunk_size=cfg.engine.decode_chunk_size,

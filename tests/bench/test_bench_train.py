@@ -200,3 +200,17 @@ def test_a_failing_peer_keeps_flowrls_figures(tmp_path, capsys):
     assert code == 1
     assert "sde_type='cps'" in report["peer"]["error"] and report["flowrl"]["step_seconds"] > 0
     assert "the peer's loop failed" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_bench_train_on_cuda_in_bf16(tmp_path):
+    """The CUDA paths (device generators, host row indices into device tensors, bf16 autocast, peak
+    memory) on the tiny model, eager: seconds of GPU time."""
+    cuda = [o for o in TINY if not o.startswith(("model.dtype", "model.device", "trainer.mixed_precision"))]
+    out = tmp_path / "train.json"
+    recipe = str(REPO / "recipes" / "qwen_image_ocr_lora.yaml")
+    argv = ["bench", "train", "--config", recipe, *cuda, *QWEN, "model.device=cuda", "model.dtype=bfloat16"]
+    assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["flowrl"]["peak_memory_gb"] > 0 and report["peer"]["peak_memory_gb"] > 0
+    assert report["peer_over_flowrl"] > 0
