@@ -6,13 +6,23 @@ very same modules), plus the text geometry used for fake prompts.
 
 Named architectures (random weights, no text encoders; flowrl.models.random_weights builds them
 from the configs of flowrl.models.architectures, and the trainer takes them as `random:NAME`):
+- `sd3-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
+  stabilityai/stable-diffusion-3-medium (2.03 B transformer parameters); prompts as sd35-medium's.
 - `sd35-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
   stabilityai/stable-diffusion-3.5-medium (2.24 B transformer parameters); prompts are 77 + 256
   tokens of width 4096 plus a pooled 2048 vector, as CLIP-L/G + T5 give.
 - `sd35-large`: the same with stabilityai/stable-diffusion-3.5-large's transformer (8.06 B).
 - `qwen-image`: QwenImageTransformer2DModel and AutoencoderKLQwenImage with the configs of
   Qwen/Qwen-Image (20.4 B transformer parameters); prompts are 64 tokens of width 3584.
-- `tiny-sd3`, `tiny-qwen`: the modules of `flowrl.models.tiny` (CPU smoke tests).
+- `flux-dev`: FluxTransformer2DModel (guidance embedding) and AutoencoderKL with the configs of
+  black-forest-labs/FLUX.1-dev (11.9 B); prompts are 512 T5 tokens of width 4096 (the pipeline's
+  default max_sequence_length) plus CLIP-L's pooled 768 vector.
+- `z-image`: ZImageTransformer2DModel and AutoencoderKL with the configs of
+  Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
+  architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
+  Qwen3-4B gives.
+- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU
+  smoke tests).
 
 Prompt embeddings are fixed random tensors drawn from a hash of the prompt text: realistic
 shapes, no text encoder. A local diffusers folder loads through `flowrl.models.load_adapter` with
@@ -28,7 +38,9 @@ import torch
 
 from flowrl.models.architectures import ARCHITECTURES
 from flowrl.models.base import FlowModelAdapter, pad_encodings
-from flowrl.models.random_weights import RANDOM_PREFIX, load_random_adapter
+from flowrl.models.random_weights import RANDOM_PREFIX
+from flowrl.models.registry import load_adapter
+from flowrl.sampling_params import SamplingParams
 
 
 @dataclass
@@ -50,12 +62,10 @@ def build_bench_model(
     if name not in ARCHITECTURES:
         if num_layers is not None:
             raise ValueError(f"--num-layers={num_layers} applies to named architectures only, not model={model!r}")
-        from flowrl.models.registry import load_adapter
-
         adapter = load_adapter(model, device=device, dtype=dtype)  # raises a ValueError naming the fix
         return BenchModel(model, adapter.family, adapter, adapter.pipeline)
     try:
-        adapter = load_random_adapter(name, device, dtype, num_layers=num_layers, warn=False)
+        adapter = load_adapter(RANDOM_PREFIX + name, device, dtype, num_layers=num_layers, warn=False)
     except ValueError as error:
         raise ValueError(str(error).replace("num_layers=", "--num-layers=")) from None
     return BenchModel(name, adapter.family, adapter, adapter.pipeline)
@@ -74,24 +84,36 @@ def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[tor
     return apply_trainable(transformer, cfg)
 
 
-def pipeline_prompt_kwargs(bench: BenchModel, prompts: list[str], guidance_scale: float) -> dict:
+def pipeline_prompt_kwargs(
+    bench: BenchModel, prompts: list[str], guidance_scale: float, true_cfg_scale: float = 1.0
+) -> dict:
     """Precomputed prompt embeddings as the family's pipeline takes them (batch = len(prompts)),
-    with the empty negative prompt's embeddings when guidance_scale > 1."""
+    with the empty negative prompt's embeddings when the settings take an uncond row (the
+    adapter's rule: flowrl.models.base)."""
     adapter = bench.adapter
     encodings = adapter.encode_prompts(prompts)
+    settings = SamplingParams(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale)
+    uses_uncond = adapter.rows_per_sample(settings) > 1
+    negative_encodings = adapter.encode_prompts([""]) * len(prompts) if uses_uncond else None
+    if bench.family == "z_image":
+        # Unpadded captions, as the pipeline's own encoder gives them; its guidance_scale is
+        # flowrl's minus 1 (flowrl.models.z_image), and 0 turns guidance off.
+        kwargs = dict(prompt_embeds=[e.embeds for e in encodings], guidance_scale=max(guidance_scale - 1.0, 0.0))
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=[e.embeds for e in negative_encodings])
+        return kwargs
     embeds, mask, pooled = pad_encodings(encodings)
-    uses_cfg = guidance_scale > 1.0
-    negatives = adapter.encode_prompts([""]) * len(prompts) if uses_cfg else None
-    if bench.family == "sd3":
+    negatives = pad_encodings(negative_encodings) if uses_uncond else None
+    if bench.family in ("sd3", "flux"):
         kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance_scale)
-        if uses_cfg:
-            neg_embeds, _, neg_pooled = pad_encodings(negatives)
-            kwargs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
+        if bench.family == "flux":
+            kwargs.update(true_cfg_scale=true_cfg_scale)
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=negatives[0], negative_pooled_prompt_embeds=negatives[2])
         return kwargs
     # Qwen-Image: no mask when nothing is padded (what the pipeline does itself; keeps fast kernels).
     padded = len({e.embeds.shape[0] for e in encodings}) > 1
     kwargs = dict(prompt_embeds=embeds, prompt_embeds_mask=mask if padded else None, true_cfg_scale=guidance_scale)
-    if uses_cfg:
-        neg_embeds, _, _ = pad_encodings(negatives)
-        kwargs.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=None)
+    if uses_uncond:
+        kwargs.update(negative_prompt_embeds=negatives[0], negative_prompt_embeds_mask=None)
     return kwargs

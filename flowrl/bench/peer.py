@@ -4,8 +4,9 @@ so that `flowrl bench train` can state flowrl's whole step as a ratio to it.
 
 - Rollout: for each prompt, a diffusers-pipeline-style loop over its group in calls of B samples
   (B = rollout.n, fewer when engine.max_batch_rows holds fewer rows): the prompt encoded once,
-  the family's transformer called eagerly on cond and uncond rows as the two halves of one batch
-  (through the adapter's `velocity`, before any flowrl fast path is installed: diffusers' forward),
+  the family's transformer called eagerly on cond and uncond rows (where the adapter's guidance
+  rule takes one) as the two halves of one batch (through the adapter's `velocity`, before any
+  flowrl fast path is installed: diffusers' forward),
   Flow-GRPO's SDE step and its log-prob on the window steps written out below from the formula
   (FLOWGRPO.md section 1), the Euler step elsewhere, then the VAE decode of the call and its
   reward submitted to a thread pool, as Flow-GRPO scores a batch while the next one samples.
@@ -39,7 +40,6 @@ import numpy as np
 import torch
 
 from flowrl.bench.flops import synchronize
-from flowrl.bench.train_flops import rows_per_sample
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.lora import adapter_disabled
@@ -94,7 +94,7 @@ class PeerLoop:
             )
         self.adapter, self.cfg, self.reward, self.params = adapter, cfg, reward, params
         self.sampling = sampling
-        self.rows_per_sample = rows_per_sample(sampling)
+        self.rows_per_sample = adapter.rows_per_sample(sampling)
         self.batch = max(1, min(cfg.rollout.n, cfg.engine.max_batch_rows // self.rows_per_sample))
         tcfg = cfg.trainer
         self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
@@ -125,6 +125,14 @@ class PeerLoop:
         start = self.rng.randint(lo, hi - s.sde_window_size)  # one window for the whole step
         return (start, start + s.sde_window_size)
 
+    def _guidance(self, count: int) -> tuple[torch.Tensor, dict]:
+        """velocity's CFG weights (count,) and guidance-embedding arguments for the run's sampling,
+        by the adapter's guidance rule (flowrl.models.base), as the engine passes them."""
+        adapter, s = self.adapter, self.sampling
+        cfg_scale = torch.full((count,), adapter.cfg_scale(s), device=adapter.device)
+        embedded = torch.full((count,), s.guidance_scale, device=adapter.device)
+        return cfg_scale, adapter.guidance_embedding_kwargs(embedded)
+
     # -- rollout -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _pipeline_call(self, row: dict, count: int, window: tuple[int, int]):
@@ -140,12 +148,12 @@ class PeerLoop:
         schedule = adapter.sigmas(s.num_inference_steps, h, w)
         sigma_1 = float(schedule[1])
         sigmas = schedule.to(device)
-        guidance = torch.full((count,), s.guidance_scale, device=device)
+        cfg_scale, guidance = self._guidance(count)
         kept, log_probs = [], []
         for i in range(s.num_inference_steps):
             sigma, sigma_next = sigmas[i].expand(count), sigmas[i + 1].expand(count)
             with self._autocast():
-                v = adapter.velocity(latents, sigma, cond, uncond, guidance, h, w)
+                v = adapter.velocity(latents, sigma, cond, uncond, cfg_scale, h, w, **guidance)
             if window[0] <= i < window[1]:
                 if i == window[0]:
                     kept.append(latents)
@@ -192,7 +200,7 @@ class PeerLoop:
         nxt = rollout.latents[rows, steps + 1]
         sigma, sigma_next = rollout.sigmas[rows, steps], rollout.next_sigmas[rows, steps]
         index = rows.tolist()
-        guidance = torch.full((len(index),), s.guidance_scale, device=adapter.device)
+        cfg_scale, guidance = self._guidance(len(index))
         sigma_1 = float(adapter.sigmas(s.num_inference_steps, s.height, s.width)[1])
         switched = adapter_disabled(adapter.transformer) if reference else contextlib.nullcontext()
         with switched, self._autocast():
@@ -201,9 +209,10 @@ class PeerLoop:
                 sigma,
                 [rollout.cond[i] for i in index],
                 [rollout.uncond[i] for i in index],
-                guidance,
+                cfg_scale,
                 s.height,
                 s.width,
+                **guidance,
             )
         mean, std, std_t = sde_gaussian(latents, v, sigma, sigma_next, s.noise_level, sigma_1)
         return gaussian_log_prob(nxt, mean, std), mean, std_t

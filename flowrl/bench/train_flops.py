@@ -4,7 +4,8 @@ bare model (while counting, and for the peer's loop).
 FLOPs are counted once per configuration with torch.utils.flop_counter (flowrl.bench.flops), on
 one representative call of each kind, on the eager model with the trainer's LoRA in place and
 before anything is compiled (a compiled model's custom ops have no FLOP formulas):
-- `forward_per_row`: one transformer row at the training size (a CFG sample has two rows);
+- `forward_per_row`: one transformer row at the training size (a sample has `rows_per_sample` of
+  them, the adapter's guidance rule: two with an uncond row);
 - `decode_per_image`: one VAE decode;
 - `train_per_sample_step`: forward + backward of one sample's rows at one trained step, without
   gradient checkpointing's recomputed forward;
@@ -28,11 +29,6 @@ import torch
 from flowrl.bench.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
 from flowrl.trainer.lora import apply_trainable, has_lora
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
-
-
-def rows_per_sample(params) -> int:
-    """Transformer rows per sample: cond, plus uncond under classifier-free guidance."""
-    return 2 if params.guidance_scale > 1.0 else 1
 
 
 def window_size(params) -> int:
@@ -74,6 +70,8 @@ class UnitFlops:
     train_per_sample_step: int
     val_forward_per_row: int
     val_decode_per_image: int
+    rows_per_sample: int  # adapter.rows_per_sample of rollout.sampling
+    val_rows_per_sample: int  # and of rollout.val_sampling
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,10 +86,12 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     val_forward = forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt)
     val_decode = decode if same_size else decode_flops_per_image(adapter, v.height, v.width)
     cond = adapter.encode_prompts([prompt])
-    uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows_per_sample(s) == 2 else [None]
+    rows, val_rows = adapter.rows_per_sample(s), adapter.rows_per_sample(v)
+    uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows == 2 else [None]
     device = adapter.device
     latents = torch.randn((1, *adapter.latent_shape(s.height, s.width)), device=device)
-    sigma, guidance = torch.full((1,), 0.5, device=device), torch.full((1,), s.guidance_scale, device=device)
+    sigma, cfg_scale = torch.full((1,), 0.5, device=device), torch.full((1,), adapter.cfg_scale(s), device=device)
+    guidance = adapter.guidance_embedding_kwargs(torch.full((1,), s.guidance_scale, device=device))
     autocast_dtype = MIXED_PRECISION_DTYPES[cfg.trainer.mixed_precision]
     transformer = adapter.transformer
     checkpointing = transformer.is_gradient_checkpointing
@@ -101,7 +101,7 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     def forward_backward():
         autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with torch.enable_grad(), autocast:
-            velocity = adapter.velocity(latents, sigma, cond, uncond, guidance, s.height, s.width)
+            velocity = adapter.velocity(latents, sigma, cond, uncond, cfg_scale, s.height, s.width, **guidance)
         velocity.float().square().mean().backward()
 
     try:
@@ -111,7 +111,7 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
             transformer.enable_gradient_checkpointing()
         for param in transformer.parameters():
             param.grad = None
-    return UnitFlops(forward, decode, train, val_forward, val_decode)
+    return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows)
 
 
 def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
@@ -120,9 +120,8 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
     count 0."""
     s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
     samples = cfg.trainer.prompts_per_step * cfg.rollout.n
-    rows = rows_per_sample(s)
     trained = rows_trained * trained_steps_per_sample(cfg)
-    forward_sample = rows * units.forward_per_row
+    forward_sample = units.rows_per_sample * units.forward_per_row
     flops = {
         "rollout": samples * (s.num_inference_steps * forward_sample + units.decode_per_image),
         "reward_wait": 0.0,
@@ -133,6 +132,7 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
         "weight_sync": 0.0,
     }
     if val_images:
-        per_image = v.num_inference_steps * rows_per_sample(v) * units.val_forward_per_row + units.val_decode_per_image
+        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
+        per_image += units.val_decode_per_image
         flops["validation"] = val_images * per_image
     return {name: float(value) for name, value in flops.items()}

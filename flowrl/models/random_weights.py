@@ -1,7 +1,8 @@
 """Random weights at a published architecture: `model.path=random:NAME`, for speed and memory work
 without downloaded weights (`flowrl bench`, and whole training runs on a GPU).
 
-`load_random_adapter("random:qwen-image", device, dtype)` returns the family's ordinary adapter
+`load_adapter("random:qwen-image", device, dtype)` (flowrl.models.registry, which calls
+`load_random_adapter` with the family's classes) returns the family's ordinary adapter
 (the same class the checkpoint would load, so the engine, the trainer and flowrl.accel treat it
 as the real model) over modules with random weights, with one difference: `encode_prompts` returns
 a fixed random embedding per prompt text (seeded by the text) in place of the text encoders, with
@@ -27,7 +28,6 @@ import torch
 
 from flowrl.models.architectures import ARCHITECTURES, FIXED_LENGTH_TEXT, RANDOM_WEIGHT_MODULES
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
-from flowrl.models.registry import FAMILIES
 
 RANDOM_PREFIX = "random:"
 
@@ -37,20 +37,21 @@ def is_random_path(path) -> bool:
     return str(path).startswith(RANDOM_PREFIX)
 
 
-def architecture_name(path) -> str:
-    """NAME of `random:NAME` (or NAME itself), checked against the known architectures."""
+def architecture_name(path, key: str = "model.path") -> str:
+    """NAME of `random:NAME` (or NAME itself), checked against the known architectures; errors name
+    the setting the path came from as `key`."""
     name = str(path).removeprefix(RANDOM_PREFIX)
     if name not in ARCHITECTURES:
         raise ValueError(
-            f"model.path={str(path)!r} names no random-weight architecture; use random:NAME with NAME one of "
+            f"{key}={str(path)!r} names no random-weight architecture; use random:NAME with NAME one of "
             f"{', '.join(ARCHITECTURES)}, or a local diffusers folder"
         )
     return name
 
 
-def random_family(path) -> str:
-    """The family ("sd3", "qwen_image", ...) of `random:NAME`."""
-    return ARCHITECTURES[architecture_name(path)][0]
+def random_family(path, key: str = "model.path") -> str:
+    """The family ("sd3", "qwen_image", "flux", "z_image") of `random:NAME`."""
+    return ARCHITECTURES[architecture_name(path, key)][0]
 
 
 class RandomPromptsMixin:
@@ -76,10 +77,9 @@ class RandomPromptsMixin:
 
 
 @functools.cache
-def random_adapter_class(family: str) -> type[FlowModelAdapter]:
+def random_adapter_class(adapter_class: type[FlowModelAdapter]) -> type[FlowModelAdapter]:
     """The family's adapter class with random prompt embeddings (one class per family)."""
-    adapter_cls = next(cls for fam, cls in FAMILIES.values() if fam == family)
-    return type(f"Random{adapter_cls.__name__}", (RandomPromptsMixin, adapter_cls), {})
+    return type(f"Random{adapter_class.__name__}", (RandomPromptsMixin, adapter_class), {})
 
 
 def _fill_parameter(data: torch.Tensor, name: str, generator: torch.Generator) -> None:
@@ -116,12 +116,12 @@ def _published_modules(name: str, device: torch.device, dtype: torch.dtype, num_
 
     transformer_cls, config, vae_cls, vae_config, scheduler_config = RANDOM_WEIGHT_MODULES[name]
     config = dict(config)
-    if num_layers is not None:  # fewer blocks of every kind, at the published widths
-        config["num_layers"] = num_layers
+    if num_layers is not None:  # fewer main blocks of every kind, at the published widths
+        for key in ("num_layers", "num_single_layers", "n_layers"):  # FLUX's single-stream; Z-Image's n_layers
+            if key in config:
+                config[key] = num_layers
         if "dual_attention_layers" in config:
             config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
-        if "num_single_layers" in config:
-            config["num_single_layers"] = num_layers
     transformer = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=0)
     vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
     return transformer, vae, diffusers.FlowMatchEulerDiscreteScheduler(**scheduler_config)
@@ -135,13 +135,12 @@ def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
     return modules[0], modules[1], pipe.scheduler
 
 
-def pipeline_over(family: str, transformer, vae, scheduler):
-    """The family's diffusers pipeline over these modules, every other component (text encoders,
-    tokenizers) None: prompts are passed as embeddings."""
+def pipeline_over(pipeline_class: str, transformer, vae, scheduler):
+    """The diffusers pipeline `pipeline_class` over these modules, every other component (text
+    encoders, tokenizers) None: prompts are passed as embeddings."""
     import diffusers
 
-    class_name = next(name for name, (fam, _) in FAMILIES.items() if fam == family)
-    pipeline_cls = getattr(diffusers, class_name)
+    pipeline_cls = getattr(diffusers, pipeline_class)
     own = {"transformer": transformer, "vae": vae, "scheduler": scheduler}
     others = [p for p in inspect.signature(pipeline_cls.__init__).parameters if p not in ("self", *own)]
     pipe = pipeline_cls(**own, **dict.fromkeys(others))
@@ -151,6 +150,8 @@ def pipeline_over(family: str, transformer, vae, scheduler):
 
 def load_random_adapter(
     path: str,
+    pipeline_class: str,
+    adapter_class: type[FlowModelAdapter],
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     num_layers: int | None = None,
@@ -159,6 +160,8 @@ def load_random_adapter(
 ) -> FlowModelAdapter:
     """The adapter of `random:NAME` (or NAME) with random weights, built on `device` in `dtype`.
 
+    pipeline_class, adapter_class: the family's entry of flowrl.models.registry.FAMILIES (its
+    `load_adapter` passes them; that is the way in).
     num_layers: fewer transformer blocks at the published widths (smoke tests; not for tiny-*).
     options: the family adapter's own options (max_sequence_length, ...); with
     max_sequence_length, prompts are as long as the family's encoder would make them
@@ -173,11 +176,16 @@ def load_random_adapter(
         transformer, vae, scheduler = _tiny_modules(family, device, dtype)
     else:
         transformer, vae, scheduler = _published_modules(name, device, dtype, num_layers)
-    adapter = random_adapter_class(family)(pipeline_over(family, transformer, vae, scheduler), device, dtype, **options)
-    length = options.get("max_sequence_length")
-    if length is not None:
-        prefix = FIXED_LENGTH_TEXT.get(family)
-        tokens = prefix + length if prefix is not None else min(tokens, length)
+    length, prefix = options.get("max_sequence_length"), FIXED_LENGTH_TEXT.get(family)
+    if prefix is not None:  # fixed length: the adapter's setting and the prompts' length agree
+        if length is None:
+            options["max_sequence_length"] = tokens - prefix
+        else:
+            tokens = prefix + length
+    elif length is not None:
+        tokens = min(tokens, length)
+    pipeline = pipeline_over(pipeline_class, transformer, vae, scheduler)
+    adapter = random_adapter_class(adapter_class)(pipeline, device, dtype, **options)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     adapter.random_weights = name
     if warn:

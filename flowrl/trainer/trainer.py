@@ -276,10 +276,13 @@ class FlowGRPOTrainer:
         print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
-        """The trained weights for use outside flowrl: a diffusers LoRA folder (`final/lora`), or
-        the transformer (`final/transformer`); with trainer.ema, the moving average's weights the
-        same way under `final/ema/`. Returns the trained weights' folder."""
-        final = self._save_weights(self.output_dir / "final")
+        """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
+        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
+        with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
+        or the transformer). Returns the pipeline folder."""
+        from flowrl.trainer.export import export_pipeline
+
+        final = export_pipeline(self.adapter, self.output_dir / "final", self.step, self.config_dict)
         if self.ema is not None:
             with self.ema.applied():
                 self._save_weights(self.output_dir / "final" / "ema")

@@ -33,6 +33,8 @@ TINY = [
 ]
 QWEN = ["model.path=random:tiny-qwen", "rollout.sampling.num_inference_steps=6", "trainer.micro_batch_size=2"]
 SD35 = ["model.path=random:tiny-sd3", "rollout.sampling.num_inference_steps=3", "trainer.num_val_images=2"]
+FLUX = ["model.path=random:tiny-flux", "rollout.sampling.num_inference_steps=3", "rollout.sampling.guidance_scale=3.5"]
+Z_IMAGE = ["model.path=random:tiny-z-image", "rollout.sampling.num_inference_steps=6", "trainer.micro_batch_size=2"]
 
 
 def _bench(tmp_path, recipe: str, overrides: list[str], *flags: str) -> tuple[int, dict]:
@@ -86,6 +88,26 @@ def test_qwen_recipe_step_without_the_peer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    "recipe, overrides, rows",
+    [("sd35_medium_ocr_lora.yaml", FLUX, 1), ("z_image_ocr_lora.yaml", Z_IMAGE, 2)],
+    ids=["flux", "z_image"],
+)
+def test_step_flops_follow_the_adapters_rows(tmp_path, recipe, overrides, rows):
+    """FLUX.1 [dev]'s guidance goes into its guidance embedding, one row per sample; Z-Image's CFG
+    takes two: the rollout's FLOPs follow the adapter's rule. (The FLUX recipe's PickScore options
+    cannot be overridden away, so FLUX runs the SD3.5 recipe, whose LoRA targets it has.)"""
+    code, report = _bench(tmp_path, recipe, overrides, "--peer-steps", "0")
+    assert code == 0, report.get("error")
+    s, units, flowrl = report["settings"], report["flops"], report["flowrl"]
+    assert s["random_weights"] == overrides[0].removeprefix("model.path=random:")
+    assert s["rows_per_sample"] == units["rows_per_sample"] == rows
+    assert flowrl["phases"]["rollout"]["flops"] == s["samples_per_step"] * (
+        s["steps"] * rows * units["forward_per_row"] + units["decode_per_image"]
+    )
+    assert flowrl["phases"]["update"]["flops"] > 0
+
+
+@pytest.mark.parametrize(
     "args, named",
     [
         (["model.path=random:no-such-model"], "model.path='random:no-such-model'"),
@@ -98,11 +120,22 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, named):
     assert code == 2 and len(err) == 1 and named in err[0]
 
 
-@pytest.mark.parametrize("model, overrides", [("random:tiny-sd3", SD35), ("random:tiny-qwen", QWEN)])
-def test_peer_log_probs_are_flowrls(model, overrides):
+@pytest.mark.parametrize(
+    "recipe, overrides, rows",
+    [
+        ("sd35_medium_ocr_lora.yaml", SD35, 2),
+        ("sd35_medium_ocr_lora.yaml", QWEN, 2),
+        ("sd35_medium_ocr_lora.yaml", FLUX, 1),  # guidance 4.5 into the guidance embedding
+        ("sd35_medium_ocr_lora.yaml", [*FLUX, "rollout.sampling.true_cfg_scale=2.0"], 2),
+        ("z_image_ocr_lora.yaml", Z_IMAGE, 2),
+    ],
+    ids=["sd3", "qwen_image", "flux", "flux_true_cfg", "z_image"],
+)
+def test_peer_log_probs_are_flowrls(recipe, overrides, rows):
     """The peer's SDE step is written out from the formula, not taken from flowrl.sampler: its
     log-probs must be those flowrl's trainer computes for the same transitions, rollout and
-    re-scoring alike, or the two loops would not compute the same thing."""
+    re-scoring alike, or the two loops would not compute the same thing; with the adapter's
+    guidance rule (CFG rows, FLUX's guidance embedding and true CFG) as the engine applies it."""
     from flowrl.bench.peer import PeerLoop
     from flowrl.bench.train import load_bench_config
     from flowrl.bench.train_flops import trainable
@@ -111,7 +144,7 @@ def test_peer_log_probs_are_flowrls(model, overrides):
     from flowrl.trainer.build import build_engine, check_before_loading
     from flowrl.trainer.policy import score_transitions
 
-    cfg = load_bench_config(str(REPO / "recipes" / "sd35_medium_ocr_lora.yaml"), [*TINY, *overrides], "unused")
+    cfg = load_bench_config(str(REPO / "recipes" / recipe), [*TINY, *overrides], "unused")
     prepared = check_before_loading(cfg)
     adapter = build_engine(cfg).adapter
     with trainable(adapter.transformer, cfg.trainer) as params:
@@ -120,18 +153,21 @@ def test_peer_log_probs_are_flowrls(model, overrides):
         peer.close()
         assert all(np.isfinite(f.result()[0]).all() for f in futures)
         embeds, mask, pooled = pad_encodings(rollout.cond)
-        neg_embeds, neg_mask, neg_pooled = pad_encodings(rollout.uncond)
         tensors = {
             "all_latents": rollout.latents,
             "sigmas": rollout.sigmas,
             "next_sigmas": rollout.next_sigmas,
             "prompt_embeds": embeds,
             "prompt_embeds_mask": mask,
-            "negative_prompt_embeds": neg_embeds,
-            "negative_prompt_embeds_mask": neg_mask,
         }
         if pooled is not None:
-            tensors.update(pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=neg_pooled)
+            tensors.update(pooled_prompt_embeds=pooled)
+        assert peer.rows_per_sample == rows and (rollout.uncond[0] is not None) == (rows == 2)
+        if rows == 2:
+            neg_embeds, neg_mask, neg_pooled = pad_encodings(rollout.uncond)
+            tensors.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask)
+            if neg_pooled is not None:
+                tensors.update(negative_pooled_prompt_embeds=neg_pooled)
         spec = TransitionSpec.of(cfg.rollout.sampling)
         rows = torch.arange(rollout.latents.shape[0])
         with torch.no_grad():
@@ -162,7 +198,7 @@ def test_phase_flops_follow_the_algorithm():
     from flowrl.bench.train_flops import UnitFlops, phase_flops
     from flowrl.trainer.cli import load_train_config
 
-    units = UnitFlops(10, 3, 25, 10, 3)
+    units = UnitFlops(10, 3, 25, 10, 3, rows_per_sample=2, val_rows_per_sample=2)  # both recipes run CFG
     cfg = load_train_config(str(REPO / "recipes" / "qwen_image_ocr_lora.yaml"), ["trainer.prompts_per_step=2"])
     flops = phase_flops(units, cfg, rows_trained=20, val_images=4)
     assert flops["rollout"] == 32 * (10 * 2 * 10 + 3)  # 32 samples, 10 steps of 2 rows, one decode each

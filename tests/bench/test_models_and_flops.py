@@ -17,16 +17,19 @@ def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
     assert bench.pipeline.transformer is bench.adapter.transformer and bench.pipeline.vae is bench.adapter.vae
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 def test_flops_count_attention_and_scale_with_rows(name):
     bench = build_bench_model(name, "cpu", torch.float32)
     adapter = bench.adapter
     per_row = flops.transformer_flops_per_row(adapter, 64, 64)
     enc = adapter.encode_prompts(["x", "y"])
     latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    guidance = adapter.guidance_embedding_kwargs(torch.full((2,), 3.5))
     with torch.no_grad():
         two_rows = flops.count_flops(
-            lambda: adapter.velocity(latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64)
+            lambda: adapter.velocity(
+                latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64, **guidance
+            )
         )
         q = torch.randn(1, 2, 128, 16)
         attention = flops.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))

@@ -9,23 +9,31 @@ import torch
 from flowrl.models.architectures import (
     ARCHITECTURES,
     FIXED_LENGTH_TEXT,
+    FLUX_DEV_TRANSFORMER,
     QWEN_IMAGE_TRANSFORMER,
     RANDOM_WEIGHT_MODULES,
+    SD3_MEDIUM_TRANSFORMER,
     SD35_LARGE_TRANSFORMER,
     SD35_MEDIUM_TRANSFORMER,
+    Z_IMAGE_TRANSFORMER,
 )
+from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.random_weights import build_random_module
 from flowrl.models.registry import FAMILIES, load_adapter, read_model_family
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 
 
 @pytest.mark.parametrize(
     "cls_name, config, billions",
     [
+        ("SD3Transformer2DModel", SD3_MEDIUM_TRANSFORMER, 2.03),  # stable-diffusion-3-medium
         ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),  # stable-diffusion-3.5-medium
         ("SD3Transformer2DModel", SD35_LARGE_TRANSFORMER, 8.06),  # stable-diffusion-3.5-large
         ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
+        ("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER, 11.9),  # FLUX.1-dev
+        ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, 6.15),  # Z-Image (-Turbo)
     ],
 )
 def test_published_configs_have_published_sizes(cls_name, config, billions):
@@ -68,11 +76,17 @@ def test_random_adapter_is_the_familys_with_random_prompts(capsys):
 
 
 @pytest.mark.parametrize(
-    "name, cls, length, tokens", [("tiny-sd3", SD3Adapter, 40, 77 + 40), ("tiny-qwen", QwenImageAdapter, 8, 8)]
+    "name, cls, length, tokens",
+    [
+        ("tiny-sd3", SD3Adapter, 40, 77 + 40),
+        ("tiny-flux", FluxAdapter, 40, 40),
+        ("tiny-qwen", QwenImageAdapter, 8, 8),
+        ("tiny-z-image", ZImageAdapter, 8, 8),
+    ],
 )
 def test_prompt_length_follows_max_sequence_length(name, cls, length, tokens):
-    """SD3 pads every prompt to CLIP's 77 + T5's max_sequence_length; Qwen-Image's prompts are as
-    long as they are, at most max_sequence_length."""
+    """SD3 pads every prompt to CLIP's 77 + T5's max_sequence_length, FLUX to T5's alone;
+    Qwen-Image's and Z-Image's prompts are as long as they are, at most max_sequence_length."""
     adapter = load_adapter(f"random:{name}", max_sequence_length=length, warn=False)
     assert isinstance(adapter, cls) and adapter.max_sequence_length == length
     assert adapter.encode_prompts(["x"])[0].embeds.shape[0] == tokens
