@@ -43,6 +43,12 @@
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
+#   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
+#             on random weights, jpeg_compressibility reward, embedded prompts: the Qwen-Image
+#             recipe at 2 prompts x 16 samples, compiled as the recipe runs (~5 min), then the
+#             SD3.5-medium recipe at 1 prompt x 16 with engine.compile=false (~1.5 min: its VAE
+#             decoder compile alone takes 196-250 s, which train-step-sd35 spends)              ~7 min
+#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~5 / ~7 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -142,6 +148,10 @@ script() {
   echo "[gpu_suites] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
+# `flowrl bench train` on random weights: a weight-free reward and the embedded prompts in place of
+# the recipes' OCR reward and prompt files.
+RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
+
 suite() {
   local log=$1 s=$2
   case $s in
@@ -210,6 +220,17 @@ suite() {
       # shellcheck disable=SC2086  # $compiled is a list of flags
       run $s 520 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
         --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 $compiled ;;
+    train-step)
+      suite "$log" train-step-qwen
+      suite "$log" train-step-sd35-eager ;;
+    train-step-qwen)
+      run train-step-qwen 420 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
+        $RANDOM_RUN trainer.prompts_per_step=2 --steps 2 --peer-steps 1 ;;
+    train-step-sd35|train-step-sd35-eager)
+      local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"
+      # shellcheck disable=SC2086  # $RANDOM_RUN and $eager are lists of overrides
+      run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
+        $RANDOM_RUN trainer.prompts_per_step=1 $eager --steps 2 --peer-steps 1 ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \
@@ -292,6 +313,10 @@ suite() {
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
       run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 \
         --gradient-checkpointing --profile
+      # shellcheck disable=SC2086  # $RANDOM_RUN is a list of overrides
+      run smoke-train 120 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:tiny-qwen $RANDOM_RUN \
+        trainer.prompts_per_step=2 rollout.n=2 rollout.sampling.height=64 rollout.sampling.width=64 \
+        rollout.sampling.num_inference_steps=6 engine.compile=false model.max_sequence_length=16 --steps 1 --peak-seconds 0.1
       script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
         --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json"
       run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \

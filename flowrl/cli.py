@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("flowrl.server.serve_cli", "serve a model over HTTP: OpenAI Images API, RL rollouts, weight updates"),
     "reward-server": ("flowrl.server.reward_cli", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.data.cli", "write prompt datasets (for example OCR prompts)"),
-    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput and log-prob parity"),
+    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput, log-prob parity, the whole training step"),
 }
 
 

@@ -94,8 +94,10 @@ def check_finite(node, key: str = "") -> None:
 class ModelConfig:
     """Which checkpoint to load and how.
 
-    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
-        the embedded tiny SD3 model, which the trainer builds offline on first use.
+    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`), or
+        `random:NAME`: random weights at a published architecture (flowrl.models.random_weights;
+        speed and memory runs only). None means the embedded tiny SD3 model, which the trainer
+        builds offline on first use.
     family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.models.architectures import QWEN_IMAGE_SCHEDULER
 from flowrl.models.tiny_flux import build_tiny_flux
 from flowrl.models.tiny_modules import clip_text_config, t5_text_encoder, tiny_kl_vae
 from flowrl.models.tiny_tokenizers import (
@@ -160,15 +161,7 @@ def _build_qwen_image():
         latents_mean=[0.0] * z_dim,
         latents_std=[1.0] * z_dim,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_shift=0.5,
-        max_shift=0.9,
-        use_dynamic_shifting=True,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)  # Qwen-Image's own
     return QwenImagePipeline(
         transformer=transformer,
         scheduler=scheduler,

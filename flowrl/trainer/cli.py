@@ -85,4 +85,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}"
     )
+    if summary.get("random_weights"):
+        print(
+            f"WARNING: trained RANDOM weights (model.path=random:{summary['random_weights']}): a speed run, not a model"
+        )
     return 0

@@ -30,7 +30,7 @@ from flowrl import sampler
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import check_before_loading, resolve_model_path
+from flowrl.trainer.build import build_engine, check_before_loading
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
@@ -67,21 +67,10 @@ class FlowGRPOTrainer:
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
         self.output_dir = Path(tcfg.output_dir)
-        if engine is None:
-            from flowrl.engine.engine import DiffusionEngine
-
-            engine = DiffusionEngine.from_pretrained(
-                resolve_model_path(cfg.model),
-                device=cfg.model.resolve_device(),
-                dtype=cfg.model.torch_dtype,
-                max_batch_rows=cfg.engine.max_batch_rows,
-                decode_chunk_size=cfg.engine.decode_chunk_size,
-                **cfg.model.adapter_options(),
-                prompt_cache_mb=cfg.engine.prompt_cache_mb,
-                prompt_cache_device=cfg.engine.prompt_cache_device,
-            )
-        self.engine = engine
-        self.adapter = engine.adapter
+        self.engine = engine if engine is not None else build_engine(cfg)
+        self.adapter = self.engine.adapter
+        # `model.path=random:NAME`: the architecture's name, said in every step's metrics and the summary.
+        self.random_weights = getattr(self.adapter, "random_weights", None)
         transformer = self.adapter.transformer
         with torch.random.fork_rng(devices=[]):  # LoRA init from trainer.seed: runs repeat exactly
             torch.manual_seed(tcfg.seed)
@@ -108,7 +97,7 @@ class FlowGRPOTrainer:
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
-        self.agent_loop = AgentLoop(engine, cfg.rollout)
+        self.agent_loop = AgentLoop(self.engine, cfg.rollout)
         self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
@@ -183,8 +172,12 @@ class FlowGRPOTrainer:
                     tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
                 )
             )
+            t_sync = time.perf_counter()
             self.policy_version = self.updater.num_optimizer_steps
             self.engine.set_policy_version(self.policy_version)
+            metrics["timing/weight_sync_s"] = time.perf_counter() - t_sync
+        if self.random_weights:
+            metrics["model/random_weights"] = 1.0
         metrics["timing/rollout_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = t_reward - t_rollout
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -354,4 +347,5 @@ class FlowGRPOTrainer:
             "reward_curve": str(curve) if curve else None,
             "final_weights": str(final),
             "metrics": str(self.logger.path),
+            **({"random_weights": self.random_weights} if self.random_weights else {}),
         }
