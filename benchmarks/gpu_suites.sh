@@ -107,12 +107,12 @@ within_budget() {
   if (( LIMIT < 30 )); then echo "[gpu_suites] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
 }
 
-# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
+# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json` (replaced on a rerun), within the budget.
 run() {
   local name=$1 cap=$2 log=$3; shift 3
   within_budget "$name" "$cap" "$log" || return 0
   echo "[gpu_suites] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
-  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
+  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" --overwrite >>"$log" 2>&1
   echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 

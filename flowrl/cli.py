@@ -2,7 +2,9 @@
 
 Each module named in COMMANDS exposes `build_parser(parser)` (adds its arguments to an argparse
 parser) and `run(args) -> int` (the exit code). Only the module of the chosen subcommand is
-imported, so `flowrl --help` and light commands stay fast.
+imported, so `flowrl --help` and light commands stay fast. Options and positional arguments may
+come in any order (`flowrl train key=v --config F key2=v2`), except in commands with their own
+sub-commands (`flowrl data ocr`, `flowrl bench rollout`), where argparse cannot intermix them.
 """
 
 from __future__ import annotations
@@ -45,11 +47,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module_name, help_text = COMMANDS[argv[0]]
+    from flowrl.console import quiet_third_party
+
+    quiet_third_party()
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"flowrl {argv[0]}", description=help_text)
     module.build_parser(parser)
-    args = parser.parse_args(argv[1:])
+    args = parse_any_order(parser, argv[1:])
     return int(module.run(args) or 0)
+
+
+def parse_any_order(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse with options and positionals intermixed (`key=v --config F key2=v2`).
+
+    Plain `parse_args` stops collecting a `nargs="*"` positional at the first option, so overrides
+    after an option fail as "unrecognized arguments". Parsers with sub-commands cannot be parsed
+    intermixed (argparse raises TypeError for them); they keep the plain parse.
+    """
+    try:
+        return parser.parse_intermixed_args(argv)
+    except TypeError:
+        return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
@@ -183,7 +184,17 @@ def _check_rounding_is_used(args) -> None:
 
 
 def run(args) -> int:
+    import sys
+
+    from flowrl.output_paths import OutputExistsError, check_output_file
+
     _check_rounding_is_used(args)
+    try:
+        if args.json:
+            check_output_file(args.json, args.overwrite)
+    except OutputExistsError as error:
+        print(f"flowrl bench {args.bench_command}: error: {error}", file=sys.stderr)
+        return 2
     if args.bench_command == "rollout":
         from flowrl.bench.rollout import run_rollout
 

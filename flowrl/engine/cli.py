@@ -16,6 +16,11 @@ def build_parser(parser):
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
     parser.add_argument("-n", "--num-outputs", type=int, default=1, help="samples per prompt (default 1)")
     parser.add_argument("--out", required=True, help="output folder for PNGs and stats.json")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out folder that flowrl generate did not write",
+    )
     parser.add_argument("--height", type=int, default=None, help="default: 512 (64 for tiny checkpoints)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 10)")
@@ -41,8 +46,16 @@ def resolve_device_dtype(device: str, dtype: str):
 
 
 def run(args) -> int:
-    from flowrl.engine import DiffusionEngine, SamplingParams
+    import sys
 
+    from flowrl.engine import DiffusionEngine, SamplingParams
+    from flowrl.output_paths import OutputExistsError, check_output_folder, write_marker
+
+    try:
+        check_output_folder(args.out, "generate", args.overwrite)
+    except OutputExistsError as error:
+        print(f"flowrl generate: error: {error}", file=sys.stderr)
+        return 2
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     engine = DiffusionEngine.from_pretrained(args.model, device=device, dtype=dtype, max_batch_rows=args.max_batch_rows)
     is_tiny = engine.adapter.transformer.num_parameters() < 10_000_000
@@ -78,6 +91,7 @@ def run(args) -> int:
     stats = engine.stats()
     engine.shutdown()
     (out_dir / "stats.json").write_text(json.dumps({"wall_seconds": elapsed, **stats, "images": written}, indent=2))
+    write_marker(out_dir, "generate", [Path(name).name for name in written] + ["stats.json"])
     print(f"wrote {len(written)} images to {out_dir} in {elapsed:.2f}s")
     print(
         f"forwards {stats['num_forwards']}, rows {stats['num_rows']}, mean rows/forward "

@@ -12,6 +12,7 @@ lower-contrast images score higher); it prints the mean reward of the first and 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 # The embedded tiny run on top of the config defaults (recipes/tiny_cpu.yaml says the same; a test
@@ -53,21 +54,40 @@ def load_train_config(config_path: str | None, overrides: list[str]):
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from flowrl.trainer.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         cfg = load_train_config(args.config, list(args.overrides))
-        from flowrl.trainer.trainer import FlowGRPOTrainer
-
-        trainer = FlowGRPOTrainer(cfg)
     except ValueError as error:
         print(f"flowrl train: error: {error}", file=sys.stderr)
         return 2
+    # Until training starts, a stop signal simply abandons the start-up: nothing is written yet
+    # that a resume would need (the tiny model is written to a staging folder and moved in place).
+    signals = StopSignals()
+    try:
+        with signals, signals.abortable():
+            from flowrl.trainer.trainer import FlowGRPOTrainer
+
+            trainer = FlowGRPOTrainer(cfg)
+    except ValueError as error:
+        print(f"flowrl train: error: {error}", file=sys.stderr)
+        return 2
+    except (PhaseAborted, KeyboardInterrupt):
+        print("flowrl train: interrupted before training started; nothing to resume", file=sys.stderr)
+        return 128 + (signals.requested or signal.SIGINT)
     if args.config is None:
         print(
             f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
             f"outputs in {cfg.trainer.output_dir}"
         )
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as stop:
+        print(resume_hint(stop, args, cfg.trainer.resume), file=sys.stderr)
+        return stop.exit_code
+    finally:
+        trainer.engine.shutdown()
     print(f"steps trained: {summary['steps']}")
     print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
     print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
@@ -75,3 +95,23 @@ def run(args: argparse.Namespace) -> int:
         f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}"
     )
     return 0
+
+
+def resume_hint(stop, args: argparse.Namespace, resume: str) -> str:
+    """The one line printed after an interrupt: where the run stopped and the command that resumes it."""
+    if stop.checkpoint is None:
+        return "flowrl train: stopped before the first step completed; nothing to resume"
+    # trainer.resume=auto resumes from the latest checkpoint; an explicit never/PATH would not.
+    command = train_command(args, [] if resume == "auto" else ["trainer.resume=auto"])
+    saved = "saved at the interrupt" if stop.saved_now else "the latest checkpoint"
+    return f"flowrl train: stopped after step {stop.step}; {stop.checkpoint} ({saved}); resume with: {command}"
+
+
+def train_command(args: argparse.Namespace, extra: list[str] = ()) -> str:
+    """The `flowrl train` command line of `args` (plus `extra` overrides), quoted for a POSIX shell."""
+    import shlex
+
+    words = ["flowrl", "train"]
+    if args.config is not None:
+        words += ["--config", args.config]
+    return shlex.join([*words, *args.overrides, *extra])
