@@ -328,7 +328,7 @@ class FlowGRPOTrainer:
             self._progress.close()
             if not is_clean_exit:  # interrupted or failed: no engine thread may outlive the run
                 self.engine.shutdown()
-            self.scorer.close()
+            self.scorer.close(drop_pending=not is_clean_exit)
             self.logger.close()
             self._progress, self._signals = NO_PROGRESS, None
         if zero_spread.summary():
