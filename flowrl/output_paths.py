@@ -72,3 +72,29 @@ def check_output_file(path: str | Path, overwrite: bool, flag: str = "--overwrit
         raise OutputExistsError(f"{path} is a folder; pass a file path")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path} already exists; choose another path, or pass {flag} to replace it")
+
+
+def file_sizes(folder: str | Path) -> dict[str, int]:
+    """{relative path: size} of every file under `folder`, markers excluded ({} when it is missing)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {
+        file.relative_to(folder).as_posix(): file.stat().st_size
+        for file in folder.rglob("*")
+        if file.is_file() and not file.name.startswith(".flowrl-")
+    }
+
+
+def remove_listed_files(folder: str | Path, names: list[str]) -> None:
+    """Delete the files a marker listed (inside `folder` only), then the folders this left empty."""
+    root = Path(folder).resolve()
+    for name in names:
+        file = (root / name).resolve()
+        if root not in file.parents:
+            continue
+        file.unlink(missing_ok=True)
+        for parent in file.parents:
+            if parent == root or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()

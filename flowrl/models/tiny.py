@@ -23,7 +23,14 @@ from flowrl.models.tiny_tokenizers import (
     build_qwen2_tokenizer,
     build_t5_tokenizer,
 )
-from flowrl.output_paths import check_output_folder, is_foreign_folder, read_marker, write_marker
+from flowrl.output_paths import (
+    check_output_folder,
+    file_sizes,
+    is_foreign_folder,
+    read_marker,
+    remove_listed_files,
+    write_marker,
+)
 
 TINY_MARKER = "tiny"  # the folder's marker file: .flowrl-tiny
 
@@ -250,50 +257,25 @@ def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0, overwrite:
         if all((path / name).is_file() for name in previous.get("files", [])):
             return path
     is_foreign = is_foreign_folder(path, TINY_MARKER)
-    if is_foreign and not overwrite and _existing_kind(path) != kind:
-        check_output_folder(path, TINY_MARKER, overwrite)  # raises, before anything is built
+    # An unmarked folder holding this kind may be an older tiny build: compared once built, below.
+    if not (is_foreign and not overwrite and _existing_kind(path) == kind):
+        check_output_folder(path, TINY_MARKER, overwrite)  # raises before anything is built
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".flowrl-tiny-", dir=path.parent) as staging:
         staged = Path(staging)
         build_tiny_pipeline(kind, seed).save_pretrained(staged, safe_serialization=True)
-        sizes = _file_sizes(staged)
-        if is_foreign and not overwrite and _file_sizes(path) != sizes:
+        sizes = file_sizes(staged)
+        if is_foreign and not overwrite and file_sizes(path) != sizes:
             # An unmarked folder is taken as flowrl's own only when it holds exactly the files
             # (names and sizes) of a tiny build of this kind: one written before markers existed.
             check_output_folder(path, TINY_MARKER, overwrite)
         path.mkdir(exist_ok=True)
-        _remove_own_files(path, [name for name in (previous or {}).get("files", []) if name not in sizes])
+        remove_listed_files(path, [name for name in (previous or {}).get("files", []) if name not in sizes])
         for name in sizes:
             (path / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staged / name, path / name)
     write_marker(path, TINY_MARKER, list(sizes), kind=kind, seed=seed)
     return path
-
-
-def _file_sizes(folder: Path) -> dict[str, int]:
-    """{relative path: size} of every file under `folder` (markers excluded)."""
-    if not folder.is_dir():
-        return {}
-    return {
-        file.relative_to(folder).as_posix(): file.stat().st_size
-        for file in folder.rglob("*")
-        if file.is_file() and not file.name.startswith(".flowrl-")
-    }
-
-
-def _remove_own_files(folder: Path, names: list[str]) -> None:
-    """Delete files an earlier build listed in its marker (inside `folder` only), then the folders
-    that this left empty."""
-    root = folder.resolve()
-    for name in names:
-        file = (folder / name).resolve()
-        if root not in file.parents:
-            continue
-        file.unlink(missing_ok=True)
-        for parent in file.parents:
-            if parent == root or not parent.is_dir() or any(parent.iterdir()):
-                break
-            parent.rmdir()
 
 
 def parameter_counts(path: str | Path) -> dict[str, int]:
