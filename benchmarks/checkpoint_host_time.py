@@ -27,8 +27,9 @@ from flowrl.bench.logprob import PROMPT, _rollout_tensors
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import resolve_device_dtype, saved_activation_bytes, synchronize
 from flowrl.engine.engine import DiffusionEngine
+from flowrl.engine.output import TransitionSpec
 from flowrl.sampling_params import SamplingParams
-from flowrl.trainer.policy import TransitionSpec, score_transitions
+from flowrl.trainer.policy import score_transitions
 
 
 def main() -> None:

@@ -65,6 +65,18 @@ def check_output_folder(folder: str | Path, command: str, overwrite: bool, flag:
     )
 
 
+def prepare_output_folder(folder: str | Path, command: str, overwrite: bool, flag: str = "--overwrite") -> Path:
+    """`check_output_folder`, then delete the files `command`'s marker lists (its previous output: a
+    re-run replaces it whole, no stale file stays behind); returns the folder, created."""
+    check_output_folder(folder, command, overwrite, flag)
+    folder = Path(folder)
+    previous = read_marker(folder, command)
+    if previous is not None:
+        remove_listed_files(folder, previous.get("files", []))  # the marker stays until the new one replaces it
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def check_output_file(path: str | Path, overwrite: bool, flag: str = "--overwrite") -> None:
     """Raise OutputExistsError when `path` exists and overwrite is off."""
     path = Path(path)

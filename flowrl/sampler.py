@@ -36,12 +36,16 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 @dataclass
 class StepResult:
     """next_latents (B, ...); log_prob (B,) (undefined where std == 0: those rows are ODE steps);
-    mean (B, ...) the Gaussian mean; std (B,) the transition std (used by the KL term)."""
+    mean (B, ...) the Gaussian mean; std (B,) the transition std; kl_std (B,) the std the KL term
+    divides by (`kl_to_reference`): for "sde" the diffusion coefficient std_t = a * sqrt(s / (1 - s))
+    without the step's sqrt(-dt), as Flow-GRPO's KL (and the betas tuned with it) has it; for
+    "cps" the transition std itself."""
 
     next_latents: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    kl_std: torch.Tensor
 
 
 def _per_row(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -98,12 +102,14 @@ def sde_step(
         std_t = torch.where(a > 0, a * torch.sqrt(s / (1.0 - s_den)), torch.zeros_like(s))
         mean = x + v * dt + (std_t**2 / (2.0 * s)) * (x + (1.0 - s) * v) * dt
         std = std_t * torch.sqrt(-dt)
+        kl_std = std_t
     else:  # cps
         angle = a * (math.pi / 2.0)
         std = s_next * torch.sin(angle)
         x0_hat = x - s * v
         x1_hat = x + (1.0 - s) * v
         mean = (1.0 - s_next) * x0_hat + s_next * torch.cos(angle) * x1_hat
+        kl_std = std
 
     if next_latents is None:
         nxt = mean + std * noise.float()
@@ -123,6 +129,7 @@ def sde_step(
         log_prob=_mean_over_elements(log_prob),
         mean=mean,
         std=std.reshape(-1),
+        kl_std=kl_std.reshape(-1),
     )
 
 
@@ -134,11 +141,13 @@ def ode_step(
     return x + velocity.float() * (_per_row(sigma_next, x) - _per_row(sigma, x))
 
 
-def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between two Gaussians with the same std: mean over elements of (mu - mu_ref)^2 / (2 std^2),
-    per row (B,)."""
-    sq = _mean_over_elements((mean.float() - mean_ref.float()) ** 2)
-    return sq / (2.0 * std.float() ** 2)
+def kl_to_reference(step: StepResult, mean_ref: torch.Tensor) -> torch.Tensor:
+    """The KL term of `step` (the policy's) to the reference policy's step mean `mean_ref`, per row
+    (B,): mean over elements of (mu - mu_ref)^2 / (2 kl_std^2) (see StepResult.kl_std). For "sde"
+    this is Flow-GRPO's form, which divides by std_t^2 and not by the transition variance
+    std_t^2 * (-dt): the published KL weights (e.g. 0.04 for SD3.5) were tuned with it."""
+    sq = _mean_over_elements((step.mean.float() - mean_ref.float()) ** 2)
+    return sq / (2.0 * step.kl_std.float() ** 2)
 
 
 def default_sde_window(num_steps: int) -> tuple[int, int]:

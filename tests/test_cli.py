@@ -1,11 +1,58 @@
-"""The `flowrl` entry point: options and overrides in any order for every command that takes both."""
+"""Every command's command line: each flag has a help text that ends with its default, bad
+arguments print one line and exit 2 (flowrl.cli.CommandParser), and options and overrides come in
+any order for every command that takes both."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 import yaml
 
-from flowrl.cli import main
+from flowrl.cli import COMMANDS, command_parser, main, parse_any_order
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """The parser and every sub-parser under it (`flowrl data ocr`, `flowrl bench rollout`)."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_flag_has_help_with_its_default(name):
+    for parser in _parsers(command_parser(name)):
+        text = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            label = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{label} has no help"
+            has_default = action.default not in (None, False, [], "", argparse.SUPPRESS) and action.option_strings
+            if has_default and not action.required:
+                assert "default" in parser._get_formatter()._get_help_string(action).lower(), label
+        assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--steps", "x"],
+        ["eval", "--model"],
+        ["data", "ocr", "--num", "x"],
+        ["make-tiny", "--kind", "bogus", "out"],
+        ["bench", "rollout", "--steps", "0"],
+        ["config", "shows"],
+    ],
+)
+def test_bad_arguments_print_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"flowrl {argv[0]}")
 
 
 @pytest.fixture
@@ -40,12 +87,5 @@ def test_train_takes_overrides_before_and_after_config(recipe, capsys):
 
 
 def test_train_parses_intermixed_arguments():
-    import argparse
-
-    from flowrl.cli import parse_any_order
-    from flowrl.trainer.cli import build_parser
-
-    parser = argparse.ArgumentParser()
-    build_parser(parser)
-    args = parse_any_order(parser, ["a=1", "--config", "F", "b=2"])
+    args = parse_any_order(command_parser("train"), ["a=1", "--config", "F", "b=2"])
     assert args.config == "F" and args.overrides == ["a=1", "b=2"]

@@ -16,16 +16,7 @@ from flowrl.config import (
     load_config,
 )
 from flowrl.sampling_params import SamplingParams
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+from flowrl.trainer.resume import flatten as _flatten
 
 
 def test_defaults_load_as_plain_dataclasses():
@@ -189,10 +180,7 @@ def test_slices_are_independent_dataclasses():
     assert sections == {"model", "engine", "rollout", "algorithm", "trainer", "reward", "data", "logging"}
     # A component validates its own slice without the root.
     assert cfg.rollout.validate() is cfg.rollout
-    assert (
-        cfg.trainer.resolve_grad_accum(cfg.trainer.prompts_per_step * cfg.rollout.n) * cfg.trainer.micro_batch_size
-        >= cfg.trainer.prompts_per_step * cfg.rollout.n
-    )
+    assert cfg.trainer.updates_per_step >= 1 and cfg.trainer.ema.validate() is cfg.trainer.ema
 
 
 def test_cli_config_show_prints_resolved_yaml(capsys):

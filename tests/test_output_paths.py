@@ -44,9 +44,11 @@ def test_generate_refuses_a_foreign_out_folder_before_loading_anything(tmp_path,
 def test_generate_writes_a_marker_and_may_rewrite_its_own_folder(tiny_sd3_path, tmp_path):
     out = tmp_path / "samples"
     argv = ["generate", "--model", str(tiny_sd3_path), "--prompt", "a cat", "--out", str(out), "--steps", "2"]
+    assert main([*argv, "--prompt", "a dog"]) == 0
+    assert "stats.json" in read_marker(out, "generate")["files"] and len(list(out.glob("*.png"))) == 2
+    (out / "notes.txt").write_text("mine")  # with the marker present, only generate's own files are replaced
     assert main(argv) == 0
-    assert "stats.json" in read_marker(out, "generate")["files"]
-    assert main(argv) == 0
+    assert len(list(out.glob("*.png"))) == 1 and (out / "notes.txt").read_text() == "mine"
 
 
 def test_data_and_bench_refuse_an_existing_file(tmp_path, capsys):

@@ -89,11 +89,26 @@ def test_rows_are_independent_of_batch_mates():
 
 
 def test_kl_is_zero_for_equal_means_and_positive_otherwise():
-    mean = rand(2, 10, seed=19)
-    std = torch.tensor([0.1, 0.2])
-    assert torch.equal(sampler.kl_to_reference(mean, mean, std), torch.zeros(2))
-    kl = sampler.kl_to_reference(mean, mean + 0.1, std)
-    torch.testing.assert_close(kl, 0.01 / (2 * std**2))
+    x, v = rand(2, 10, seed=19), rand(2, 10, seed=20)
+    step = sampler.sde_step(x, v, torch.tensor([0.8, 0.5]), torch.tensor([0.6, 0.3]), 0.7, "sde", noise=x)
+    assert torch.equal(sampler.kl_to_reference(step, step.mean), torch.zeros(2))
+    kl = sampler.kl_to_reference(step, step.mean + 0.1)
+    torch.testing.assert_close(kl, 0.01 / (2 * step.kl_std**2))
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_kl_std_is_the_references(sde_type):
+    """The KL divides by Flow-GRPO's std: for "sde" the diffusion coefficient a * sqrt(s / (1 - s))
+    (sigma_1 in place of s = 1), without the step's sqrt(-dt); for "cps" the transition std."""
+    x, v = rand(3, 6, seed=21), rand(3, 6, seed=22)
+    s, s_next, a = torch.tensor([1.0, 0.7, 0.4]), torch.tensor([0.85, 0.4, 0.1]), 0.7
+    step = sampler.sde_step(x, v, s, s_next, a, sde_type, noise=x, sigma_first_step=torch.full((3,), 0.85))
+    if sde_type == "sde":
+        s_den = torch.tensor([0.85, 0.7, 0.4])
+        torch.testing.assert_close(step.kl_std, a * torch.sqrt(s / (1 - s_den)))
+        torch.testing.assert_close(step.std, step.kl_std * torch.sqrt(s - s_next))
+    else:
+        torch.testing.assert_close(step.kl_std, step.std)
 
 
 def test_bad_arguments():

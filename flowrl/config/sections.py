@@ -10,7 +10,8 @@ This module knows nothing about models, engines or trainers: it only describes a
 
 Every choice list is a `Literal` type on its field, its one home: `check_choices` (run by each
 section's `validate()`, and by the loader on every file and override value) rejects any other
-value, naming the field and the choices. Code that needs a list as a tuple takes
+value, naming the field and the choices. `check_finite` (run first by the root's `validate()`)
+rejects NaN and infinity in every float of every section. Code that needs a list as a tuple takes
 `typing.get_args` of the type (`StdMode`, `MixedPrecision`, `OldLogProbSource`, and
 `flowrl.sampling_params.SdeType`).
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowrl.sampling_params import SamplingParams
+from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
 StdMode = Literal["global", "group"]
@@ -65,8 +67,27 @@ def check_choices(section, prefix: str) -> None:
 
 
 def _check_min(key: str, value, minimum, strict: bool = False) -> None:
-    if value is not None and (value <= minimum if strict else value < minimum):
+    # Written as "not above" so that NaN, which compares False with everything, fails too.
+    if value is not None and not (value > minimum if strict else value >= minimum):
         _fail(key, value, f"must be {'>' if strict else '>='} {minimum}")
+
+
+def check_finite(node, key: str = "") -> None:
+    """Every float anywhere in `node` (a config dataclass, with its nested dataclasses, tuples,
+    lists and mappings) is finite: NaN or infinity is never a meaningful setting (a NaN guidance
+    scale would silently turn CFG off, a NaN learning rate would train on garbage)."""
+    if dataclasses.is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            _fail(key, node, "must be a finite number (not NaN or infinity)")
+        return
+    for name, value in items:
+        check_finite(value, f"{key}.{name}" if key else str(name))
 
 
 @dataclass
@@ -75,21 +96,34 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
+    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's;
+        Qwen-Image and Z-Image: the longest prompt, shorter ones stay unpadded). None: the family's
+        default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024, Z-Image 512); the pipelines
+        allow up to 512 (SD3, FLUX, Z-Image) and 1024 (Qwen-Image).
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
+    max_sequence_length: int | None = None
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             _fail("model.device", self.device, "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check_min("model.max_sequence_length", self.max_sequence_length, 1)
         return self
+
+    def adapter_options(self) -> dict:
+        """Keyword options of the family's adapter (`flowrl.models.registry.load_adapter`): the
+        settings given here, the family's defaults for those left at None."""
+        if self.max_sequence_length is None:
+            return {}
+        return {"max_sequence_length": self.max_sequence_length}
 
     def resolve_device(self) -> str:
         """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""
@@ -110,6 +144,8 @@ class ModelConfig:
 # `compile` and `compile_rounding`): the one list of each, which flowrl.accel reads.
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 CompileRounding = Literal["eager", "fused"]
+# Where the engine keeps prompt encodings (flowrl.engine.prompt_cache): host memory or the device.
+PromptCacheDevice = Literal["host", "device"]
 
 
 @dataclass
@@ -125,6 +161,9 @@ class EngineConfig:
         (only where kernels write); the trainer's log-prob values come from the rollout's graph
         either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
     num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
+    prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
+        0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
+        copied to the device per request) or "device" (no copy, costs device memory).
     """
 
     max_batch_rows: int = 32
@@ -132,10 +171,13 @@ class EngineConfig:
     compile: bool = False
     compile_rounding: CompileRounding = "eager"
     num_replicas: int = 1
+    prompt_cache_mb: int = 1024
+    prompt_cache_device: PromptCacheDevice = "host"
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
+        _check_min("engine.prompt_cache_mb", self.prompt_cache_mb, 0)
         check_choices(self, "engine")
         if self.compile_rounding != "eager" and not self.compile:
             raise ValueError(
@@ -188,7 +230,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, FLUX, Z-Image) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:
@@ -209,9 +251,11 @@ class AlgorithmConfig:
 
     adv_estimator: "flow_grpo": (r - mean_group) / (std + std_eps), clamped to +-adv_clip_max.
     std_mode: "global" (std over the whole batch, Flow-GRPO default) or "group" (per prompt).
-    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "keep"
-        leaves those rows in the loss (as the reference code does), "drop" removes them. Either way
-        the trainer reports their share as `zero_std_ratio`.
+    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "drop"
+        removes its rows from the update (as Flow-GRPO does with rows whose advantage is zero),
+        "keep" leaves them in, where they add nothing to the policy gradient but still count in
+        its mean (shrinking it by the share of such rows) and in the KL term. Either way the
+        trainer reports their share as `zero_std_ratio`.
     clip_range: PPO ratio clip epsilon. kl_beta: weight of the KL to the reference (LoRA off).
     old_log_prob: PPO denominator: the rollout's log-prob, or a recompute by the trainer before
         the update.
@@ -222,7 +266,7 @@ class AlgorithmConfig:
     std_mode: StdMode = "global"
     std_eps: float = 1e-4
     adv_clip_max: float = 5.0
-    zero_std_policy: Literal["keep", "drop"] = "keep"
+    zero_std_policy: Literal["keep", "drop"] = "drop"
     zero_std_threshold: float = 1e-6
     clip_range: float = 1e-4
     kl_beta: float = 0.0
@@ -270,6 +314,26 @@ class LoraConfig:
 
 
 @dataclass
+class EmaConfig:
+    """An exponential moving average of the trained weights (Flow-GRPO's: decay 0.9 every 8
+    optimizer steps), which validation samples with and checkpoints save beside the weights.
+
+    After every `update_every`-th optimizer step t: ema += (1 - d) * (weights - ema), with
+    d = min(decay, (1 + t) / (10 + t)) (a warm-up: early averages follow the weights faster).
+    """
+
+    enabled: bool = False
+    decay: float = 0.9
+    update_every: int = 8
+
+    def validate(self) -> "EmaConfig":
+        if not 0.0 <= self.decay < 1.0:
+            _fail("trainer.ema.decay", self.decay, "must be in [0, 1), e.g. 0.9")
+        _check_min("trainer.ema.update_every", self.update_every, 1)
+        return self
+
+
+@dataclass
 class TrainerConfig:
     """The training loop.
 
@@ -277,10 +341,15 @@ class TrainerConfig:
         prompt dataset (None: cycle until total_steps). Training stops at whichever comes first.
     prompts_per_step: prompts per step; the step holds prompts_per_step * rollout.n samples.
     update_epochs: passes of updates over one rollout batch.
-    micro_batch_size: samples per forward/backward in the update.
-    grad_accum: micro-batches per optimizer step; None derives it so that one optimizer step
-        covers the whole rollout batch (see `resolve_grad_accum`).
-    resume: "auto" (latest checkpoint in output_dir, if any), "never", or a checkpoint path.
+    updates_per_step: optimizer steps per pass: the pass's samples (shuffled) split into this many
+        mini-batches of (nearly) equal size, one optimizer step each; every step after the first
+        is slightly off-policy, which is where the PPO clip acts (the references use 2).
+    micro_batch_size: samples per forward/backward in the update; gradients accumulate over a
+        mini-batch's micro-batches, every trained (sample, step) pair weighing the same.
+    ema: an exponential moving average of the trained weights (EmaConfig).
+    resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
+        path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
+    overwrite: a new run deletes another run's files in output_dir first (and nothing else).
     save_every / val_every / log_every: in steps; 0 disables saving / validation.
     num_val_images: validation prompts (one ODE sample each, fixed seeds).
     """
@@ -290,8 +359,8 @@ class TrainerConfig:
     epochs: int | None = None
     prompts_per_step: int = 4
     update_epochs: int = 1
+    updates_per_step: int = 1
     micro_batch_size: int = 8
-    grad_accum: int | None = None
     lr: float = 1e-3
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
@@ -299,9 +368,11 @@ class TrainerConfig:
     mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     save_every: int = 10
     val_every: int = 10
     resume: str = "auto"
+    overwrite: bool = False
     log_every: int = 1
     seed: int = 42
     num_val_images: int = 4
@@ -313,8 +384,8 @@ class TrainerConfig:
             "epochs",
             "prompts_per_step",
             "update_epochs",
+            "updates_per_step",
             "micro_batch_size",
-            "grad_accum",
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
@@ -328,14 +399,11 @@ class TrainerConfig:
             _fail("trainer.output_dir", self.output_dir, "give a folder for checkpoints and metrics")
         if not self.resume:
             _fail("trainer.resume", self.resume, "use 'auto', 'never' or a checkpoint path")
+        if not 0 <= self.seed <= MAX_SEED:
+            _fail("trainer.seed", self.seed, f"must be in [0, {MAX_SEED}]")
         self.lora.validate()
+        self.ema.validate()
         return self
-
-    def resolve_grad_accum(self, samples_per_step: int) -> int:
-        """Micro-batches per optimizer step: explicit, or enough to cover samples_per_step."""
-        if self.grad_accum is not None:
-            return self.grad_accum
-        return max(1, -(-samples_per_step // self.micro_batch_size))
 
 
 @dataclass
@@ -455,8 +523,23 @@ class FlowRLConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> "FlowRLConfig":
+        check_finite(self)
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        for name in ("sampling", "val_sampling"):
+            params = getattr(self.rollout, name)
+            # An uncond row: true CFG on any family, or guidance_scale > 1 on the classifier-free-
+            # guidance families (FLUX.1 [dev] embeds its guidance_scale instead; the engine applies
+            # the family's exact rule, flowrl.models.base, once the model is known).
+            field_name = "true_cfg_scale" if params.true_cfg_scale > 1 else "guidance_scale"
+            uncond_row = params.true_cfg_scale > 1 or (params.guidance_scale > 1 and self.model.family != "flux")
+            if uncond_row and self.engine.max_batch_rows < 2:
+                _fail(
+                    "engine.max_batch_rows",
+                    self.engine.max_batch_rows,
+                    f"rollout.{name}.{field_name}={getattr(params, field_name)} runs CFG, two rows per sample; "
+                    f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
+                )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
             _fail(

@@ -3,7 +3,10 @@
 Latent layout: (16, H/8, W/8), the transformer's own input layout. Text: CLIP-L + CLIP-G + T5,
 encoded by the pipeline's own `encode_prompt`; every prompt has the same fixed length
 (77 + max_sequence_length), so no mask is needed and the stored mask is all True.
-Timestep scaling: the transformer takes sigma * 1000.
+Timestep scaling: the transformer takes sigma * 1000, in float32 whatever the model dtype, as
+StableDiffusion3Pipeline passes its scheduler's timesteps: the transformer's sinusoidal timestep
+embedding runs in float32 and casts to the model dtype only after it, so a bf16 timestep would
+move the embedding's input by up to about 2 (of 1000) from what the model was trained with.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from flowrl.models.base import (
     cfg_forward_inputs,
     combine_cfg,
     pad_encodings,
-    to_uint8,
 )
+from flowrl.models.kl_vae import decode_kl_latents, prepare_kl_vae
 from flowrl.models.schedule import schedule_sigmas
 
 
 class SD3Adapter(FlowModelAdapter):
     family = "sd3"
     size_multiple = 16  # VAE factor 8 times patch size 2
+    max_sequence_length_limit = 512  # T5's, as the pipeline allows
     default_lora_targets = (
         "attn.to_q",
         "attn.to_k",
@@ -41,11 +45,12 @@ class SD3Adapter(FlowModelAdapter):
         super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
+        # SD3 crops its position embedding from a pos_embed_max_size^2 grid of patches.
+        grid = self.transformer.config.pos_embed_max_size
+        if grid:
+            self.max_image_side = grid * self.transformer.config.patch_size * self.vae_scale_factor
         self._sigma_cache: dict[int, torch.Tensor] = {}
-        # cuDNN's convolutions run NHWC on the GPU; an NCHW VAE makes every conv transpose its
-        # input and output, a sizeable share of a short rollout's device time.
-        self.vae_memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
-        self.vae.to(memory_format=self.vae_memory_format)
+        self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
@@ -97,7 +102,7 @@ class SD3Adapter(FlowModelAdapter):
         embeds, _, pooled = pad_encodings(encodings)
         out = self.transformer(
             hidden_states=hidden.to(self.dtype),
-            timestep=(timestep * 1000.0).to(self.dtype),
+            timestep=timestep.float() * 1000.0,  # float32, as the pipeline (module docstring)
             encoder_hidden_states=embeds.to(self.dtype),
             pooled_projections=pooled.to(self.dtype),
             return_dict=False,
@@ -105,10 +110,5 @@ class SD3Adapter(FlowModelAdapter):
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
 
     # --- VAE -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        config = self.vae.config
-        scaled = latents / config.scaling_factor + config.shift_factor
-        scaled = scaled.to(self.vae.dtype).contiguous(memory_format=self.vae_memory_format)
-        image = self.vae.decode(scaled, return_dict=False)[0]
-        return to_uint8(image)
+        return decode_kl_latents(self.vae, latents, self.vae_memory_format)

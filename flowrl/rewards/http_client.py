@@ -7,6 +7,11 @@ Wire format (JSON only, never pickle). POST `<url>/score` with either
 The answer is {"reward": name, "scores": [float | null], "components": {name: [float | null]}};
 null marks a row an optional remote component could not score (NaN here).
 
+A batch is sent as several requests when it is larger than `max_request_images` images or
+`max_request_bytes` encoded bytes (the server refuses bodies and batches past its limits with
+413). `token` (or the FLOWRL_REWARD_TOKEN environment variable) is sent as
+`Authorization: Bearer <token>` for a server started with one.
+
 Transient failures (connection errors, timeouts, HTTP 408/429/5xx) are retried up to
 `max_attempts` times with exponential backoff (a 429/503 Retry-After header is honoured, capped
 by `max_backoff_s`). Other 4xx answers mean our request is wrong and fail at once. A remote
@@ -19,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -29,6 +35,7 @@ from PIL import Image
 from flowrl.rewards.base import Reward, RewardError
 
 RETRYABLE_STATUS = frozenset({408, 429})
+TOKEN_ENV = "FLOWRL_REWARD_TOKEN"  # the bearer token, read by the server and the client
 
 
 def encode_png(image_chw: np.ndarray) -> bytes:
@@ -36,20 +43,6 @@ def encode_png(image_chw: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
-
-
-def decode_png(data: bytes, field: str = "image") -> np.ndarray:
-    """PNG (or any PIL-readable RGB image) bytes -> (3, H, W) uint8; ValueError naming `field`."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except Exception as error:
-        raise ValueError(
-            f"{field} is not a readable image ({type(error).__name__}: {error}); send RGB PNG bytes"
-        ) from error
-    if image.mode != "RGB":
-        raise ValueError(f"{field} has mode {image.mode!r}; send 8-bit RGB images (convert RGBA/L to RGB first)")
-    return np.asarray(image).transpose(2, 0, 1).copy()
 
 
 def encode_png_base64(image_chw: np.ndarray) -> str:
@@ -98,6 +91,9 @@ class HttpReward(Reward):
         max_attempts: int = 4,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        token: str | None = None,
+        max_request_images: int = 32,
+        max_request_bytes: int = 32 * 2**20,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
@@ -111,6 +107,14 @@ class HttpReward(Reward):
             raise ValueError(
                 f"http options timeout_s={timeout_s}, backoff_s={backoff_s}, max_backoff_s={max_backoff_s} must be positive"
             )
+        for name, value in (("max_request_images", max_request_images), ("max_request_bytes", max_request_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"http option {name}={value!r} must be an integer >= 1")
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        if token is not None and not isinstance(token, str):
+            raise ValueError(f"http option token must be a string (or set {TOKEN_ENV})")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.max_request_images, self.max_request_bytes = max_request_images, max_request_bytes
         self.score_url = url.rstrip("/") + "/score"
         self.transport = transport
         self.max_attempts, self.backoff_s, self.max_backoff_s = (
@@ -121,33 +125,43 @@ class HttpReward(Reward):
         self.client = client or httpx.Client(timeout=httpx.Timeout(timeout_s))
         self._sleep = sleep
 
-    def _request_kwargs(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> dict:
+    def _encode(self, image: np.ndarray):
+        return encode_png(image) if self.transport == "multipart" else encode_png_base64(image)
+
+    def _request_kwargs(self, encoded: list, prompts: list[str], metadata: list[dict]) -> dict:
         if self.transport == "json":
-            payload = {
-                "images": [encode_png_base64(image) for image in images],
-                "prompts": prompts,
-                "metadata": metadata,
-            }
-            return {"json": payload}
-        files = [("images", (f"{row}.png", encode_png(image), "image/png")) for row, image in enumerate(images)]
+            return {"json": {"images": encoded, "prompts": prompts, "metadata": metadata}}
+        files = [("images", (f"{row}.png", data, "image/png")) for row, data in enumerate(encoded)]
         return {"files": files, "data": {"request": json.dumps({"prompts": prompts, "metadata": metadata})}}
 
-    def _raise_if_remote_reward_failed(self, response: httpx.Response) -> None:
+    def _request_slices(self, encoded: list) -> list[slice]:
+        """Consecutive row ranges within max_request_images and max_request_bytes (one image at least)."""
+        slices, start, size = [], 0, 0
+        for row, data in enumerate(encoded):
+            if row > start and (row - start >= self.max_request_images or size + len(data) > self.max_request_bytes):
+                slices.append(slice(start, row))
+                start, size = row, 0
+            size += len(data)
+        return [*slices, slice(start, len(encoded))]
+
+    def _raise_if_remote_reward_failed(self, response: httpx.Response, first_row: int) -> None:
         try:
             body = response.json()
         except ValueError:
             return
         if isinstance(body, dict) and body.get("error") == "reward_failed":
             cause = f"remote reward {body.get('reward')!r} at {self.score_url}: {body.get('cause')}"
-            raise RewardError(self.name, body.get("row"), cause)
+            row = body.get("row")
+            raise RewardError(self.name, first_row + row if isinstance(row, int) else row, cause)
 
-    def post(self, **request_kwargs) -> dict:
-        """POST with bounded retries; returns the decoded JSON answer."""
+    def post(self, first_row: int = 0, **request_kwargs) -> dict:
+        """POST with bounded retries; returns the decoded JSON answer (first_row: the batch row of
+        the request's first image, for a remote failure's row)."""
         last_error = "no attempt made"
         for attempt in range(1, self.max_attempts + 1):
             wait_s = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
             try:
-                response = self.client.post(self.score_url, **request_kwargs)
+                response = self.client.post(self.score_url, headers=self.headers, **request_kwargs)
             except httpx.TransportError as error:  # connect/read errors and timeouts
                 last_error = f"{type(error).__name__}: {error}"
             else:
@@ -155,7 +169,7 @@ class HttpReward(Reward):
                     return response.json()
                 last_error = f"HTTP {response.status_code}: {response.text[:300]}"
                 if response.status_code >= 500:
-                    self._raise_if_remote_reward_failed(response)
+                    self._raise_if_remote_reward_failed(response, first_row)
                 elif response.status_code not in RETRYABLE_STATUS:
                     raise HttpRewardError(
                         self.score_url, attempt, last_error + " (not retried: the request was rejected)"
@@ -168,17 +182,22 @@ class HttpReward(Reward):
         raise HttpRewardError(self.score_url, self.max_attempts, last_error)
 
     def score_batch_with_components(self, images, prompts, metadata):
-        answer = self.post(**self._request_kwargs(images, prompts, metadata))
-        scores = scores_from_json(answer.get("scores"), "scores")
-        if scores.shape != (len(prompts),):
-            raise ValueError(
-                f"reward service at {self.score_url} returned {scores.shape[0]} scores for {len(prompts)} images"
-            )
-        components = {
-            name: scores_from_json(values, f"components.{name}")
-            for name, values in (answer.get("components") or {}).items()
-        }
-        return scores, components or {self.name: scores}
+        encoded = [self._encode(image) for image in images]
+        scores, components = [], {}
+        for rows in self._request_slices(encoded):
+            answer = self.post(rows.start, **self._request_kwargs(encoded[rows], prompts[rows], metadata[rows]))
+            part = scores_from_json(answer.get("scores"), "scores")
+            count = rows.stop - rows.start
+            if part.shape != (count,):
+                raise ValueError(
+                    f"reward service at {self.score_url} returned {part.shape[0]} scores for {count} images"
+                )
+            scores.append(part)
+            for name, values in (answer.get("components") or {}).items():
+                components.setdefault(name, []).append(scores_from_json(values, f"components.{name}"))
+        total = np.concatenate(scores)
+        joined = {name: np.concatenate(parts) for name, parts in components.items() if len(parts) == len(scores)}
+        return total, joined or {self.name: total}
 
     def close(self) -> None:
         self.client.close()

@@ -4,23 +4,33 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 - `trainable.safetensors`  the trainable parameters by name (LoRA weights, or the full transformer)
 - `optimizer.safetensors`  every tensor of the optimizer state, keyed `<param name>.<state key>`
 - `rng.safetensors`        torch CPU (and CUDA) generator states
+- `ema.safetensors`        with `trainer.ema`: the moving average of the trainable parameters, with
+                           the keys of `trainable.safetensors` (its meta in state.json, "ema")
 - `lora/`                  the LoRA in diffusers format (`pipe.load_lora_weights(dir)`), when LoRA
 - `state.json`             step, policy version, data position, optimizer hyper-parameters, Python
-                           and numpy RNG states, and the run's config. Written last: a checkpoint
-                           folder without it is incomplete and ignored.
+                           and numpy RNG states, and the run's config.
+- `manifest.json`          every other file of the folder (any file: `ema.safetensors` and the like
+                           are covered without being named here) with its size and sha256. Written
+                           last.
 
 A checkpoint is written to a temporary folder and renamed into place, so a crash mid-write never
-leaves a folder that looks complete. It knows parameters by name, the optimizer and the RNGs;
-what the trainer's own state means (the `state.json` entries it passes) it leaves to the trainer.
+leaves a folder that looks complete; the manifest catches what the rename cannot: bytes damaged,
+truncated or deleted later. `verify_checkpoint` checks every file against it (size first, then
+hash) and raises `CheckpointError` naming the file; a folder written before manifests existed
+loads with a warning that it cannot be verified. It knows parameters by name, the optimizer and
+the RNGs; what the trainer's own state means (the `state.json` entries it passes) it leaves to
+the trainer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,34 +42,150 @@ from flowrl.trainer.lora import has_lora, load_trainable_state_dict, save_lora_f
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is damaged or incomplete; the message names the file and the fault."""
+
+
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step_{step:06d}"
+    return Path(output_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """Every `checkpoints/step_N` folder under output_dir, newest (highest step) first."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under output_dir, or None."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "state.json").is_file()
-    ]
-    return max(found)[1] if found else None
+    """The newest checkpoint under output_dir that has a state.json (unverified), or None."""
+    return next((p for p in checkpoint_dirs(output_dir) if (p / STATE).is_file()), None)
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """trainer.resume: "auto" (latest in output_dir, None if there is none), "never", or a path."""
+# --- manifest ----------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files_of(folder: Path) -> list[str]:
+    """Every file under folder (recursive, POSIX relative paths), the manifest excepted."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """List every file of `folder` with its size and sha256 in folder/manifest.json."""
+    files = {
+        name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in _files_of(folder)
+    }
+    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
+
+
+def _read_json(path: Path, folder: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder}: {path.name} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"checkpoint {folder}: {path.name} is not valid JSON (torn or damaged: {error})"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {folder}: {path.name} holds {type(data).__name__}, not a JSON object")
+    return data
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check every file of the checkpoint at `path` against its manifest: presence, then size, then
+    sha256. Raises CheckpointError naming the first bad file; returns False (not verifiable) for a
+    folder without a manifest, True when every file matches."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} is not a folder")
+    if not (folder / MANIFEST).is_file():
+        _read_json(folder / STATE, folder)  # still catch a missing or torn state.json
+        return False
+    files = _read_json(folder / MANIFEST, folder).get("files")
+    if not isinstance(files, dict) or STATE not in files:
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} lists no files (damaged)")
+    for name, entry in files.items():
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+        ):
+            raise CheckpointError(f"checkpoint {folder}: {MANIFEST} has a damaged entry for {name}")
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {folder}: {name} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} has {size} bytes, the manifest says {entry['size']} (size mismatch: truncated?)"
+            )
+    for name, entry in files.items():
+        if _sha256(folder / name) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} does not match its sha256 (checksum mismatch: damaged bytes)"
+            )
+    _read_json(folder / STATE, folder)
+    return True
+
+
+def _warn_unverified(folder: Path) -> None:
+    print(
+        f"warning: checkpoint {folder} has no {MANIFEST} (written by an older flowrl), so its files cannot be verified",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
+    """The checkpoint `trainer.resume` names, verified.
+
+    "never": None. "auto": the newest checkpoint under output_dir that verifies (one line on
+    stderr for each newer one skipped, saying why); None if there is none. A path: that checkpoint,
+    or CheckpointError naming the bad file (no fallback: the user asked for this one).
+    """
     if resume == "never":
         return None
-    if resume == "auto":
-        return latest_checkpoint(output_dir)
-    path = Path(resume)
-    if not (path / "state.json").is_file():
-        raise ValueError(
-            f"trainer.resume={resume!r} is not a complete checkpoint folder (no state.json); use 'auto', "
-            f"'never' or a folder like {checkpoint_dir(output_dir, 10)}"
-        )
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / STATE).is_file() and not (path / MANIFEST).is_file():
+            raise CheckpointError(
+                f"trainer.resume={resume!r} is not a checkpoint folder (no {STATE}); use 'auto', "
+                f"'never' or a folder like {checkpoint_dir(output_dir, 10)}"
+            )
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as error:
+            raise CheckpointError(
+                f"trainer.resume={resume!r}: {error}; pick another checkpoint or use 'auto'"
+            ) from None
+        if not verified:
+            _warn_unverified(path)
+        return path
+    for path in checkpoint_dirs(output_dir):
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as error:
+            print(f"warning: skipping {error}", file=sys.stderr, flush=True)
+            continue
+        if not verified:
+            _warn_unverified(path)
+        return path
+    return None
 
 
 # --- optimizer state as tensors + JSON ---------------------------------------------------------
@@ -131,8 +257,10 @@ def save_checkpoint(
     param_names: list[str],
     trainer_state: dict,
     config: dict | None = None,
+    ema=None,
 ) -> Path:
-    """Write the checkpoint of `step` (see the module docstring); returns its folder."""
+    """Write the checkpoint of `step` (see the module docstring); returns its folder.
+    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none)."""
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -149,23 +277,61 @@ def save_checkpoint(
     if has_lora(transformer) and hasattr(adapter, "pipeline"):
         save_lora_for_diffusers(adapter, tmp / "lora")
     state = {"step": step, "trainer": trainer_state, "optimizer": opt_meta, "rng": rng_meta, "config": config}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    if ema is not None:
+        ema_tensors, state["ema"] = ema.state_dict()
+        save_file(ema_tensors, str(tmp / "ema.safetensors"))
+    (tmp / STATE).write_text(json.dumps(state, indent=1))
+    write_manifest(tmp)  # last: it covers every file written above
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
 
 
+def read_checkpoint_state(path: str | Path) -> dict:
+    """The checkpoint's state.json (step, trainer state, optimizer meta, RNG, config), unverified."""
+    return _read_json(Path(path) / STATE, Path(path))
+
+
+def _load_tensors(folder: Path, name: str, device: str = "cpu") -> dict:
+    try:
+        return load_file(str(folder / name), device=device)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder}: {name} is missing") from None
+    except Exception as error:  # safetensors raises its own error types for a damaged header
+        raise CheckpointError(f"checkpoint {folder}: {name} cannot be read ({type(error).__name__}: {error})") from None
+
+
 def load_checkpoint(
-    path: str | Path, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[str]
+    path: str | Path,
+    transformer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    verify: bool = True,
+    ema=None,
 ) -> dict:
-    """Restore weights, optimizer and RNG from `path`; return {"step", "trainer", "config"}."""
+    """Restore weights, optimizer and RNG (and `ema`'s averages, when given and saved) from `path`;
+    return {"step", "trainer", "config", "ema_restored"}.
+
+    verify=True checks the folder against its manifest first (`verify_checkpoint`); pass False
+    only for a folder that `find_resume_checkpoint` has just verified.
+    """
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
-    device = next(transformer.parameters()).device
-    load_trainable_state_dict(transformer, load_file(str(path / "trainable.safetensors"), device=str(device)))
+    if verify and not verify_checkpoint(path):
+        _warn_unverified(path)
+    state = read_checkpoint_state(path)
+    device = str(next(transformer.parameters()).device)
+    load_trainable_state_dict(transformer, _load_tensors(path, "trainable.safetensors", device))
     _optimizer_from_files(
-        optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)), state["optimizer"], param_names
+        optimizer, _load_tensors(path, "optimizer.safetensors", device), state["optimizer"], param_names
     )
-    _rng_from_files(load_file(str(path / "rng.safetensors")), state["rng"])
-    return {"step": state["step"], "trainer": state["trainer"], "config": state.get("config")}
+    _rng_from_files(_load_tensors(path, "rng.safetensors"), state["rng"])
+    ema_restored = ema is not None and "ema" in state
+    if ema_restored:
+        ema.load_state_dict(_load_tensors(path, "ema.safetensors", device), state["ema"])
+    return {
+        "step": state["step"],
+        "trainer": state["trainer"],
+        "config": state.get("config"),
+        "ema_restored": ema_restored,
+    }

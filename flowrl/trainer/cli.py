@@ -57,24 +57,27 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.trainer.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        cfg = load_train_config(args.config, list(args.overrides))
-    except ValueError as error:
-        print(f"flowrl train: error: {error}", file=sys.stderr)
-        return 2
     # Until training starts, a stop signal simply abandons the start-up: nothing is written yet
     # that a resume would need (the tiny model is written to a staging folder and moved in place).
     signals = StopSignals()
     try:
+        cfg = load_train_config(args.config, list(args.overrides))
         with signals, signals.abortable():
+            from flowrl.config import config_to_dict
+            from flowrl.trainer.resume import plan_run
+
+            plan = plan_run(cfg, config_to_dict(cfg))  # before the model loads: a finished run loads nothing
+            if plan.finished:
+                print(f"flowrl train: {plan.finished}")
+                return 0
             from flowrl.trainer.trainer import FlowGRPOTrainer
 
-            trainer = FlowGRPOTrainer(cfg)
+            trainer = FlowGRPOTrainer(cfg, plan=plan)
     except ValueError as error:
         print(f"flowrl train: error: {error}", file=sys.stderr)
         return 2
     except (PhaseAborted, KeyboardInterrupt):
-        print("flowrl train: interrupted before training started; nothing to resume", file=sys.stderr)
+        print("flowrl train: interrupted before training started; run the same command to start again", file=sys.stderr)
         return 128 + (signals.requested or signal.SIGINT)
     if args.config is None:
         print(
@@ -84,11 +87,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = trainer.fit()
     except TrainingInterrupted as stop:
-        print(resume_hint(stop, args, cfg.trainer.resume), file=sys.stderr)
+        print(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
         return stop.exit_code
     finally:
         trainer.engine.shutdown()
-    print(f"steps trained: {summary['steps']}")
+    trained, reached = summary["steps_trained"], summary["steps"]
+    print(
+        f"steps trained: {trained}"
+        + (f" (resumed at step {reached - trained}, now at {reached})" if trained != reached else "")
+    )
     print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
     print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
     print(
@@ -97,12 +104,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def resume_hint(stop, args: argparse.Namespace, resume: str) -> str:
+def resume_hint(stop, args: argparse.Namespace, tcfg) -> str:
     """The one line printed after an interrupt: where the run stopped and the command that resumes it."""
     if stop.checkpoint is None:
-        return "flowrl train: stopped before the first step completed; nothing to resume"
-    # trainer.resume=auto resumes from the latest checkpoint; an explicit never/PATH would not.
-    command = train_command(args, [] if resume == "auto" else ["trainer.resume=auto"])
+        return (
+            f"flowrl train: stopped before a step completed; nothing to resume (the files this run wrote were "
+            f"removed from {tcfg.output_dir}, so the same command starts it again)"
+        )
+    # The same command resumes unless it names another checkpoint or deletes this run's files.
+    extra = [] if tcfg.resume == "auto" else ["trainer.resume=auto"]
+    extra += ["trainer.overwrite=false"] if tcfg.overwrite else []
+    command = train_command(args, extra)
     saved = "saved at the interrupt" if stop.saved_now else "the latest checkpoint"
     return f"flowrl train: stopped after step {stop.step}; {stop.checkpoint} ({saved}); resume with: {command}"
 

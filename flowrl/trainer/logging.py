@@ -1,9 +1,12 @@
 """Where training metrics and pictures go.
 
 - `<output_dir>/metrics.jsonl`: one JSON object per step (always written). On resume the lines of
-  steps after the checkpoint are dropped first, so the file reads like one uninterrupted run.
-- tensorboard event files under `<output_dir>/tensorboard` (logging.tensorboard), wandb when
-  logging.wandb is on (imported only then).
+  steps after the checkpoint are dropped first, so the file reads like one uninterrupted run. A
+  torn last line (a crash mid-write) is dropped with a warning; a damaged line elsewhere is an
+  error naming the file and line.
+- tensorboard event files under `<output_dir>/tensorboard` (logging.tensorboard); on resume the
+  events of steps after the checkpoint are removed from the existing files, so no step is shown
+  twice whichever reader loads them. wandb when logging.wandb is on (imported only then).
 - `save_image_grid` / `grid_captions`: validation images captioned with prompt, target text and
   reward (PNG).
 - `plot_reward_curve`: reward mean per step from metrics.jsonl (PNG), written at the end.
@@ -15,9 +18,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _json_number(value):
@@ -41,15 +49,16 @@ class MetricsLogger:
     ):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.output_dir / "metrics.jsonl"
+        self.path = self.output_dir / METRICS_FILE
         self._truncate_after(resume_step)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(
-                str(self.output_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
-            )
+            tb_dir = self.output_dir / TENSORBOARD_DIR
+            if resume_step:
+                drop_tensorboard_events_after(tb_dir, resume_step)
+            self._tb = SummaryWriter(str(tb_dir), purge_step=resume_step + 1 if resume_step else None)
         self._wandb = None
         if wandb:
             try:
@@ -67,12 +76,8 @@ class MetricsLogger:
         if step == 0:
             self.path.unlink()
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [line for line, record in _parse_metrics(self.path) if record["step"] <= step]
+        _replace_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step}
@@ -110,11 +115,69 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def _replace_text(path: Path, text: str) -> None:
+    """Write `text` to path atomically (a crash leaves the old or the new file, never half)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _parse_metrics(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
+    """(line, record) for every line of metrics.jsonl; see `read_metrics` for damaged lines."""
+    lines = path.read_text(errors="replace").splitlines()
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    parsed = []
+    for index, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as error:
+            if index == len(numbered) - 1:
+                if not warn:
+                    break
+                print(
+                    f"warning: {path} line {number} is incomplete (a crash mid-write?); dropped it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+            raise ValueError(
+                f"{path} line {number} is damaged ({error}); delete or repair that line (each line is one "
+                "JSON object with a step)"
+            ) from None
+        parsed.append((line, record))
+    return parsed
+
+
+def read_metrics(path: str | Path, warn: bool = True) -> list[dict]:
+    """The records of a metrics.jsonl ([] when there is none). A torn last line is dropped, with a
+    warning on stderr unless warn=False; a damaged line before it raises ValueError naming the file
+    and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _parse_metrics(path, warn)]
+
+
+def drop_tensorboard_events_after(tb_dir: str | Path, step: int) -> None:
+    """Rewrite the event files under tb_dir without the events of steps after `step` (a torn last
+    record is dropped too); files with nothing to drop are left untouched."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(Path(tb_dir).rglob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [raw for raw in records if Event.FromString(raw).step <= step]
+        if len(kept) == len(records) and sum(len(r) + 16 for r in records) == path.stat().st_size:
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        writer = RecordWriter(tmp.open("wb"))
+        for raw in kept:
+            writer.write(raw)
+        writer.close()
+        os.replace(tmp, path)
 
 
 def grid_captions(prompts: list[str], scores, targets=None) -> list[str]:

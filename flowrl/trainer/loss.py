@@ -3,7 +3,10 @@
 For one trained denoising step of a micro-batch of samples:
     ratio = exp(log_prob - old_log_prob)
     loss  = mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))   (+ kl_beta * mean KL)
-Rows with weight 0 (NaN rewards, dropped zero-std groups) are excluded from the means.
+Rows with weight 0 (NaN rewards, dropped zero-std groups) are excluded from the means. The loss
+that is optimized divides the weighted sums by `normalizer` when given: the weight of every
+(row, step) pair of the whole optimizer step, so that a micro-batch's loss is its exact share of
+that step's mean and every pair weighs the same however the rows were cut into micro-batches.
 
 Metrics follow the Flow-GRPO reference: clipfrac = share of rows with |ratio - 1| > eps,
 approx_kl = 0.5 * mean((log_prob - old_log_prob)^2).
@@ -20,7 +23,8 @@ import torch
 
 @dataclass
 class PolicyLossOutput:
-    """loss: scalar tensor with grad (policy loss + kl_beta * kl); the rest are detached floats."""
+    """loss: scalar tensor with grad (policy loss + kl_beta * kl, both divided by the normalizer
+    when one is given); the rest are detached floats, means over this call's counted rows."""
 
     loss: torch.Tensor
     policy_loss: float
@@ -44,11 +48,13 @@ def clipped_policy_loss(
     kl: torch.Tensor | None = None,
     kl_beta: float = 0.0,
     weights: torch.Tensor | None = None,
+    normalizer: float | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss of one trained step; every tensor is (B,).
 
     kl: per-row KL to the reference (None when kl_beta is 0). weights: 1 for rows that count,
-    0 for excluded rows (None: all count).
+    0 for excluded rows (None: all count). normalizer: what the loss's weighted sums divide by
+    (module docstring); None: this call's own weight, a plain weighted mean.
     """
     if not clip_range > 0:
         raise ValueError(f"algorithm.clip_range={clip_range} must be > 0 (e.g. 1e-4)")
@@ -60,13 +66,12 @@ def clipped_policy_loss(
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = _weighted_mean(torch.maximum(unclipped, clipped), weights)
-    loss = policy_loss
-    kl_value = 0.0
-    if kl is not None:
-        kl_mean = _weighted_mean(kl.float(), weights)
-        loss = loss + kl_beta * kl_mean
-        kl_value = float(kl_mean.detach())
+    surrogate = torch.maximum(unclipped, clipped)
+    objective = surrogate if kl is None else surrogate + kl_beta * kl.float()
+    scale = weights.sum().clamp_min(1.0) if normalizer is None else max(float(normalizer), 1e-12)
+    loss = (objective * weights).sum() / scale
+    policy_loss = _weighted_mean(surrogate, weights)
+    kl_value = 0.0 if kl is None else float(_weighted_mean(kl.float(), weights).detach())
 
     with torch.no_grad():
         counted = weights > 0

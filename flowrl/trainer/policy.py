@@ -3,8 +3,9 @@
 For the rows of a micro-batch and one trained window step per row, rebuild exactly what the engine
 computed: the guided velocity (cond and uncond rows through `adapter.velocity`, from the stored
 prompt embeddings) at the stored latent and sigma, then `sampler.sde_step(..., next_latents=)` on
-the stored next latent. Same function, same inputs: on CPU float32 the result equals the rollout's
-log-prob up to batch-shape rounding.
+the stored next latent, each row with the settings it was drawn with (its `TransitionSpec`:
+noise level, guidance scale, step count and so its schedule's sigma_1). Same function, same
+inputs: on CPU float32 the result equals the rollout's log-prob up to batch-shape rounding.
 
 The reference policy (for the KL term) is the same transformer with its LoRA adapter disabled.
 
@@ -29,14 +30,15 @@ rollout engine.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from flowrl import sampler
 from flowrl.config.sections import MixedPrecision
+from flowrl.engine.output import TransitionSpec
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
-from flowrl.sampling_params import SdeType
 
 # trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
 # of the rollout engine's: DiffusionEngine.set_mixed_precision).
@@ -45,18 +47,6 @@ MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-
-@dataclass
-class TransitionSpec:
-    """What the trainer must know about how the rollouts were sampled (one value per batch)."""
-
-    height: int
-    width: int
-    num_inference_steps: int
-    noise_level: float
-    sde_type: SdeType
-    guidance_scale: float
 
 
 def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
@@ -103,17 +93,85 @@ class _StepInputs:
     sigma_values: list[float]
     cond: list[PromptEncoding]
     uncond: list[PromptEncoding | None]
+    # Per-row settings (B,): what the engine's step used for each row. cfg_scale: the CFG weight
+    # (adapter.cfg_scale); guidance: SamplingParams.guidance_scale, for a guidance embedding.
+    cfg_scale: torch.Tensor
+    guidance: torch.Tensor
+    noise_level: torch.Tensor
+    sigma_first: torch.Tensor
+    # Shared by every row (TransitionSpec.group_key).
+    height: int
+    width: int
+    sde_type: str
+
+
+def _row_specs(specs: TransitionSpec | Sequence[TransitionSpec], num_rows: int) -> list[TransitionSpec]:
+    """One spec per row: `specs` itself, or a single spec repeated for every row."""
+    if isinstance(specs, TransitionSpec):
+        return [specs] * num_rows
+    specs = list(specs)
+    assert len(specs) == num_rows, f"{len(specs)} transition specs for {num_rows} rows"
+    return specs
 
 
 def _step_inputs(
-    tensors: dict[str, torch.Tensor], step_index: torch.Tensor, spec: TransitionSpec, device
+    adapter: FlowModelAdapter,
+    tensors: dict[str, torch.Tensor],
+    step_index: torch.Tensor,
+    specs: TransitionSpec | Sequence[TransitionSpec],
 ) -> _StepInputs:
+    device = adapter.device
+    specs = _row_specs(specs, step_index.shape[0])
+    keys = {spec.group_key for spec in specs}
+    if len(keys) > 1:
+        raise ValueError(
+            f"rows scored together were drawn with different sizes or step types {sorted(keys)}; "
+            "score each TransitionSpec.group_key separately"
+        )
     sigma_values = tensors["sigmas"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
     cond = _encodings(tensors, "", device)
-    uses_cfg = spec.guidance_scale > 1.0 and "negative_prompt_embeds" in tensors
-    uncond = _encodings(tensors, "negative_", device) if uses_cfg else [None] * len(cond)
-    return _StepInputs(latents, next_latents, sigma, sigma_next, sigma_values, cond, uncond)
+    uncond = [None] * len(cond)
+    if "negative_prompt_embeds" in tensors:
+        # The engine's rule for an uncond row (adapter.rows_per_sample), row by row, on the
+        # stored negative embeddings.
+        negative = _encodings(tensors, "negative_", device)
+        uncond = [neg if adapter.rows_per_sample(spec) > 1 else None for neg, spec in zip(negative, specs)]
+    # sigma_1 of each row's own schedule (cached by the adapter), as the engine's step used it.
+    first = [_sigma_first(adapter.sigmas(s.num_inference_steps, s.height, s.width)) for s in specs]
+    per_row = torch.tensor(
+        [
+            [adapter.cfg_scale(s) for s in specs],
+            [s.guidance_scale for s in specs],
+            [s.noise_level for s in specs],
+            first,
+        ],
+        dtype=torch.float32,
+    ).to(device)
+    cfg_scale, guidance, noise_level, sigma_first = per_row.unbind(0)
+    height, width, sde_type = keys.pop()
+    return _StepInputs(
+        latents,
+        next_latents,
+        sigma,
+        sigma_next,
+        sigma_values,
+        cond,
+        uncond,
+        cfg_scale,
+        guidance,
+        noise_level,
+        sigma_first,
+        height,
+        width,
+        sde_type,
+    )
+
+
+def _sigma_first(schedule: torch.Tensor) -> float:
+    """The sigma the "sde" step uses in place of s = 1 (flowrl.sampler.sde_step): the schedule's
+    second one, as the engine's executor takes it."""
+    return float(schedule[1] if schedule.shape[0] > 2 else schedule[0])
 
 
 def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
@@ -133,19 +191,21 @@ def score_transitions(
     adapter: FlowModelAdapter,
     tensors: dict[str, torch.Tensor],
     step_index: torch.Tensor,
-    spec: TransitionSpec,
+    specs: TransitionSpec | Sequence[TransitionSpec],
     autocast_dtype: torch.dtype | None = None,
     values_from_no_grad: bool = False,
 ) -> sampler.StepResult:
     """Log-prob (B,) of the stored next latents under the current policy, plus the step's mean
-    and std (for the KL). Gradients flow when called with grad enabled; with `values_from_no_grad`
-    too, the log-prob's and the mean's values come from a no-grad pass (module docstring)."""
-    inputs = _step_inputs(tensors, step_index, spec, adapter.device)
+    and stds (for the KL). `specs`: the settings each row was drawn with (one TransitionSpec per
+    row, or one for all), sharing one `group_key`. Gradients flow when called with grad enabled;
+    with `values_from_no_grad` too, the log-prob's and the mean's values come from a no-grad pass
+    (module docstring)."""
+    inputs = _step_inputs(adapter, tensors, step_index, specs)
     if not (values_from_no_grad and torch.is_grad_enabled()):
-        return _score(adapter, inputs, spec, autocast_dtype)
+        return _score(adapter, inputs, autocast_dtype)
     with torch.no_grad():
-        value = _score(adapter, inputs, spec, autocast_dtype)
-    return with_values(_score(adapter, inputs, spec, autocast_dtype), value.log_prob, value.mean)
+        value = _score(adapter, inputs, autocast_dtype)
+    return with_values(_score(adapter, inputs, autocast_dtype), value.log_prob, value.mean)
 
 
 def with_values(
@@ -159,12 +219,11 @@ def with_values(
         log_prob=log_prob + (graded.log_prob - graded.log_prob.detach()),
         mean=graded.mean if mean is None else mean + (graded.mean - graded.mean.detach()),
         std=graded.std,
+        kl_std=graded.kl_std,
     )
 
 
-def _score(
-    adapter: FlowModelAdapter, inputs: _StepInputs, spec: TransitionSpec, autocast_dtype: torch.dtype | None
-) -> sampler.StepResult:
+def _score(adapter: FlowModelAdapter, inputs: _StepInputs, autocast_dtype: torch.dtype | None) -> sampler.StepResult:
     """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
     engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
     device = adapter.device
@@ -173,28 +232,25 @@ def _score(
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    sigma = inputs.sigma
-    guidance = torch.full((sigma.shape[0],), float(spec.guidance_scale), device=device)
     with autocast:
         velocity = adapter.velocity(
             inputs.latents,
-            sigma,
+            inputs.sigma,
             inputs.cond,
             inputs.uncond,
-            guidance,
-            spec.height,
-            spec.width,
+            inputs.cfg_scale,
+            inputs.height,
+            inputs.width,
             sigma_values=inputs.sigma_values,
+            **adapter.guidance_embedding_kwargs(inputs.guidance),
         )
-    schedule = adapter.sigmas(spec.num_inference_steps, spec.height, spec.width)
-    sigma_first = schedule[1] if schedule.shape[0] > 2 else schedule[0]
     return sampler.sde_step(
         inputs.latents,
         velocity.float(),
-        sigma,
+        inputs.sigma,
         inputs.sigma_next,
-        noise_level=torch.full_like(sigma, float(spec.noise_level)),
-        sde_type=spec.sde_type,
+        noise_level=inputs.noise_level,
+        sde_type=inputs.sde_type,
         next_latents=inputs.next_latents,
-        sigma_first_step=torch.full_like(sigma, float(sigma_first)),
+        sigma_first_step=inputs.sigma_first,
     )

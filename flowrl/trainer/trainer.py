@@ -7,11 +7,14 @@ One training step:
    reward scorer while the others are still denoising;
 3. group advantages by uid; drop rows with NaN rewards (and zero-std groups with
    zero_std_policy=drop);
-4. PPO update (flowrl.trainer.update); the engine is idle here, since the rollout has returned;
+4. PPO update (flowrl.trainer.update), each row re-scored with the settings it was drawn with (the
+   rollout's per-row TransitionSpec, so per-row sampling overrides score as they sampled); the
+   engine is idle here, since the rollout has returned;
 5. bump the policy version: the engine's transformer IS the trained module (LoRA injected in
    place), so the next rollout samples from the new weights with no copy, and every output
    records the version that produced it;
-6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds) and checkpoints every k steps.
+6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
+   with the moving average of the weights) and checkpoints every k steps.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ import torch
 
 from flowrl import sampler
 from flowrl.console import note
-from flowrl.trainer import checkpoint
+from flowrl.engine.output import TransitionSpec
+from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
+from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.health import ZeroSpreadWatch
 from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
 from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
-from flowrl.trainer.policy import TransitionSpec
 from flowrl.trainer.progress import NO_PROGRESS, StepProgress
 from flowrl.trainer.update import PolicyUpdater
 
@@ -48,19 +52,25 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
+    the model loads.
     """
 
     # fit() installs these for its run; a step run outside fit() shows no bar and is not abortable.
     _progress = NO_PROGRESS
     _signals: StopSignals | None = None
 
-    def __init__(self, cfg, engine=None, reward=None):
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        self.config_dict = config_to_dict(cfg)
+        # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
+        self.plan = plan or resume.plan_run(cfg, self.config_dict)
+        self.plan.start(cfg.trainer.output_dir)
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -74,6 +84,9 @@ class FlowGRPOTrainer:
                 dtype=cfg.model.torch_dtype,
                 max_batch_rows=cfg.engine.max_batch_rows,
                 decode_chunk_size=cfg.engine.decode_chunk_size,
+                **cfg.model.adapter_options(),
+                prompt_cache_mb=cfg.engine.prompt_cache_mb,
+                prompt_cache_device=cfg.engine.prompt_cache_device,
             )
         self.engine = engine
         self.adapter = engine.adapter
@@ -96,12 +109,11 @@ class FlowGRPOTrainer:
                 "half a minute, SD3.5-medium's VAE decoder a few minutes)",
                 flush=True,
             )
-        self.param_names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-        s = cfg.rollout.sampling
-        self.spec = TransitionSpec(
-            s.height, s.width, s.num_inference_steps, s.noise_level, s.sde_type, s.guidance_scale
-        )
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, self.spec)
+        named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        self.param_names = list(named)
+        ema = tcfg.ema
+        self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.agent_loop = AgentLoop(engine, cfg.rollout)
@@ -109,10 +121,8 @@ class FlowGRPOTrainer:
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
-        self.config_dict = config_to_dict(cfg)
-        resume_from = checkpoint.resolve_resume(tcfg.resume, self.output_dir)
-        if resume_from is not None:
-            self._restore(resume_from)
+        if self.plan.checkpoint is not None:
+            self._restore(self.plan.checkpoint)
         log = cfg.logging
         self.logger = MetricsLogger(
             self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
@@ -178,8 +188,12 @@ class FlowGRPOTrainer:
         if keep.any():
             rows_kept = np.flatnonzero(keep)
             tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
+            specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
+            advantages = torch.from_numpy(adv.values[rows_kept])
             metrics.update(
-                self.updater.update(tensors, torch.from_numpy(adv.values[rows_kept]), torch.ones(len(rows_kept)), step)
+                self.updater.update(
+                    tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
+                )
             )
             self.policy_version = self.updater.num_optimizer_steps
             self.engine.set_policy_version(self.policy_version)
@@ -215,7 +229,8 @@ class FlowGRPOTrainer:
 
     # --- validation -------------------------------------------------------------------------------
     def validate(self) -> dict:
-        """ODE samples of the validation prompts with fixed seeds; a captioned grid PNG."""
+        """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the
+        moving average of the weights); a captioned grid PNG."""
         from flowrl.rollout.batch import RolloutBatch
 
         if not self.val_rows:  # trainer.num_val_images=0
@@ -223,10 +238,12 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
         self._progress.phase("validation", len(batch))
-        with self._abortable():
+        # The abortable block inside the weights' swap: a stop signal never lands mid-swap.
+        with self._evaluation_weights(), self._abortable():
             out = self.agent_loop.generate_sequences(
                 batch, validation=True, on_sample_done=lambda row, output: self._progress.advance()
             )
+        with self._abortable():
             images = out.batch["images"]
             prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
             scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
@@ -251,11 +268,29 @@ class FlowGRPOTrainer:
             "num_optimizer_steps": self.updater.num_optimizer_steps,
         }
         return checkpoint.save_checkpoint(
-            self.output_dir, self.step, self.adapter, self.updater.optimizer, self.param_names, state, self.config_dict
+            self.output_dir,
+            self.step,
+            self.adapter,
+            self.updater.optimizer,
+            self.param_names,
+            state,
+            self.config_dict,
+            ema=self.ema,
         )
 
     def _restore(self, path: Path) -> None:
-        restored = checkpoint.load_checkpoint(path, self.adapter.transformer, self.updater.optimizer, self.param_names)
+        """Continue from the checkpoint `plan_run` verified; this config's optimizer
+        hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
+        optimizer = self.updater.optimizer
+        restored = checkpoint.load_checkpoint(
+            path, self.adapter.transformer, optimizer, self.param_names, verify=False, ema=self.ema
+        )
+        tcfg = self.cfg.trainer
+        for group in optimizer.param_groups:
+            group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+        if self.ema is not None and not restored["ema_restored"]:
+            self.ema.reset()  # from the restored weights
+            print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -266,12 +301,28 @@ class FlowGRPOTrainer:
         print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
-        """The trained weights for use outside flowrl: a diffusers LoRA folder, or the transformer."""
-        final = self.output_dir / "final"
+        """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
+        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
+        with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
+        or the transformer). Returns the pipeline folder."""
+        from flowrl.trainer.export import export_pipeline
+
+        final = export_pipeline(self.adapter, self.output_dir / "final", self.step, self.config_dict)
+        if self.ema is not None:
+            with self.ema.applied():
+                self._save_weights(self.output_dir / "final" / "ema")
+        return final
+
+    def _save_weights(self, folder: Path) -> Path:
         if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, final / "lora")
-        self.adapter.transformer.save_pretrained(final / "transformer")
-        return final / "transformer"
+            return save_lora_for_diffusers(self.adapter, folder / "lora")
+        self.adapter.transformer.save_pretrained(folder / "transformer")
+        return folder / "transformer"
+
+    def _evaluation_weights(self):
+        """The weights validation samples with: the moving average with trainer.ema (put back
+        after), else the trained weights as they are."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -283,6 +334,12 @@ class FlowGRPOTrainer:
         then TrainingInterrupted says which checkpoint a resume starts from.
         """
         tcfg = self.cfg.trainer
+        if self.plan.finished:
+            self.scorer.close()
+            self.logger.close()
+            print(self.plan.finished, flush=True)
+            return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
+        start_step = self.step
         self._progress = StepProgress(
             tcfg.total_steps, self.step, disable=not self.cfg.logging.progress_bar, is_compiling=self.cfg.engine.compile
         )
@@ -334,8 +391,12 @@ class FlowGRPOTrainer:
         if zero_spread.summary():
             note(zero_spread.summary())
         if interrupted is not None:
+            if interrupted.checkpoint is None:
+                # No step of this run was kept: remove what it wrote (step-0 validation, logs), so the
+                # folder is as plan_run found it and the same command starts over.
+                resume.delete_run_files(self.output_dir, resume.run_files(self.output_dir), "no step completed")
             raise interrupted
-        return self.summary()
+        return {**self.summary(), "steps_trained": self.step - start_step}
 
     def _count_update_forward(self) -> None:
         if self._progress.current_phase == "update":

@@ -1,22 +1,28 @@
 """The policy update of one training step: clipped PPO over the stored SDE transitions.
 
-`PolicyUpdater.update(tensors, advantages, weights, step)`:
-1. picks the trained window steps of every sample (all of them, or a random
-   `train_timestep_fraction` of them per sample, drawn from (trainer.seed, step)) and each update
-   epoch's sample order (again from (seed, step, epoch)), cut into micro-batches and optimizer
-   steps of `grad_accum` micro-batches;
+`PolicyUpdater.update(tensors, specs, advantages, weights, step)`:
+1. plans the update (`plan`): the trained window steps of every sample (all of them, or a random
+   `train_timestep_fraction` of them per sample, drawn from (trainer.seed, step)); for each update
+   epoch a sample order (from (seed, step, epoch)) cut into `trainer.updates_per_step`
+   mini-batches, one optimizer step each, and each mini-batch into micro-batches of rows that
+   can share a forward (the same `TransitionSpec.group_key`);
 2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or a
    no-grad recompute with the current policy before any update (`recompute`);
 3. for each optimizer step, for each micro-batch and each trained step: recomputes the log-prob
-   with grad, adds the clipped loss (+ KL to the LoRA-disabled reference) and backpropagates;
-   then clips the gradient and takes one AdamW step.
+   with grad, each row with the settings it was drawn with (`specs`), adds the clipped loss
+   (+ KL to the LoRA-disabled reference) and backpropagates; then clips the gradient, takes one
+   AdamW step and, with `trainer.ema`, updates the moving average.
+
+Every valid (sample, trained step) pair of an optimizer step weighs the same: each micro-batch's
+loss is its share of the mean over the whole mini-batch's pairs (flowrl.trainer.loss,
+`normalizer`), so a short last micro-batch counts as little as it holds.
 
 Where a scored log-prob takes its VALUE from is chosen once, when the updater is built
 (`Scoring`): the grad pass itself (an eager model: one graph), or, with a compiled model, the
 no-grad graph the rollout ran (flowrl.trainer.policy, `values_from_no_grad`), which costs one more
 no-grad forward per scored micro-batch, except where the recompute's values are those very values
-(`old_log_prob=recompute`, before the update's first optimizer step, no KL term): the recipes'
-default of one optimizer step per training step. Its gradient always comes from the grad pass.
+(`old_log_prob=recompute`, before the update's first optimizer step, no KL term). Its gradient
+always comes from the grad pass.
 
 Every random choice derives from (seed, step), so a resumed run repeats the straight run exactly.
 The rollout-vs-trainer log-prob gap is measured on transitions scored by the policy that produced
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,12 +44,12 @@ import numpy as np
 import torch
 
 from flowrl.config.sections import OldLogProbSource
+from flowrl.engine.output import TransitionSpec
 from flowrl.sampler import kl_to_reference
 from flowrl.trainer.lora import adapter_disabled
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.policy import (
     MIXED_PRECISION_DTYPES,
-    TransitionSpec,
     score_transitions,
     takes_values_from_no_grad,
     with_values,
@@ -74,65 +81,99 @@ class Scoring:
         return cls("value_pass", "value_pass")
 
 
-class PolicyUpdater:
-    """Owns the optimizer over the trainable parameters and runs the update of each step."""
+@dataclass
+class Plan:
+    """What one update trains, in which order.
 
-    def __init__(self, adapter, params: list[torch.nn.Parameter], algorithm_cfg, trainer_cfg, spec: TransitionSpec):
+    train_steps: (N, K) window-step indices trained per sample. epochs: per update epoch, its
+    optimizer steps, each a list of micro-batches (row-index tensors)."""
+
+    train_steps: torch.Tensor
+    epochs: list[list[list[torch.Tensor]]]
+
+    @property
+    def optimizer_steps(self) -> list[list[torch.Tensor]]:
+        return [micro_batches for epoch in self.epochs for micro_batches in epoch]
+
+
+@dataclass
+class UpdateRecord:
+    """One optimizer step of the last update: its rows, the objective it minimized (the mean over
+    its valid pairs), the share of its pairs whose ratio was clipped, and its gradient norm."""
+
+    rows: torch.Tensor
+    loss: float
+    clipfrac: float
+    grad_norm: float = 0.0
+
+
+class PolicyUpdater:
+    """Owns the optimizer over the trainable parameters and runs the update of each step.
+
+    ema: a flowrl.trainer.ema.ParameterEMA over the same parameters, stepped after every
+    optimizer step (None: no moving average)."""
+
+    def __init__(self, adapter, params: list[torch.nn.Parameter], algorithm_cfg, trainer_cfg, ema=None):
         self.adapter = adapter
         self.params = params
         self.algorithm = algorithm_cfg
         self.trainer = trainer_cfg
-        self.spec = spec
+        self.ema = ema
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay
         )
         self.autocast_dtype = MIXED_PRECISION_DTYPES[trainer_cfg.mixed_precision]
         self.scaler = torch.amp.GradScaler(adapter.device.type) if trainer_cfg.mixed_precision == "fp16" else None
         self.num_optimizer_steps = 0
+        self.records: list[UpdateRecord] = []  # the last update's optimizer steps
         # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
         self.values_from_no_grad = takes_values_from_no_grad(adapter)
         self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob, algorithm_cfg.kl_beta)
 
     # -- the update -----------------------------------------------------------------------------
     def update(
-        self, tensors: dict[str, torch.Tensor], advantages: torch.Tensor, weights: torch.Tensor, step: int
+        self,
+        tensors: dict[str, torch.Tensor],
+        specs: Sequence[TransitionSpec],
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        step: int,
     ) -> dict:
-        """Run the update of training step `step`; returns its metrics (see module docstring)."""
+        """Run the update of training step `step`; returns its metrics (see module docstring).
+        specs: the settings each row was drawn with (one TransitionSpec per row)."""
         t0 = time.perf_counter()
         # 1. what is trained, in which order
-        num_rows, window = tensors["sigmas"].shape
-        if window == 0:
-            raise ValueError("the rollouts have no SDE window steps; set rollout.sampling.sde_window_size >= 1")
-        train_steps = self.trained_steps(num_rows, window, step)
-        num_train = train_steps.shape[1]
-        orders = [
-            torch.randperm(num_rows, generator=self._generator(step, 2, epoch))
-            for epoch in range(self.trainer.update_epochs)
-        ]
-        accum = self.trainer.resolve_grad_accum(num_rows)
-        optimizer_steps = [group for order in orders for group in _chunks(self._micro_batches(order), accum)]
+        plan = self.plan(tensors, specs, step)
+        num_train = plan.train_steps.shape[1]
         rollout_log_probs = tensors.get("all_log_probs")
         if rollout_log_probs is not None:
-            rollout_log_probs = rollout_log_probs.gather(1, train_steps).float()
+            rollout_log_probs = rollout_log_probs.gather(1, plan.train_steps).float()
 
         # 2. the PPO denominator
-        old, gaps = self._old_log_probs(tensors, train_steps, orders[0], rollout_log_probs)
+        first_epoch = [rows for micro_batches in plan.epochs[0] for rows in micro_batches]
+        old, gaps = self._old_log_probs(tensors, specs, plan.train_steps, first_epoch, rollout_log_probs)
         measure_gap_in_first_step = rollout_log_probs is not None and self.algorithm.old_log_prob == "rollout"
 
-        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per group
+        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch
         sums = dict.fromkeys(_LOSS_METRICS, 0.0)
-        count, ratio_max, grad_norms = 0, -math.inf, []
+        count, ratio_max = 0, -math.inf
+        self.records = []
         transformer = self.adapter.transformer
         transformer.train()
-        for index, group in enumerate(optimizer_steps):
+        for index, micro_batches in enumerate(plan.optimizer_steps):
             source = self.scoring.first_step if index == 0 else self.scoring.later_steps
-            for rows in group:
+            rows_of_step = torch.cat(micro_batches)
+            # Every valid (row, step) pair of this optimizer step weighs 1 / normalizer.
+            normalizer = float(weights[rows_of_step].sum()) * num_train
+            loss_sum, clipped_sum = 0.0, 0.0
+            for rows in micro_batches:
+                row_specs = [specs[i] for i in rows.tolist()]
                 for k in range(num_train):
-                    step_index = train_steps[rows, k]
-                    result = self._score_with_grad(tensors, rows, step_index, source, old[rows, k])
+                    step_index = plan.train_steps[rows, k]
+                    result = self._score_with_grad(tensors, row_specs, rows, step_index, source, old[rows, k])
                     kl = None
                     if self.algorithm.kl_beta > 0:
-                        kl = kl_to_reference(result.mean, self._reference_mean(tensors, rows, step_index), result.std)
+                        kl = kl_to_reference(result, self._reference_mean(tensors, row_specs, rows, step_index))
                     out = clipped_policy_loss(
                         result.log_prob,
                         old[rows, k],
@@ -141,21 +182,26 @@ class PolicyUpdater:
                         kl=kl,
                         kl_beta=self.algorithm.kl_beta,
                         weights=weights[rows],
+                        normalizer=normalizer,
                     )
-                    self._backward(out.loss / (len(group) * num_train))
+                    self._backward(out.loss)
                     if measure_gap_in_first_step and index == 0:
                         gaps.append((result.log_prob.detach().cpu() - rollout_log_probs[rows, k]).abs())
                     _accumulate(sums, out)
+                    loss_sum += float(out.loss.detach())
+                    clipped_sum += out.clipfrac * out.num_rows
                     ratio_max = max(ratio_max, out.ratio_max)
-                    count += 1
-            grad_norms.append(self._optimizer_step())
+                    count += out.num_rows
+            pairs = normalizer if normalizer > 0 else 1.0
+            self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs))
+            self.records[-1].grad_norm = self._optimizer_step()
         transformer.eval()
 
-        # 4. metrics
+        # 4. metrics (means over the trained pairs)
         metrics = {f"actor/{name}": value / max(count, 1) for name, value in sums.items()}
         metrics["actor/ratio_max"] = ratio_max
-        metrics["actor/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
-        metrics["actor/num_optimizer_steps"] = len(grad_norms)
+        metrics["actor/grad_norm"] = float(np.mean([r.grad_norm for r in self.records])) if self.records else 0.0
+        metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
         if gaps:
             gap = torch.cat(gaps)
@@ -165,6 +211,20 @@ class PolicyUpdater:
         return metrics
 
     # -- the pieces of the update -----------------------------------------------------------------
+    def plan(self, tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec], step: int) -> Plan:
+        """The update's trained steps and its optimizer steps' micro-batches (module docstring)."""
+        num_rows, window = tensors["sigmas"].shape
+        if window == 0:
+            raise ValueError("the rollouts have no SDE window steps; set rollout.sampling.sde_window_size >= 1")
+        if len(specs) != num_rows:
+            raise ValueError(f"{len(specs)} transition specs for {num_rows} rollout rows; pass one per row")
+        epochs = []
+        for epoch in range(self.trainer.update_epochs):
+            order = torch.randperm(num_rows, generator=self._generator(step, 2, epoch))
+            mini_batches = [m for m in torch.tensor_split(order, self.trainer.updates_per_step) if m.numel()]
+            epochs.append([self._micro_batches(m, specs) for m in mini_batches])
+        return Plan(self.trained_steps(num_rows, window, step), epochs)
+
     def trained_steps(self, num_rows: int, window: int, step: int) -> torch.Tensor:
         """(N, K) window-step indices to train per sample (sorted), K = max(1, int(W * fraction))."""
         count = max(1, int(window * float(self.algorithm.train_timestep_fraction) + 1e-9))
@@ -173,7 +233,16 @@ class PolicyUpdater:
         gen = self._generator(step, 1)
         return torch.stack([torch.randperm(window, generator=gen)[:count].sort().values for _ in range(num_rows)])
 
-    def _old_log_probs(self, tensors, train_steps, first_order, rollout_log_probs) -> tuple[torch.Tensor, list]:
+    def _micro_batches(self, rows: torch.Tensor, specs: Sequence[TransitionSpec]) -> list[torch.Tensor]:
+        """`rows` cut into micro-batches of at most trainer.micro_batch_size rows, each holding
+        rows of one group_key (in their order; one group is the plain cut of `rows`)."""
+        groups: dict[tuple, list[int]] = {}
+        for row in rows.tolist():
+            groups.setdefault(specs[row].group_key, []).append(row)
+        size = self.trainer.micro_batch_size
+        return [torch.tensor(g[i : i + size]) for g in groups.values() for i in range(0, len(g), size)]
+
+    def _old_log_probs(self, tensors, specs, train_steps, first_epoch, rollout_log_probs) -> tuple[torch.Tensor, list]:
         """The PPO denominator (N, K), and the log-prob gaps it measured. The recompute uses epoch
         0's micro-batches, so the first update's forwards see the same batch composition (ratio
         exactly 1 on CPU)."""
@@ -184,32 +253,31 @@ class PolicyUpdater:
                 )
             return rollout_log_probs, []
         old = torch.empty(train_steps.shape)
-        for rows in self._micro_batches(first_order):
+        for rows in first_epoch:
+            row_specs = [specs[i] for i in rows.tolist()]
             for k in range(train_steps.shape[1]):
-                old[rows, k] = self._score_no_grad(tensors, rows, train_steps[rows, k]).log_prob.cpu()
+                old[rows, k] = self._score_no_grad(tensors, row_specs, rows, train_steps[rows, k]).log_prob.cpu()
         gaps = [] if rollout_log_probs is None else [(old - rollout_log_probs).abs().flatten()]
         return old, gaps
 
-    def _score_with_grad(self, tensors, rows, step_index, source: ValueSource, recomputed: torch.Tensor):
+    def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource, recomputed: torch.Tensor):
         """Score micro-batch `rows` at `step_index` with grad, its values from `source`;
         `recomputed`: these rows' recompute log-probs (used by source "recompute")."""
         mb = {name: t[rows] for name, t in tensors.items()}
         if source == "recompute":
-            return with_values(
-                score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype), recomputed
-            )
+            return with_values(score_transitions(self.adapter, mb, step_index, specs, self.autocast_dtype), recomputed)
         return score_transitions(
-            self.adapter, mb, step_index, self.spec, self.autocast_dtype, values_from_no_grad=source == "value_pass"
+            self.adapter, mb, step_index, specs, self.autocast_dtype, values_from_no_grad=source == "value_pass"
         )
 
-    def _score_no_grad(self, tensors, rows, step_index):
+    def _score_no_grad(self, tensors, specs, rows, step_index):
         mb = {name: t[rows] for name, t in tensors.items()}
         with torch.no_grad():
-            return score_transitions(self.adapter, mb, step_index, self.spec, self.autocast_dtype)
+            return score_transitions(self.adapter, mb, step_index, specs, self.autocast_dtype)
 
-    def _reference_mean(self, tensors, rows, step_index):
+    def _reference_mean(self, tensors, specs, rows, step_index):
         with torch.no_grad(), adapter_disabled(self.adapter.transformer):
-            return self._score_no_grad(tensors, rows, step_index).mean
+            return self._score_no_grad(tensors, specs, rows, step_index).mean
 
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -225,6 +293,8 @@ class PolicyUpdater:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_optimizer_steps += 1
+        if self.ema is not None:
+            self.ema.step(self.num_optimizer_steps)
         return grad_norm
 
     def _generator(self, *keys: int) -> torch.Generator:
@@ -232,15 +302,8 @@ class PolicyUpdater:
             int(np.random.SeedSequence([self.trainer.seed, *keys]).generate_state(1)[0])
         )
 
-    def _micro_batches(self, order: torch.Tensor) -> list[torch.Tensor]:
-        size = self.trainer.micro_batch_size
-        return [order[i : i + size] for i in range(0, order.shape[0], size)]
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
 
 def _accumulate(sums: dict[str, float], out: PolicyLossOutput) -> None:
+    """Add a micro-batch's metrics, each weighted by the rows it counted."""
     for name in _LOSS_METRICS:
-        sums[name] += getattr(out, name)
+        sums[name] += getattr(out, name) * out.num_rows

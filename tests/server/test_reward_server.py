@@ -18,7 +18,9 @@ from flowrl.rewards import (
     unregister_reward,
 )
 from flowrl.rewards.http_client import HttpReward, encode_png, encode_png_base64
-from flowrl.server.reward_app import create_reward_app, serve_in_background
+from flowrl.server.http import serve_in_background
+from flowrl.server.reward_app import create_reward_app
+from flowrl.server.score_request import ServerLimits
 
 
 class FailOnMetadata(RowwiseReward):
@@ -50,7 +52,7 @@ def servers():
     unregister_reward("fail_on_metadata")
     failing = FailOnMetadata()
     with (
-        serve_in_background(create_reward_app(multi, max_batch_size=8)) as multi_url,
+        serve_in_background(create_reward_app(multi, ServerLimits(max_batch_size=8))) as multi_url,
         serve_in_background(create_reward_app(failing)) as failing_url,
     ):
         yield {"multi": (multi, multi_url), "failing": (failing, failing_url)}
@@ -110,7 +112,7 @@ def test_malformed_requests_get_4xx_and_server_stays_up(servers):
         (dict(json=[1, 2]), 400, "object"),
         (dict(json={"images": []}), 400, "images"),
         (dict(json={"images": ["%%%"]}), 400, "base64"),
-        (dict(json={"images": [base64.b64encode(b"not a png").decode()]}), 400, "readable image"),
+        (dict(json={"images": [base64.b64encode(b"not a png").decode()]}), 400, "readable PNG"),
         (dict(json={"images": [base64.b64encode(buffer.getvalue()).decode()]}), 400, "RGBA"),
         (dict(json={"images": [png], "prompts": ["a", "b"]}), 400, "prompts"),
         (dict(json={"images": [png], "metadata": ["x"]}), 400, "metadata"),

@@ -1,4 +1,4 @@
-"""Engine settings of the config reach the engine the trainer builds (none is accepted and ignored)."""
+"""Engine and model settings of the config reach the engine and its adapter (none is accepted and ignored)."""
 
 import flowrl.accel
 from flowrl.trainer.trainer import FlowGRPOTrainer
@@ -33,3 +33,10 @@ def test_trainer_mixed_precision_reaches_the_engine(make_cfg):
     trainer = FlowGRPOTrainer(make_cfg("trainer.mixed_precision=bf16"))
     assert trainer.engine.executor.autocast_dtype is torch.bfloat16
     assert FlowGRPOTrainer(make_cfg("trainer.mixed_precision=no", output="b")).engine.executor.autocast_dtype is None
+
+
+def test_model_text_length_reaches_the_adapter(make_cfg):
+    trainer = FlowGRPOTrainer(make_cfg("model.max_sequence_length=16"))
+    assert trainer.adapter.max_sequence_length == 16
+    assert trainer.adapter.encode_prompts(["a cat"])[0].embeds.shape[0] == 77 + 16
+    assert FlowGRPOTrainer(make_cfg(output="b")).adapter.max_sequence_length == 256  # the SD3 default

@@ -110,11 +110,22 @@ def test_interrupts_at_three_points_stop_cleanly_and_resume(tiny_sd3_path, tmp_p
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3]
 
 
-def test_sigterm_before_the_first_step_has_nothing_to_resume(tiny_sd3_path, tmp_path):
-    argv = [f"model.path={tiny_sd3_path}", f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_every=3", *FAST_RUN]
+def test_sigterm_before_the_first_step_leaves_a_fresh_start(tiny_sd3_path, tmp_path):
+    from flowrl.config import config_to_dict
+    from flowrl.trainer.cli import load_train_config
+    from flowrl.trainer.resume import plan_run, run_files
+
+    out = tmp_path / "run"
+    argv = [f"model.path={tiny_sd3_path}", f"trainer.output_dir={out}", "trainer.val_every=3", *FAST_RUN]
+    argv.remove("logging.tensorboard=false")  # tensorboard files are removed too
     code, stderr, _ = _train_until(r"validation", signal.SIGTERM, argv, tmp_path)
     assert code == 143 and "terminate called" not in stderr
-    assert _lines(stderr)[-1] == "flowrl train: stopped before the first step completed; nothing to resume"
+    assert _lines(stderr)[-1].startswith("flowrl train: stopped before a step completed; nothing to resume")
+    # The step-0 files are gone, so the same command is a fresh start rather than a refused used folder.
+    assert run_files(out) == []
+    cfg = load_train_config(None, argv)
+    plan = plan_run(cfg, config_to_dict(cfg))
+    assert plan.checkpoint is None and plan.finished is None and plan.delete == []
 
 
 class _InterruptInStep:
@@ -158,3 +169,17 @@ def test_a_dropped_step_leaves_the_checkpoint_of_the_step_before(make_cfg):
         first, second = load_file(str(expected / name)), load_file(str(saved / name))
         assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first), name
     assert set(threading.enumerate()) <= threads_before  # the engine and reward threads were joined
+
+
+def test_the_resume_hint_keeps_the_checkpoint_it_names(tmp_path):
+    import argparse
+    from types import SimpleNamespace
+
+    from flowrl.trainer.cli import resume_hint
+
+    stop = TrainingInterrupted(signal.SIGINT, 4, tmp_path / "checkpoints" / "step_000004", saved_now=True)
+    args = argparse.Namespace(config="r.yaml", overrides=["trainer.overwrite=true", "trainer.resume=never"])
+    tcfg = SimpleNamespace(resume="never", overwrite=True, output_dir=str(tmp_path))
+    command = _hint(resume_hint(stop, args, tcfg)).group(4)
+    # The later overrides win: the command resumes instead of starting over or deleting the checkpoint.
+    assert command.endswith("trainer.overwrite=true trainer.resume=never trainer.resume=auto trainer.overwrite=false")

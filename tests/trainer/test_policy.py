@@ -9,20 +9,8 @@ import flowrl.accel
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
-def _rollout(trainer):
-    """One rollout batch of the trainer's next step, as update() receives it."""
-    from flowrl.rollout.batch import RolloutBatch
-
-    rows = trainer.prompts.next_rows()
-    for i, row in enumerate(rows):
-        row["uid"] = f"u{i}"
-    batch = RolloutBatch.from_rows(rows).repeat(trainer.cfg.rollout.n)
-    out = trainer.agent_loop.generate_sequences(batch)
-    return {k: v for k, v in out.batch.items() if k != "images"}
-
-
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_rollout_log_probs_match_trainer_recompute(make_cfg, guidance):
+def test_rollout_log_probs_match_trainer_recompute(make_cfg, take_rollout, guidance):
     cfg = make_cfg(
         "rollout.n=3",
         "trainer.prompts_per_step=2",
@@ -32,11 +20,11 @@ def test_rollout_log_probs_match_trainer_recompute(make_cfg, guidance):
         "rollout.sampling.negative_prompt=blurry",
     )
     trainer = FlowGRPOTrainer(cfg)
-    tensors = _rollout(trainer)
+    tensors, specs = take_rollout(trainer)
     if guidance > 1:
         assert "negative_prompt_embeds" in tensors
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    metrics = trainer.updater.update(tensors, advantages, torch.ones(6), step=1)
+    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(6), step=1)
     # CPU float32: the same function on the same inputs, only the batch composition differs.
     assert metrics["actor/logprob_gap_max"] < 1e-5
     # First update on fresh rollouts with a recomputed denominator: ratio exactly 1, no clipping.
@@ -45,19 +33,19 @@ def test_rollout_log_probs_match_trainer_recompute(make_cfg, guidance):
     assert metrics["actor/grad_norm"] > 0.0
 
 
-def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg):
+def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg, take_rollout):
     cfg = make_cfg(
         "rollout.n=2",
         "trainer.prompts_per_step=2",
         "trainer.micro_batch_size=2",
-        "trainer.grad_accum=1",
+        "trainer.updates_per_step=2",
         "algorithm.old_log_prob=rollout",
         "trainer.lr=0.05",
         "algorithm.clip_range=1e-6",
     )
     trainer = FlowGRPOTrainer(cfg)
-    tensors = _rollout(trainer)
-    metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1)
+    tensors, specs = take_rollout(trainer)
+    metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1)
     assert metrics["actor/logprob_gap_max"] < 1e-5  # measured before the first optimizer step
     assert metrics["actor/num_optimizer_steps"] == 2
     # The second micro-batch is scored after one update: its ratio moved, and the tiny clip caught it.
@@ -65,7 +53,7 @@ def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg):
     assert metrics["actor/clipfrac"] > 0.0
 
 
-def test_kl_reference_is_the_lora_disabled_model(make_cfg):
+def test_kl_reference_is_the_lora_disabled_model(make_cfg, take_rollout):
     cfg = make_cfg(
         "rollout.n=2",
         "trainer.prompts_per_step=1",
@@ -74,16 +62,16 @@ def test_kl_reference_is_the_lora_disabled_model(make_cfg):
         "algorithm.old_log_prob=recompute",
     )
     trainer = FlowGRPOTrainer(cfg)
-    tensors = _rollout(trainer)
+    tensors, specs = take_rollout(trainer)
     adv = torch.tensor([1.0, -1.0])
     # LoRA B starts at zero: the policy IS the reference, so the KL is exactly 0.
-    first = trainer.updater.update(tensors, adv, torch.ones(2), step=1)
+    first = trainer.updater.update(tensors, specs, adv, torch.ones(2), step=1)
     assert first["actor/kl"] == 0.0
     with torch.no_grad():
         for name, p in trainer.adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.add_(0.05 * torch.randn_like(p))
-    second = trainer.updater.update(tensors, adv, torch.ones(2), step=2)
+    second = trainer.updater.update(tensors, specs, adv, torch.ones(2), step=2)
     assert second["actor/kl"] > 0.0 and np.isfinite(second["actor/kl"])
 
 
@@ -99,20 +87,20 @@ def _grad_graph_rounds_differently(monkeypatch, adapter_cls, offset=1e-3):
     monkeypatch.setattr(adapter_cls, "velocity", perturbed)
 
 
-def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make_cfg, monkeypatch):
+def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make_cfg, take_rollout, monkeypatch):
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.policy import score_transitions
 
     trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true"))
-    tensors = _rollout(trainer)
-    adapter, spec, params = trainer.adapter, trainer.spec, trainer.updater.params
+    tensors, specs = take_rollout(trainer)
+    adapter, params = trainer.adapter, trainer.updater.params
     with torch.no_grad():  # LoRA B starts at 0: move it so the LoRA weights get gradients of every kind
         for p in params:
             p.add_(0.05 * torch.randn_like(p))
     step_index = torch.zeros(2, dtype=torch.long)
 
     def scored(values_from_no_grad):
-        result = score_transitions(adapter, tensors, step_index, spec, values_from_no_grad=values_from_no_grad)
+        result = score_transitions(adapter, tensors, step_index, specs, values_from_no_grad=values_from_no_grad)
         (result.log_prob.sum() + result.mean.mean()).backward()  # linear: its gradient ignores the values
         grads = [p.grad.clone() for p in params]
         for p in params:
@@ -122,7 +110,7 @@ def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make
     plain, plain_grads = scored(False)
     _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
     with torch.no_grad():
-        no_grad = score_transitions(adapter, tensors, step_index, spec)
+        no_grad = score_transitions(adapter, tensors, step_index, specs)
     graded, graded_grads = scored(False)
     combined, combined_grads = scored(True)
     assert not torch.equal(graded.log_prob, no_grad.log_prob)  # the perturbation shows in the grad pass
@@ -140,7 +128,7 @@ def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg, monkeypatch, compiled):
+def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg, take_rollout, monkeypatch, compiled):
     """With a compiled model the trainer takes log-prob values from the no-grad graph (the
     rollout's): a grad graph that rounds differently then no longer moves the first update's ratio."""
     from flowrl.models.sd3 import SD3Adapter
@@ -158,9 +146,9 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
         )
     )
     assert trainer.updater.values_from_no_grad is compiled
-    tensors = _rollout(trainer)
+    tensors, specs = take_rollout(trainer)
     _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
-    metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+    metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
     if compiled:
         assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/clipfrac"] == 0.0
     else:  # the grad graph's own values: the ratio moves by the perturbation and gets clipped
@@ -231,7 +219,9 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
 
 
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
-def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(make_cfg, monkeypatch, kl_beta):
+def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(
+    make_cfg, take_rollout, monkeypatch, kl_beta
+):
     """Compiled, old_log_prob=recompute, one optimizer step per training step: the recompute ran
     the no-grad graph on the same micro-batches with the same weights, so the grad passes take its
     values and no second no-grad forward runs; the update is the one the value pass gives. With a
@@ -259,7 +249,7 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
             for name, p in trainer.adapter.transformer.named_parameters():
                 if "lora_B" in name:
                     p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        tensors = _rollout(trainer)
+        tensors, specs = take_rollout(trainer)
         calls = {"no_grad": 0}
         velocity = SD3Adapter.velocity
 
@@ -275,7 +265,9 @@ def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(mak
             trainer.updater.scoring = Scoring("value_pass", "value_pass")
         with monkeypatch.context() as patch:
             patch.setattr(SD3Adapter, "velocity", counted)
-            metrics = trainer.updater.update(tensors, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+            metrics = trainer.updater.update(
+                tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1
+            )
         return metrics, calls["no_grad"], tensors["sigmas"].shape[1]
 
     metrics, no_grad_forwards, window = run(False)
