@@ -130,12 +130,12 @@ within_budget() {
   if (( LIMIT < 30 )); then echo "[gpu_suites] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
 }
 
-# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
+# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json` (replaced on a rerun), within the budget.
 run() {
   local name=$1 cap=$2 log=$3; shift 3
   within_budget "$name" "$cap" "$log" || return 0
   echo "[gpu_suites] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
-  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
+  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" --overwrite >>"$log" 2>&1
   echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 
@@ -225,12 +225,12 @@ suite() {
       suite "$log" train-step-sd35-eager ;;
     train-step-qwen)
       run train-step-qwen 420 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
-        $RANDOM_RUN trainer.prompts_per_step=2 --steps 2 --peer-steps 1 ;;
+        $RANDOM_RUN trainer.prompts_per_step=2 --steps 1 --peer-steps 1 ;;
     train-step-sd35|train-step-sd35-eager)
       local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $eager are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
-        $RANDOM_RUN trainer.prompts_per_step=1 $eager --steps 2 --peer-steps 1 ;;
+        $RANDOM_RUN trainer.prompts_per_step=1 $eager --steps 1 --peer-steps 1 ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \

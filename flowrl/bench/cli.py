@@ -54,6 +54,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
@@ -197,6 +198,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     train.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
 
 
 def _check_rounding_is_used(args) -> None:
@@ -217,6 +219,16 @@ def _check_rounding_is_used(args) -> None:
 
 
 def run(args) -> int:
+    import sys
+
+    from flowrl.output_paths import OutputExistsError, check_output_file
+
+    try:
+        if args.json:
+            check_output_file(args.json, args.overwrite)
+    except OutputExistsError as error:
+        print(f"flowrl bench {args.bench_command}: error: {error}", file=sys.stderr)
+        return 2
     if args.bench_command == "train":
         from flowrl.bench.train import run_train
 

@@ -63,8 +63,16 @@ def resolve_model_path(model_cfg) -> Path | str:
     if path is not None:
         return path
     from flowrl.models.tiny import build_tiny_checkpoint
+    from flowrl.output_paths import OutputExistsError
 
-    return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
+    folder = tiny_model_cache_dir()
+    try:
+        return build_tiny_checkpoint("sd3", folder, seed=0)
+    except OutputExistsError:
+        raise ValueError(
+            f"the embedded tiny model's folder {folder} holds files flowrl did not write; move them away, or set "
+            "FLOWRL_CACHE to another folder (the tiny model is built in $FLOWRL_CACHE/tiny-sd3)"
+        ) from None
 
 
 def engine_options(engine_cfg) -> dict:

@@ -12,6 +12,7 @@ lower-contrast images score higher); it prints the mean reward of the first and 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 # The embedded tiny run on top of the config defaults (recipes/tiny_cpu.yaml says the same; a test
@@ -53,28 +54,43 @@ def load_train_config(config_path: str | None, overrides: list[str]):
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from flowrl.trainer.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Until training starts, a stop signal simply abandons the start-up: nothing is written yet
+    # that a resume would need (the tiny model is written to a staging folder and moved in place).
+    signals = StopSignals()
     try:
         cfg = load_train_config(args.config, list(args.overrides))
-        from flowrl.config import config_to_dict
-        from flowrl.trainer.resume import plan_run
+        with signals, signals.abortable():
+            from flowrl.config import config_to_dict
+            from flowrl.trainer.resume import plan_run
 
-        plan = plan_run(cfg, config_to_dict(cfg))  # before the model loads: a finished run loads nothing
-        if plan.finished:
-            print(f"flowrl train: {plan.finished}")
-            return 0
-        from flowrl.trainer.trainer import FlowGRPOTrainer
+            plan = plan_run(cfg, config_to_dict(cfg))  # before the model loads: a finished run loads nothing
+            if plan.finished:
+                print(f"flowrl train: {plan.finished}")
+                return 0
+            from flowrl.trainer.trainer import FlowGRPOTrainer
 
-        trainer = FlowGRPOTrainer(cfg, plan=plan)
+            trainer = FlowGRPOTrainer(cfg, plan=plan)
     except ValueError as error:
         print(f"flowrl train: error: {error}", file=sys.stderr)
         return 2
+    except (PhaseAborted, KeyboardInterrupt):
+        print("flowrl train: interrupted before training started; run the same command to start again", file=sys.stderr)
+        return 128 + (signals.requested or signal.SIGINT)
     if args.config is None:
         print(
             f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
             f"outputs in {cfg.trainer.output_dir}"
         )
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as stop:
+        print(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
+        return stop.exit_code
+    finally:
+        trainer.engine.shutdown()
     trained, reached = summary["steps_trained"], summary["steps"]
     print(
         f"steps trained: {trained}"
@@ -90,3 +106,28 @@ def run(args: argparse.Namespace) -> int:
             f"WARNING: trained RANDOM weights (model.path=random:{summary['random_weights']}): a speed run, not a model"
         )
     return 0
+
+
+def resume_hint(stop, args: argparse.Namespace, tcfg) -> str:
+    """The one line printed after an interrupt: where the run stopped and the command that resumes it."""
+    if stop.checkpoint is None:
+        return (
+            f"flowrl train: stopped before a step completed; nothing to resume (the files this run wrote were "
+            f"removed from {tcfg.output_dir}, so the same command starts it again)"
+        )
+    # The same command resumes unless it names another checkpoint or deletes this run's files.
+    extra = [] if tcfg.resume == "auto" else ["trainer.resume=auto"]
+    extra += ["trainer.overwrite=false"] if tcfg.overwrite else []
+    command = train_command(args, extra)
+    saved = "saved at the interrupt" if stop.saved_now else "the latest checkpoint"
+    return f"flowrl train: stopped after step {stop.step}; {stop.checkpoint} ({saved}); resume with: {command}"
+
+
+def train_command(args: argparse.Namespace, extra: list[str] = ()) -> str:
+    """The `flowrl train` command line of `args` (plus `extra` overrides), quoted for a POSIX shell."""
+    import shlex
+
+    words = ["flowrl", "train"]
+    if args.config is not None:
+        words += ["--config", args.config]
+    return shlex.join([*words, *args.overrides, *extra])

@@ -27,14 +27,18 @@ import numpy as np
 import torch
 
 from flowrl import sampler
+from flowrl.console import note
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import build_engine, check_before_loading
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
+from flowrl.trainer.health import ZeroSpreadWatch
+from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
+from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.progress import NO_PROGRESS, StepProgress
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
@@ -51,6 +55,10 @@ class FlowGRPOTrainer:
     plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
     the model loads.
     """
+
+    # fit() installs these for its run; a step run outside fit() shows no bar and is not abortable.
+    _progress = NO_PROGRESS
+    _signals: StopSignals | None = None
 
     def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
         from flowrl.config import config_to_dict
@@ -140,11 +148,14 @@ class FlowGRPOTrainer:
         # every on_sample_done call has returned, so every row has been submitted)
         def submit(row: int, output) -> None:
             self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
+            self._progress.advance()
 
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
-        t_rollout = time.perf_counter()
-        rewards, components = self.scorer.results_with_components(len(rollout))
-        t_reward = time.perf_counter()
+        self._progress.phase("rollout", len(batch))
+        with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
+            rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+            t_rollout = time.perf_counter()
+            rewards, components = self.scorer.results_with_components(len(rollout))
+            t_reward = time.perf_counter()
 
         # 2. advantages
         algo = self.cfg.algorithm
@@ -162,6 +173,7 @@ class FlowGRPOTrainer:
         metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
 
         # 3. update (the engine is idle: generate_sequences returned every sample)
+        self._progress.phase("update")
         if keep.any():
             rows_kept = np.flatnonzero(keep)
             tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
@@ -218,13 +230,19 @@ class FlowGRPOTrainer:
             return {}
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
-        with self._evaluation_weights():
-            out = self.agent_loop.generate_sequences(batch, validation=True)
-        images = out.batch["images"]
-        prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
-        scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
+        self._progress.phase("validation", len(batch))
+        # The abortable block inside the weights' swap: a stop signal never lands mid-swap.
+        with self._evaluation_weights(), self._abortable():
+            out = self.agent_loop.generate_sequences(
+                batch, validation=True, on_sample_done=lambda row, output: self._progress.advance()
+            )
+        with self._abortable():
+            images = out.batch["images"]
+            prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+            scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
+        targets = out.non_tensor_batch.get("ground_truth")
         grid = save_image_grid(
-            images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png"
+            images, grid_captions(prompts, scores, targets), self.output_dir / "val" / f"step_{self.step:06d}.png"
         )
         if self.cfg.logging.log_images:
             self.logger.log_image(self.step, "val/images", grid)
@@ -301,9 +319,13 @@ class FlowGRPOTrainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train until trainer.total_steps (or trainer.epochs) and return a summary."""
-        from tqdm.auto import tqdm
+        """Train until trainer.total_steps (or trainer.epochs) and return a summary.
 
+        SIGINT / SIGTERM stop the run cleanly (flowrl.trainer.interrupts): a step whose update has
+        not begun is dropped and rewound, one whose update has begun finishes; the last completed
+        step is saved when no checkpoint holds it yet; the engine and reward threads are joined;
+        then TrainingInterrupted says which checkpoint a resume starts from.
+        """
         tcfg = self.cfg.trainer
         if self.plan.finished:
             self.scorer.close()
@@ -311,29 +333,76 @@ class FlowGRPOTrainer:
             print(self.plan.finished, flush=True)
             return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
         start_step = self.step
-        if tcfg.val_every and self.step == 0:
-            self.logger.log(0, self.validate())
-        bar = tqdm(
-            total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar
+        self._progress = StepProgress(
+            tcfg.total_steps, self.step, disable=not self.cfg.logging.progress_bar, is_compiling=self.cfg.engine.compile
         )
+        self._signals = StopSignals()
+        # Counts the transformer forwards of the update phase (the bar's "update N fwd").
+        counter = self.adapter.transformer.register_forward_pre_hook(lambda *_: self._count_update_forward())
+        zero_spread = ZeroSpreadWatch(self.reward.name, self.cfg.rollout.n, write=note)
+        last_saved_step = self.step  # a resumed run's checkpoint holds this step; 0: nothing saved
+        rewind: StepRewind | None = None
+        interrupted: TrainingInterrupted | None = None
+        is_clean_exit = False
         try:
-            while self.step < tcfg.total_steps:
-                if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
-                    break
-                metrics = self.train_step()
-                if tcfg.val_every and self.step % tcfg.val_every == 0:
-                    metrics.update(self.validate())
-                if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
-                    self.logger.log(self.step, metrics)
-                if tcfg.save_every and self.step % tcfg.save_every == 0:
-                    self.save()
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", clip=f"{metrics.get('actor/clipfrac', 0):.2f}")
+            with self._signals:
+                try:
+                    if tcfg.val_every and self.step == 0:
+                        self.logger.log(0, self.validate())
+                    while self.step < tcfg.total_steps:
+                        if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
+                            break
+                        rewind = StepRewind.capture(self.prompts, self.agent_loop)
+                        metrics = self.train_step()
+                        rewind = None  # the step completed: nothing to undo
+                        zero_spread.observe(self.step, metrics)
+                        try:
+                            if tcfg.val_every and self.step % tcfg.val_every == 0:
+                                metrics.update(self.validate())
+                        finally:  # an aborted validation still logs the completed step
+                            if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
+                                self.logger.log(self.step, metrics)
+                        if tcfg.save_every and self.step % tcfg.save_every == 0:
+                            self.save()
+                            last_saved_step = self.step
+                        self._progress.step_done(metrics)
+                        self._signals.check()
+                except PhaseAborted:
+                    if rewind is not None:
+                        rewind.restore()
+                if self._signals.requested is not None:
+                    interrupted = self._stop_after_signal(last_saved_step)
+            is_clean_exit = interrupted is None
         finally:
-            bar.close()
-            self.scorer.close()
+            counter.remove()
+            self._progress.close()
+            if not is_clean_exit:  # interrupted or failed: no engine thread may outlive the run
+                self.engine.shutdown()
+            self.scorer.close(drop_pending=not is_clean_exit)
             self.logger.close()
+            self._progress, self._signals = NO_PROGRESS, None
+        if zero_spread.summary():
+            note(zero_spread.summary())
+        if interrupted is not None:
+            if interrupted.checkpoint is None:
+                # No step of this run was kept: remove what it wrote (step-0 validation, logs), so the
+                # folder is as plan_run found it and the same command starts over.
+                resume.delete_run_files(self.output_dir, resume.run_files(self.output_dir), "no step completed")
+            raise interrupted
         return {**self.summary(), "steps_trained": self.step - start_step}
+
+    def _count_update_forward(self) -> None:
+        if self._progress.current_phase == "update":
+            self._progress.advance()
+
+    def _abortable(self):
+        return self._signals.abortable() if self._signals is not None else contextlib.nullcontext()
+
+    def _stop_after_signal(self, last_saved_step: int) -> TrainingInterrupted:
+        """Save the last completed step if no checkpoint holds it; say where a resume starts."""
+        saved_now = self.step > last_saved_step
+        resume_from = self.save() if saved_now else checkpoint.latest_checkpoint(self.output_dir)
+        return TrainingInterrupted(self._signals.requested, self.step, resume_from, saved_now)
 
     def summary(self) -> dict:
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
