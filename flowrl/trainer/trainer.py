@@ -15,6 +15,15 @@ One training step:
    records the version that produced it;
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
+
+Over several ranks (`world`, flowrl.distributed; docs/distributed.md) every rank draws the same
+prompts and rolls out its contiguous share of the step's groups, each row with the seed it has in
+one process; rewards, uids and row settings are all-gathered (flowrl.trainer.step_rows), so the
+advantages use the statistics of all rows exactly as one process computes them; the update is
+planned over every rank's rows and every rank takes the same optimizer step
+(flowrl.trainer.update). Validation prompts are split over the ranks and gathered. Metrics cover
+all rows (timings: the slowest rank); rank 0 alone writes logs, grids, the progress bar, the
+checkpoint's shared files and the exported weights.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import numpy as np
 import torch
 
 from flowrl import sampler
+from flowrl.distributed.checks import check_world
+from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
@@ -35,6 +47,7 @@ from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
@@ -48,21 +61,26 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
-    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
-    the model loads.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here (on rank
+    0), before the model loads. world: this process among the run's ranks (None: one process).
     """
 
-    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None, world: World | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
+        self.world = world or World.single(cfg.model.resolve_device())
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        if self.world.is_distributed:
+            check_world(cfg, self.world.size, self.world.local_size)
         self.config_dict = config_to_dict(cfg)
         # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
-        self.plan = plan or resume.plan_run(cfg, self.config_dict)
-        self.plan.start(cfg.trainer.output_dir)
+        self.plan = plan or self.world.on_main(lambda: resume.plan_run(cfg, self.config_dict))
+        if self.world.is_main:
+            self.plan.start(cfg.trainer.output_dir)
+        self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -70,9 +88,11 @@ class FlowGRPOTrainer:
         if engine is None:
             from flowrl.engine.engine import DiffusionEngine
 
+            # The embedded tiny model is built once, by rank 0, before any rank reads it.
+            self.world.on_main(lambda: resolve_model_path(cfg.model))
             engine = DiffusionEngine.from_pretrained(
                 resolve_model_path(cfg.model),
-                device=cfg.model.resolve_device(),
+                device=self.world.device,
                 dtype=cfg.model.torch_dtype,
                 max_batch_rows=cfg.engine.max_batch_rows,
                 decode_chunk_size=cfg.engine.decode_chunk_size,
@@ -86,6 +106,10 @@ class FlowGRPOTrainer:
             params = apply_trainable(transformer, tcfg.lora)
         if tcfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        # Over ranks: replicated LoRA, or the full transformer sharded in place (new parameter objects).
+        self.parallel = DataParallel.wrap(transformer, self.world, full_fine_tuning=not tcfg.lora.enabled)
+        if self.parallel.is_sharded:
+            params = [p for p in transformer.parameters() if p.requires_grad]
         if cfg.engine.compile:
             # After LoRA injection, so the compiled blocks trace the modules that are trained; the
             # engine and the trainer share them (compilation is in place).
@@ -93,17 +117,16 @@ class FlowGRPOTrainer:
 
             self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
-            print(
+            self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
                 "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
-                "half a minute, SD3.5-medium's VAE decoder a few minutes)",
-                flush=True,
+                "half a minute, SD3.5-medium's VAE decoder a few minutes)"
             )
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         ema = tcfg.ema
         self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.agent_loop = AgentLoop(engine, cfg.rollout)
@@ -114,9 +137,15 @@ class FlowGRPOTrainer:
         if self.plan.checkpoint is not None:
             self._restore(self.plan.checkpoint)
         log = cfg.logging
-        self.logger = MetricsLogger(
-            self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
-        )
+        self.logger = None  # rank 0 alone writes metrics
+        if self.world.is_main:
+            self.logger = MetricsLogger(
+                self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
+            )
+
+    def _print(self, line: str) -> None:
+        if self.world.is_main:
+            print(line, flush=True)
 
     # --- one step ---------------------------------------------------------------------------------
     def _sde_window(self, step: int) -> tuple[int, int] | None:
@@ -130,36 +159,43 @@ class FlowGRPOTrainer:
         return sampler.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
 
     def train_step(self) -> dict:
-        """Run training step self.step + 1; returns its metrics."""
+        """Run training step self.step + 1; returns its metrics (the same on every rank)."""
         from flowrl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
         step = self.step + 1
-        rows = self.prompts.next_rows()
+        rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
         window = self._sde_window(step)
         for i, row in enumerate(rows):
             row["uid"] = f"step{step}-prompt{i}"
             if window is not None:
                 row["sampling_overrides"] = {"sde_window": window}
-        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
+        n = self.cfg.rollout.n
+        first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
+        batch = RolloutBatch.from_rows(my_rows).repeat(n)
+        first_row = self.agent_loop.rows_generated
         if hasattr(self.engine, "reset_stats"):
             self.engine.reset_stats()
 
         # 1. rollout, each sample scored as soon as it is done (generate_sequences returns after
-        # every on_sample_done call has returned, so every row has been submitted)
+        # every on_sample_done call has returned, so every row has been submitted); each row gets
+        # the seed of its index among all ranks' rows
         def submit(row: int, output) -> None:
             self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
 
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+        with self.parallel.rollout_weights():
+            rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
+        self.agent_loop.rows_generated = first_row + len(rows) * n
         t_rollout = time.perf_counter()
         rewards, components = self.scorer.results_with_components(len(rollout))
         t_reward = time.perf_counter()
+        everyone = gather_step_rows(self.world, rollout, rewards, components, self._engine_counters())
 
-        # 2. advantages
+        # 2. advantages, over the rows of every rank
         algo = self.cfg.algorithm
         adv = compute_group_advantages(
-            rewards,
-            list(rollout.non_tensor_batch["uid"]),
+            everyone.rewards,
+            everyone.uids,
             algo.std_mode,
             algo.std_eps,
             algo.adv_clip_max,
@@ -168,17 +204,17 @@ class FlowGRPOTrainer:
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
-        metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
+        metrics = everyone.metrics(adv, keep, self.policy_version)
 
-        # 3. update (the engine is idle: generate_sequences returned every sample)
+        # 3. update (the engine is idle: generate_sequences returned every sample); planned over
+        # the kept rows of every rank, each rank running its own
         if keep.any():
-            rows_kept = np.flatnonzero(keep)
-            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
+            tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
             specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
-            advantages = torch.from_numpy(adv.values[rows_kept])
+            advantages = torch.from_numpy(adv.values[everyone.mine])
             metrics.update(
                 self.updater.update(
-                    tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
+                    tensors, specs, advantages, torch.ones(len(specs)), step, trained=everyone.trained(keep)
                 )
             )
             self.policy_version = self.updater.num_optimizer_steps
@@ -186,58 +222,59 @@ class FlowGRPOTrainer:
         metrics["timing/rollout_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = t_reward - t_rollout
         metrics["timing/step_s"] = time.perf_counter() - t0
+        if self.world.device.type == "cuda":
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
         self.step = step
-        return metrics
+        return self._max_over_ranks(metrics)
 
-    def _rollout_metrics(self, rollout, rewards, components, adv, keep) -> dict:
-        finite = rewards[np.isfinite(rewards)]
-        versions = np.asarray(rollout.non_tensor_batch["policy_version"], dtype=np.int64)
-        metrics = {
-            "reward/mean": float(finite.mean()) if finite.size else float("nan"),
-            "reward/std": float(finite.std()) if finite.size else float("nan"),
-            "reward/nan_ratio": float(1.0 - finite.size / max(len(rewards), 1)),
-            "adv/zero_std_ratio": adv.zero_std_ratio,
-            "adv/mean_group_std": adv.mean_group_std,
-            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
-            "adv/num_rows_trained": int(keep.sum()),
-            "rollout/policy_version": int(versions.min()),
-            "rollout/policy_lag": int(self.policy_version - versions.min()),
-        }
-        for name, scores in components.items():
-            if len(components) > 1:
-                metrics[f"reward/{name}/mean"] = float(np.nanmean(scores))
-        if hasattr(self.engine, "stats"):
-            stats = self.engine.stats()
-            metrics["rollout/mean_rows_per_forward"] = stats.get("mean_rows_per_forward", 0.0)
-            metrics["rollout/images_per_second"] = stats.get("images_per_second", 0.0)
-        metrics["rollout/num_batched_groups"] = rollout.meta_info.get("num_batched_groups", 0)
-        return metrics
+    def _engine_counters(self) -> dict:
+        if not hasattr(self.engine, "stats"):
+            return {}
+        stats = self.engine.stats()
+        return {name: stats.get(name, 0) for name in ("num_rows", "num_forwards", "images_per_second")}
+
+    def _max_over_ranks(self, metrics: dict) -> dict:
+        """The `timing/*` and `memory/*` metrics of the slowest, fullest rank (a collective)."""
+        names = sorted(k for k in metrics if k.startswith(("timing/", "memory/")))
+        return {**metrics, **dict(zip(names, self.world.max([metrics[k] for k in names])))}
 
     # --- validation -------------------------------------------------------------------------------
     def validate(self) -> dict:
         """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the
-        moving average of the weights); a captioned grid PNG."""
+        moving average of the weights); a captioned grid PNG. Each rank samples and scores its
+        share of the prompts; rank 0 writes the grid of all of them."""
         from flowrl.rollout.batch import RolloutBatch
 
         if not self.val_rows:  # trainer.num_val_images=0
             return {}
         t0 = time.perf_counter()
-        batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
-        with self._evaluation_weights():
-            out = self.agent_loop.generate_sequences(batch, validation=True)
-        images = out.batch["images"]
-        prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
-        scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
-        grid = save_image_grid(
-            images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png"
+        first, mine = self.world.share(self.val_rows)
+        images, scores = None, []
+        with self._evaluation_weights(), self.parallel.rollout_weights():  # every rank: a collective when sharded
+            if mine:
+                batch = RolloutBatch.from_rows([dict(row) for row in mine])
+                out = self.agent_loop.generate_sequences(batch, validation=True, row_offset=first)
+                images = out.batch["images"]
+                prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+                metadata = [_row_metadata(out, i) for i in range(len(out))]
+                scores = list(self.reward.score_or_nan(images, prompts, metadata)[0])
+        shares = [share for share in self.world.gather((images, scores)) if share[0] is not None]
+        scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
+        if self.world.is_main:
+            grid = save_image_grid(
+                torch.cat([share[0] for share in shares]),
+                [f"r={s:.4g}" for s in scores],
+                self.output_dir / "val" / f"step_{self.step:06d}.png",
+            )
+            if self.cfg.logging.log_images:
+                self.logger.log_image(self.step, "val/images", grid)
+        return self._max_over_ranks(
+            {
+                "val/reward_mean": float(np.nanmean(scores)),
+                "val/reward_std": float(np.nanstd(scores)),
+                "timing/val_s": time.perf_counter() - t0,
+            }
         )
-        if self.cfg.logging.log_images:
-            self.logger.log_image(self.step, "val/images", grid)
-        return {
-            "val/reward_mean": float(np.nanmean(scores)),
-            "val/reward_std": float(np.nanstd(scores)),
-            "timing/val_s": time.perf_counter() - t0,
-        }
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -256,6 +293,7 @@ class FlowGRPOTrainer:
             state,
             self.config_dict,
             ema=self.ema,
+            parallel=self.parallel,
         )
 
     def _restore(self, path: Path) -> None:
@@ -263,14 +301,20 @@ class FlowGRPOTrainer:
         hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
         optimizer = self.updater.optimizer
         restored = checkpoint.load_checkpoint(
-            path, self.adapter.transformer, optimizer, self.param_names, verify=False, ema=self.ema
+            path,
+            self.adapter.transformer,
+            optimizer,
+            self.param_names,
+            verify=False,
+            ema=self.ema,
+            parallel=self.parallel,
         )
         tcfg = self.cfg.trainer
         for group in optimizer.param_groups:
             group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         if self.ema is not None and not restored["ema_restored"]:
             self.ema.reset()  # from the restored weights
-            print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
+            self._print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -278,12 +322,13 @@ class FlowGRPOTrainer:
         self.updater.num_optimizer_steps = state["num_optimizer_steps"]
         self.policy_version = state["policy_version"]
         self.engine.set_policy_version(self.policy_version)
-        print(f"resumed from {path} at step {self.step}")
+        self._print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
         """The trained weights for use outside flowrl: a diffusers LoRA folder (`final/lora`), or
         the transformer (`final/transformer`); with trainer.ema, the moving average's weights the
-        same way under `final/ema/`. Returns the trained weights' folder."""
+        same way under `final/ema/`. Returns the trained weights' folder. Every rank calls it
+        (sharded weights are gathered); rank 0 writes."""
         final = self._save_weights(self.output_dir / "final")
         if self.ema is not None:
             with self.ema.applied():
@@ -291,10 +336,12 @@ class FlowGRPOTrainer:
         return final
 
     def _save_weights(self, folder: Path) -> Path:
-        if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, folder / "lora")
-        self.adapter.transformer.save_pretrained(folder / "transformer")
-        return folder / "transformer"
+        if not has_lora(self.adapter.transformer):
+            return self.parallel.save_transformer(self.adapter.transformer, folder / "transformer")
+        if self.world.is_main:  # LoRA weights are the same on every rank
+            save_lora_for_diffusers(self.adapter, folder / "lora")
+        self.world.barrier()
+        return folder / "lora"
 
     def _evaluation_weights(self):
         """The weights validation samples with: the moving average with trainer.ema (put back
@@ -308,15 +355,17 @@ class FlowGRPOTrainer:
 
         tcfg = self.cfg.trainer
         if self.plan.finished:
-            self.scorer.close()
-            self.logger.close()
-            print(self.plan.finished, flush=True)
+            self._close()
+            self._print(self.plan.finished)
             return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
         start_step = self.step
         if tcfg.val_every and self.step == 0:
-            self.logger.log(0, self.validate())
+            self._log(0, self.validate())
         bar = tqdm(
-            total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar
+            total=tcfg.total_steps,
+            initial=self.step,
+            desc="flowrl train",
+            disable=not (self.cfg.logging.progress_bar and self.world.is_main),
         )
         try:
             while self.step < tcfg.total_steps:
@@ -326,22 +375,33 @@ class FlowGRPOTrainer:
                 if tcfg.val_every and self.step % tcfg.val_every == 0:
                     metrics.update(self.validate())
                 if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
-                    self.logger.log(self.step, metrics)
+                    self._log(self.step, metrics)
                 if tcfg.save_every and self.step % tcfg.save_every == 0:
                     self.save()
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", clip=f"{metrics.get('actor/clipfrac', 0):.2f}")
         finally:
             bar.close()
-            self.scorer.close()
-            self.logger.close()
+            self._close()
         return {**self.summary(), "steps_trained": self.step - start_step}
 
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def _close(self) -> None:
+        self.scorer.close()
+        if self.logger is not None:
+            self.logger.close()
+
     def summary(self) -> dict:
+        """The exported weights and, on rank 0, the reward summary (every rank calls it)."""
+        final = self.save_final()
+        if not self.world.is_main:
+            return {"steps": self.step, "final_weights": str(final)}
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
         means = [r["reward/mean"] for r in records]
         curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
-        final = self.save_final()
         return {
             "steps": self.step,
             "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),
