@@ -1,0 +1,47 @@
+"""torchrun launches of `flowrl train` on the loopback equal the one-process run of the same global
+batch: rollouts, per-step rewards and final weights (LoRA over two "nodes", full fine-tuning with
+FSDP2 over two ranks of one node), and a checkpoint saved at world size 2 resumes at world size 1
+as the uninterrupted run."""
+
+from __future__ import annotations
+
+import torch
+from conftest import assert_same_training, final_weights, max_weight_difference, metrics, one_thread
+
+from flowrl.trainer.cli import load_train_config
+from flowrl.trainer.trainer import FlowGRPOTrainer
+
+
+def test_lora_over_two_nodes_equals_one_process(lora_two_nodes, lora_reference):
+    assert_same_training(lora_two_nodes.output, lora_reference, weights=("lora",))
+    assert (lora_two_nodes.output / "checkpoints" / "step_000002" / "trainable.safetensors").is_file()
+    assert (lora_two_nodes.output / "val" / "step_000002.png").is_file()  # rank 0 wrote the grid of all 3 prompts
+
+
+def test_sharded_full_fine_tuning_equals_one_process(full_two_ranks, full_reference):
+    assert_same_training(full_two_ranks.output, full_reference, weights=("transformer", "ema/transformer"))
+    # Each rank rolled out its 2 prompts' rows with the seeds those rows have in one process.
+    reference = full_reference.parent / "rollouts"
+    for rollout in (1, 2):
+        one = torch.load(reference / f"rank0-rollout{rollout}.pt")
+        ranks = [torch.load(full_two_ranks.rollouts / f"rank{r}-rollout{rollout}.pt") for r in (0, 1)]
+        assert [s for part in ranks for s in part["seeds"]] == one["seeds"]
+        for key in ("all_latents", "all_log_probs"):
+            joined = torch.cat([part[key] for part in ranks])
+            # Step 1 samples the same weights; step 2 weights a float32 rounding apart.
+            assert (joined - one[key]).abs().max() < (1e-6 if rollout == 1 else 1e-5), (rollout, key)
+    assert (full_two_ranks.output / "checkpoints" / "step_000001" / "sharded").is_dir()
+
+
+def test_sharded_checkpoint_resumes_at_world_size_one(full_two_ranks, full_args, tmp_path):
+    saved = full_two_ranks.output / "checkpoints" / "step_000001"
+    cfg = load_train_config(None, [*full_args, f"trainer.output_dir={tmp_path / 'run'}", f"trainer.resume={saved}"])
+    with one_thread():
+        trainer = FlowGRPOTrainer(cfg)
+        assert trainer.step == 1 and trainer.policy_version == 2 and trainer.ema.num_updates == 2
+        trainer.fit()
+    straight = {r["step"]: r for r in metrics(full_two_ranks.output)}
+    assert abs(metrics(tmp_path / "run")[-1]["reward/mean"] - straight[2]["reward/mean"]) < 1e-6
+    for folder in ("transformer", "ema/transformer"):
+        resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_two_ranks.output, folder)
+        assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
