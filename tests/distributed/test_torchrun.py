@@ -1,12 +1,20 @@
 """torchrun launches of `flowrl train` on the loopback equal the one-process run of the same global
 batch: rollouts, per-step rewards and final weights (LoRA over two "nodes", full fine-tuning with
-FSDP2 over two ranks of one node), and a checkpoint saved at world size 2 resumes at world size 1
-as the uninterrupted run."""
+FSDP2 over two ranks of one node), and checkpoints move between world sizes: one saved by 2 ranks
+resumes in one process, one saved by one process resumes over 2 ranks, as the uninterrupted run."""
 
 from __future__ import annotations
 
 import torch
-from conftest import assert_same_training, final_weights, max_weight_difference, metrics, one_thread
+from conftest import (
+    assert_same_training,
+    check_launch,
+    final_weights,
+    max_weight_difference,
+    metrics,
+    one_thread,
+    torchrun,
+)
 
 from flowrl.trainer.cli import load_train_config
 from flowrl.trainer.trainer import FlowGRPOTrainer
@@ -44,4 +52,15 @@ def test_sharded_checkpoint_resumes_at_world_size_one(full_two_ranks, full_args,
     assert abs(metrics(tmp_path / "run")[-1]["reward/mean"] - straight[2]["reward/mean"]) < 1e-6
     for folder in ("transformer", "ema/transformer"):
         resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_two_ranks.output, folder)
+        assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
+
+
+def test_one_process_checkpoint_resumes_sharded_over_two_ranks(full_reference, full_args, tmp_path):
+    saved = full_reference / "checkpoints" / "step_000001"
+    assert (saved / "trainable.safetensors").is_file()  # whole tensors, read into each rank's shards
+    launch = check_launch(torchrun([*full_args, f"trainer.resume={saved}"], tmp_path / "run"))
+    assert "resumed from" in launch.log
+    assert abs(metrics(tmp_path / "run")[-1]["reward/mean"] - metrics(full_reference)[-1]["reward/mean"]) < 1e-6
+    for folder in ("transformer", "ema/transformer"):
+        resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_reference, folder)
         assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
