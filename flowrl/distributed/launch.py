@@ -132,5 +132,6 @@ def join_process_group(
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=cfg.distributed.timeout_s),
+        device_id=device if device.type == "cuda" else None,  # NCCL: this rank's GPU, known up front
     )
     return World.joined(local_rank, local_world_size, device)

@@ -19,8 +19,11 @@ when it is imported.
   distributed.max_restarts the group restarts that many times, resuming from the latest
   checkpoint (trainer.resume=auto).
 
-Ray Train keeps its run records under <trainer.output_dir>/ray_train (a shared filesystem when the
-workers span nodes, as the checkpoints need anyway).
+Ray starts its workers in a folder of its own; each moves to this process's working directory when
+its node has it, so relative paths in the config mean what they mean here (on a cluster whose
+nodes lack it, give paths every node resolves). Ray Train keeps its run records under
+<trainer.output_dir>/ray_train (a shared filesystem when the workers span nodes, as the
+checkpoints need anyway).
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def launch_on_ray(cfg: FlowRLConfig, run_rank: RankFunction) -> int:
 
         trainer = TorchTrainer(
             ray_worker.run_worker,
-            train_loop_config={"config": config_to_dict(cfg), "run_rank": run_rank},
+            train_loop_config={"config": config_to_dict(cfg), "run_rank": run_rank, "cwd": os.getcwd()},
             torch_config=ray_worker.FlowrlProcessGroup(timeout_s=int(dcfg.timeout_s)),
             scaling_config=ScalingConfig(num_workers=dcfg.num_workers, use_gpu=_uses_gpus(cfg, ray)),
             run_config=RunConfig(

@@ -11,6 +11,7 @@ per-rank function.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -41,9 +42,12 @@ class FlowrlProcessGroup(TorchConfig):
 
 def run_worker(loop_config: dict) -> None:
     """One Ray Train worker: join flowrl's process group, run the per-rank function
-    (loop_config: {"config": the run's config as a dict, "run_rank": the function})."""
+    (loop_config: {"config": the run's config as a dict, "run_rank": the function, "cwd": the
+    driver's working directory, which relative paths in the config are relative to})."""
     from flowrl.config import config_from_dict
 
+    if os.path.isdir(loop_config["cwd"]):
+        os.chdir(loop_config["cwd"])
     cfg = config_from_dict(loop_config["config"])
     context = ray.train.get_context()
     rank, size = context.get_world_rank(), context.get_world_size()

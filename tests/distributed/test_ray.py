@@ -71,11 +71,12 @@ class Listeners:
         self._thread.join()
 
 
-def test_ray_launcher_trains_as_torchrun_on_the_loopback(local_ray, lora_args, lora_two_nodes, tmp_path):
+def test_ray_launcher_trains_as_torchrun_on_the_loopback(local_ray, lora_args, lora_two_nodes, tmp_path, monkeypatch):
     from flowrl.cli import main
 
+    monkeypatch.chdir(tmp_path)  # a relative output_dir: the workers resolve it where the driver does
     output = tmp_path / "run"
-    args = ["train", *lora_args, f"trainer.output_dir={output}", "distributed.launcher=ray"]
+    args = ["train", *lora_args, "trainer.output_dir=run", "distributed.launcher=ray"]
     with Listeners() as listeners:
         assert main([*args, "distributed.num_workers=2"]) == 0
     assert listeners.seen, "no listening socket was sampled"
