@@ -8,8 +8,9 @@
 - `sharded_checkpoint.py`: checkpoint tensors of sharded weights through
   torch.distributed.checkpoint, readable at any world size;
 - `checks.py`: the config against the world it runs in, before anything loads;
-- `launch.py`: one process, torchrun's ranks, or Ray's (`ray_launcher.py`, the only module that
-  imports Ray) each run the same per-rank function.
+- `launch.py`: one process, torchrun's ranks, or Ray's (`ray_launcher.py` on the driver,
+  `ray_worker.py` in each worker: the only modules that import Ray) each run the same per-rank
+  function.
 
 docs/distributed.md says how to launch on one GPU, one node, several nodes and a Ray cluster.
 """
