@@ -36,8 +36,9 @@ def test_sharded_full_fine_tuning_equals_one_process(full_two_ranks, full_refere
         assert [s for part in ranks for s in part["seeds"]] == one["seeds"]
         for key in ("all_latents", "all_log_probs"):
             joined = torch.cat([part[key] for part in ranks])
-            # Step 1 samples the same weights: the same bits; step 2 weights a float32 rounding apart.
-            assert (joined - one[key]).abs().max() <= (0.0 if rollout == 1 else 1e-5), (rollout, key)
+            # Step 1 samples the same weights (bit-identical here; a CPU whose kernels round by batch
+            # size may differ in the last bit); step 2 weights a float32 rounding apart.
+            assert (joined - one[key]).abs().max() <= (1e-6 if rollout == 1 else 1e-5), (rollout, key)
     assert (full_two_ranks.output / "checkpoints" / "step_000001" / "sharded").is_dir()
 
 
