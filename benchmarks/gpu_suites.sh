@@ -13,6 +13,14 @@
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
+#   flux      FLUX.1 [dev] rollout: 16 samples, 28 steps, guidance 3.5 (the guidance embedding:
+#             one row per sample), 512 px, eager + compiled                                  ~6-8 min
+#   flux-logprob  FLUX.1 [dev]'s bf16 log-prob gap and LoRA training step at the FLUX recipe's
+#             settings (6 steps, noise 0.9, guidance 3.5, LoRA r64, bf16 autocast, compiled,
+#             gradient checkpointing), micro-batches 1, 8                                   ~5-7 min
+#   sd35-large  SD3.5-large rollout: 16 samples, 10 steps, CFG 4.5 (32 rows), eager + compiled ~6-8 min
+#   sd35-large-logprob  SD3.5-large's bf16 log-prob gap and LoRA training step at its recipe's
+#             settings (CFG 4.5, LoRA r32, bf16 autocast, compiled, gradient checkpointing) ~6-8 min
 #   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
 #             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
 #   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
@@ -79,6 +87,15 @@
 #             step timings and peak memory from each run's metrics.jsonl (NPROC=K: K ranks, the
 #             same per-GPU batch)                                                          ~5-7 min
 #   dist-cpu-smoke  dist-1gpu's runs on the tiny SD3 model, 2 gloo ranks on the CPU
+#   z-image   Z-Image rollout: 16 samples, 50 steps (ZImagePipeline's default), CFG 5.0 (the
+#             pipeline's guidance 4.0, as the Z-Image recipe), eager + compiled, 1 repeat    ~7-9 min
+#   z-image-compiled   the z-image rollout, compiled engine modes only, 3 repeats, a profile ~5-6 min
+#   z-image-logprob    the Z-Image bf16 log-prob gap at the recipe's settings (10 steps, CFG 5,
+#             noise 1.0, SDE window 2, LoRA rank 64, bf16 autocast, gradient checkpointing,
+#             compiled, old_log_prob recompute; micro-batches 1, 8, 16) and the training step
+#             at the recipe's micro-batch 8 (16 rows)                                        ~5-7 min
+#   z-image-smoke the z-image bench at its published widths with one main block, eager, 64 px:
+#             checks the z-image builder and its pipeline baseline on any machine (CPU: ~2 min)
 #   cpu-smoke tiny models, to check this script on any machine
 #
 # Writes $OUT/<suite>-rollout.json, $OUT/<suite>-logprob.json (rewritten after every
@@ -185,6 +202,20 @@ suite() {
     qwen)
       run qwen-rollout 540 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile --serial-samples 2 \
         --repeats 1 --profile engine-batched-compiled --profile-steps 2 ;;
+    flux)
+      run flux-rollout 540 "$log" rollout --model flux-dev -n 16 --steps 28 --size 512 --guidance-scale 3.5 --compile \
+        --serial-samples 2 --repeats 1 ;;
+    flux-logprob)
+      run flux-logprob 520 "$log" logprob --model flux-dev -n 16 --steps 6 --size 512 --guidance-scale 3.5 \
+        --noise-level 0.9 --lora-rank 64 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 \
+        --train-micro-batch 3 --old-log-prob recompute ;;
+    sd35-large)
+      run sd35-large-rollout 540 "$log" rollout --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
+        --compile --serial-samples 4 --repeats 1 ;;
+    sd35-large-logprob)
+      run sd35-large-logprob 520 "$log" logprob --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
+        --lora-rank 32 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 --train-micro-batch 4 \
+        --old-log-prob recompute ;;
     qwen-cfg)
       run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
@@ -280,6 +311,20 @@ suite() {
     qwen-cfg-compiled-fused)
       run qwen-cfg-compiled-fused-rollout 240 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 \
         --guidance-scale 4.0 --compile --compile-rounding fused --modes engine-batched-compiled --repeats 1 ;;
+    z-image)
+      run z-image-rollout 540 "$log" rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 \
+        --compile --serial-samples 2 --repeats 1 --profile engine-batched-compiled --profile-steps 2 ;;
+    z-image-compiled)
+      run z-image-compiled-rollout 360 "$log" rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 \
+        --compile --modes engine-batched-compiled,engine-concurrent-compiled --repeats 3 \
+        --profile engine-batched-compiled --profile-steps 4 ;;
+    z-image-logprob)
+      run z-image-logprob 420 "$log" logprob --model z-image -n 16 --steps 10 --size 512 --guidance-scale 5.0 \
+        --noise-level 1.0 --sde-window-size 2 --micro-batches 1,8,16 --lora-rank 64 --compile --autocast bf16 \
+        --gradient-checkpointing --old-log-prob recompute --train-micro-batch 8 ;;
+    z-image-smoke)
+      run z-image-smoke-rollout 240 "$log" rollout --model z-image --num-layers 1 -n 2 --steps 2 --size 64 \
+        --guidance-scale 5.0 --modes pipeline-batched,engine-batched --warmup-steps 1 --peak-seconds 0.1 ;;
     sd35-quick)
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)
@@ -296,8 +341,17 @@ suite() {
       run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 \
         --gradient-checkpointing --profile
       script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
-        --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json" ;;
-    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, sd35-quick, qwen-quick)" | tee -a "$log" ;;
+        --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json"
+      run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \
+        --true-cfg-scale 2.0 --peak-seconds 0.1 --modes pipeline-batched,engine-batched
+      run smoke-flux-logprob 120 "$log" logprob --model tiny-flux -n 2 --steps 3 --size 64 --guidance-scale 3.5 \
+        --micro-batches 1,2 --peak-seconds 0.1 --train-repeats 1
+      run smoke-z-image-rollout 120 "$log" rollout --model tiny-z-image -n 3 --steps 3 --size 64 --guidance-scale 5.0 \
+        --compile --compile-backend aot_eager --peak-seconds 0.1
+      run smoke-z-image-logprob 120 "$log" logprob --model tiny-z-image -n 4 --steps 4 --size 64 --guidance-scale 5.0 \
+        --noise-level 1.0 --sde-window-size 2 --micro-batches 1,4 --lora-rank 4 --autocast bf16 \
+        --gradient-checkpointing --old-log-prob recompute --train-micro-batch 2 --peak-seconds 0.1 ;;
+    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, flux, sd35-large, z-image, sd35-quick, qwen-quick)" | tee -a "$log" ;;
   esac
 }
 

@@ -3,6 +3,10 @@
 Each module named in COMMANDS exposes `build_parser(parser)` (adds its arguments to an argparse
 parser) and `run(args) -> int` (the exit code). Only the module of the chosen subcommand is
 imported, so `flowrl --help` and light commands stay fast.
+
+Every command's parser is a `CommandParser`: bad arguments print one line (`flowrl CMD: error:
+...`) and exit 2, and each flag's help ends with its default (`HelpWithDefaults`). The argument
+types shared by the commands live here too (`positive_int`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,55 @@ import sys
 # by the module's own sub-parsers.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flowrl.trainer.cli", "FlowGRPO training from a YAML recipe plus key=value overrides"),
-    "generate": ("flowrl.engine.cli", "generate images with the rollout engine and print batching stats"),
+    "eval": ("flowrl.trainer.eval_cli", "score a base model and its trained weights on a prompt file, with grids"),
+    "generate": ("flowrl.engine.cli", "generate images with the rollout engine (base model or trained weights)"),
     "make-tiny": ("flowrl.models.tiny_cli", "build a tiny random diffusers checkpoint offline"),
     "config": ("flowrl.config_cli", "show the resolved configuration as YAML"),
     "reward-score": ("flowrl.rewards.cli", "score image files with a reward, one score per line"),
+    "serve": ("flowrl.server.serve_cli", "serve a model over HTTP: OpenAI Images API, RL rollouts, weight updates"),
     "reward-server": ("flowrl.server.reward_cli", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.data.cli", "write prompt datasets (for example OCR prompts)"),
     "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput and log-prob parity"),
 }
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (0 and negatives are errors, never replaced by a default)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return number
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already names its default, the flag
+    is a switch that defaults to off, or it has no default (then its help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text.lower() or default in (None, False, argparse.SUPPRESS) or action.required:
+            return text
+        if not action.option_strings:  # positionals: their default is "none given"
+            return text
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default))
+        return f"{text} (default: {default})" if default != "" else text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: one-line errors with exit 2, help with defaults (module docstring).
+    Sub-parsers (`flowrl data ocr`) are made of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _top_level_parser() -> argparse.ArgumentParser:
@@ -30,6 +75,14 @@ def _top_level_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def command_parser(name: str) -> CommandParser:
+    """The full parser of command `name` (imports its module)."""
+    module_name, help_text = COMMANDS[name]
+    parser = CommandParser(prog=f"flowrl {name}", description=help_text)
+    importlib.import_module(module_name).build_parser(parser)
     return parser
 
 
@@ -44,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
         parser.print_help()
         return 0
-    module_name, help_text = COMMANDS[argv[0]]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"flowrl {argv[0]}", description=help_text)
-    module.build_parser(parser)
-    args = parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    parser = command_parser(argv[0])
+    # Options and KEY=VALUE overrides in any order; argparse can intermix them only in a parser
+    # without sub-commands.
+    has_subcommands = any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+    args = parser.parse_args(argv[1:]) if has_subcommands else parser.parse_intermixed_args(argv[1:])
+    return int(importlib.import_module(COMMANDS[argv[0]][0]).run(args) or 0)
 
 
 if __name__ == "__main__":

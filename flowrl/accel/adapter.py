@@ -3,8 +3,9 @@
 Every family: the GELU epilogue in its MLPs (fused_mlp), the LoRA fold in its adapted projections
 (lora_fold), every transformer block compiled in place (regional_compile: identical blocks share
 one compiled graph, so compile time stays short), and gradient checkpoints taken inside the
-compiled blocks. Per family (FAMILIES, keyed by `adapter.family`): modules compiled besides the
-blocks, a fast path installed before compiling, and inductor settings for no-grad graphs.
+compiled blocks. Per family (FAMILIES, keyed by `adapter.family`): where its blocks are, modules
+compiled besides the blocks, a fast path installed before compiling, and inductor settings for
+no-grad graphs.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from flowrl.accel.regional_compile import compile_in_place, compiled_settings, t
 
 @dataclass(frozen=True)
 class FamilyFastPath:
-    """extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
+    """block_lists: the transformer's ModuleLists of blocks, each block compiled in place.
+    extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
     install(adapter, options): the family's own fast path, installed before compiling.
     no_grad_inductor_options: inductor settings of its no-grad (rollout) graphs, on top of
     regional_compile.INDUCTOR_OPTIONS: a setting that pays on one model's rollout kernels need not
     on another's, nor on the training graphs."""
 
+    block_lists: tuple[str, ...] = ("transformer_blocks",)
     extra_regions: tuple[str, ...] = ()
     install: Callable[[object, AccelOptions], None] | None = None
     no_grad_inductor_options: dict = field(default_factory=dict)
@@ -41,16 +44,23 @@ FAMILIES = {
     "qwen_image": FamilyFastPath(
         install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS
     ),
+    # Double-stream blocks, then single-stream ones (each list shares one compiled graph).
+    "flux": FamilyFastPath(block_lists=("transformer_blocks", "single_transformer_blocks")),
+    # One stream of blocks, in the order the forward runs them: image tokens, text tokens, joint.
+    "z_image": FamilyFastPath(block_lists=("noise_refiner", "context_refiner", "layers")),
 }
 
 
 def compiled_regions(adapter) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) pairs that compile_adapter compiles: every transformer block, then the
     family's extra regions."""
+    family = FAMILIES.get(adapter.family, FamilyFastPath())
     regions = [
-        (f"transformer.transformer_blocks.{i}", block) for i, block in enumerate(adapter.transformer.transformer_blocks)
+        (f"transformer.{name}.{i}", block)
+        for name in family.block_lists
+        for i, block in enumerate(getattr(adapter.transformer, name))
     ]
-    for path in FAMILIES.get(adapter.family, FamilyFastPath()).extra_regions:
+    for path in family.extra_regions:
         module = adapter
         for part in path.split("."):
             module = getattr(module, part)

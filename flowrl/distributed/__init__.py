@@ -10,7 +10,7 @@
 - `checks.py`: the config against the world it runs in, before anything loads;
 - `launch.py`: one process, torchrun's ranks, or Ray's (`ray_launcher.py` on the driver,
   `ray_worker.py` in each worker: the only modules that import Ray) each run the same per-rank
-  function.
+  function, after joining the process group (`process_group.py`).
 
 docs/distributed.md says how to launch on one GPU, one node, several nodes and a Ray cluster.
 """

@@ -8,28 +8,24 @@
 - Ray (`distributed.launcher=ray`): flowrl.distributed.ray_launcher starts Ray Train workers, each
   joining the group through `join_process_group` and running the same function.
 
-`join_process_group` is where every rank's device and backend are chosen: rank r takes the GPU of
-its local rank (NCCL), or the CPU (gloo); collectives time out after distributed.timeout_s. The
-world is checked (flowrl.distributed.checks) before a process group or a model exists.
+Every rank joins its process group through flowrl.distributed.process_group. The world is checked
+(flowrl.distributed.checks) before a process group or a model exists.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from flowrl.config.sections import FlowRLConfig
 from flowrl.distributed.checks import check_world
+from flowrl.distributed.process_group import RankFunction, join_process_group
 from flowrl.distributed.world import World
 
 # torchrun's environment of a rank (the variables torch.distributed's env:// rendezvous reads).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-RankFunction = Callable[[FlowRLConfig, World], int]
 
 
 def started_by_torchrun() -> bool:
@@ -99,39 +95,3 @@ def _torchrun_attempt_store(cfg: FlowRLConfig) -> dist.Store | None:
         timeout=timedelta(seconds=cfg.distributed.timeout_s),
     )
     return dist.PrefixStore(f"flowrl/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def rank_device(cfg: FlowRLConfig, local_rank: int) -> torch.device:
-    """The device of the rank with this local rank: its own GPU, or the CPU."""
-    device = cfg.model.resolve_device()
-    if device == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device(device)
-
-
-def join_process_group(
-    cfg: FlowRLConfig,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_world_size: int,
-    device: torch.device | None = None,
-    store: dist.Store | None = None,
-) -> World:
-    """Initialize the default process group as `rank` of `world_size` (through torchrun's env://
-    variables, or `store`) on this rank's device (None: `rank_device`), and describe it."""
-    device = device if device is not None else rank_device(cfg, local_rank)
-    backend = cfg.distributed.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=cfg.distributed.timeout_s),
-        device_id=device if device.type == "cuda" else None,  # NCCL: this rank's GPU, known up front
-    )
-    return World.joined(local_rank, local_world_size, device)

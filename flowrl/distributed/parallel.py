@@ -23,7 +23,6 @@ This module knows torch.distributed and FSDP2, nothing of the trainer's algorith
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -34,8 +33,6 @@ from flowrl.distributed.world import World
 ParallelMode = Literal["single", "replicate", "shard"]
 # Gradients are all-reduced in flat buckets of about this size (DDP's default bucket size).
 BUCKET_BYTES = 25 << 20
-# Shards of an exported full transformer (diffusers' default shard size).
-EXPORT_SHARD_SIZE = "10GB"
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list:
@@ -139,26 +136,15 @@ class DataParallel:
                 module.reshard()
             self.module.set_reshard_after_forward(True)
 
-    def save_transformer(self, transformer: torch.nn.Module, folder: Path) -> Path:
-        """Write `transformer` as a diffusers folder (`from_pretrained` loads it) from rank 0.
-        Sharded: every rank takes part in gathering the whole weights, which rank 0 writes."""
-        if self.mode == "shard":
-            from huggingface_hub import save_torch_state_dict
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def gathered_state_dict(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole weights of a sharded transformer, on rank 0's CPU (the other ranks get an empty
+        dict); every rank must call it, as the shards are all-gathered. None when not sharded: the
+        module holds its whole weights itself."""
+        if self.mode != "shard":
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.world.is_main:
-                transformer.save_config(folder)
-                save_torch_state_dict(
-                    state,
-                    folder,
-                    filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-                    max_shard_size=EXPORT_SHARD_SIZE,
-                )
-        elif self.world.is_main:
-            transformer.save_pretrained(folder)
-        self.world.barrier()
-        return folder
+        return get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from flowrl.config.sections import FlowRLConfig
 from flowrl.distributed.checks import check_world
-from flowrl.distributed.launch import RankFunction
+from flowrl.distributed.process_group import RankFunction
 
 LOCAL_RAY_ENV = {
     # Ray's node address becomes 127.0.0.1 and its servers listen on it alone (read by `import ray`).

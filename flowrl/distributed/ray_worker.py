@@ -23,7 +23,7 @@ from ray.train.backend import Backend
 from ray.train.collective import broadcast_from_rank_zero
 from ray.train.torch import TorchConfig
 
-from flowrl.distributed.launch import join_process_group
+from flowrl.distributed.process_group import join_process_group
 
 
 class SharedDevices(Backend):

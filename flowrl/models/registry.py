@@ -14,19 +14,24 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter
+from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.z_image import ZImageAdapter
 
 # model_index.json's `_class_name` -> (family, adapter class)
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
+    "FluxPipeline": ("flux", FluxAdapter),
+    "ZImagePipeline": ("z_image", ZImageAdapter),
 }
 
 
-def read_model_family(path: str | Path) -> str:
-    """Return the family name ("sd3", "qwen_image") of a local diffusers folder."""
-    return _family_entry(path)[0]
+def read_model_family(path: str | Path, key: str = "model.path") -> str:
+    """Return the family name ("sd3", "qwen_image", "z_image") of a local diffusers folder; errors name the
+    setting the path came from as `key` (a config key, or a command-line flag)."""
+    return _family_entry(path, key)[0]
 
 
 def load_adapter(
@@ -37,19 +42,19 @@ def load_adapter(
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)
 
 
-def _family_entry(path: str | Path) -> tuple[str, type[FlowModelAdapter]]:
+def _family_entry(path: str | Path, key: str = "model.path") -> tuple[str, type[FlowModelAdapter]]:
     path = Path(path)
     index = path / "model_index.json"
     if not index.is_file():
         raise ValueError(
-            f"model.path={str(path)!r} is not a diffusers checkpoint folder (no model_index.json); "
+            f"{key}={str(path)!r} is not a diffusers checkpoint folder (no model_index.json); "
             "pass the folder written by `save_pretrained`, or build a tiny one with "
             "`flowrl make-tiny --kind sd3 OUT`"
         )
     class_name = json.loads(index.read_text())["_class_name"]
     if class_name not in FAMILIES:
         raise ValueError(
-            f"model.path={str(path)!r} holds a {class_name}, which flowrl does not support; "
+            f"{key}={str(path)!r} holds a {class_name}, which flowrl does not support; "
             f"supported pipelines: {', '.join(FAMILIES)}"
         )
     return FAMILIES[class_name]

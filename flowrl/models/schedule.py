@@ -27,12 +27,18 @@ def dynamic_shift_mu(image_seq_len: int, config) -> float:
 
 
 def schedule_sigmas(
-    scheduler, num_steps: int, image_seq_len: int | None = None, linear_base: bool = False
+    scheduler,
+    num_steps: int,
+    image_seq_len: int | None = None,
+    linear_base: bool = False,
+    base_sigmas: list[float] | None = None,
 ) -> torch.Tensor:
     """Return (num_steps + 1,) float32 sigmas, decreasing from the first sigma to 0.
 
     linear_base: pass sigmas = linspace(1, 1/T, T) as the unshifted base (what the Qwen-Image
     pipeline does); otherwise the scheduler's default base (what the SD3 pipeline does).
+    base_sigmas: the unshifted base as the family's pipeline computes it, where its rounding
+    differs from numpy's linspace (Z-Image: torch.linspace in float32); overrides linear_base.
     """
     sched = copy.deepcopy(scheduler)
     kwargs = {}
@@ -40,7 +46,9 @@ def schedule_sigmas(
         if image_seq_len is None:
             raise ValueError("a dynamically shifted schedule needs image_seq_len")
         kwargs["mu"] = dynamic_shift_mu(image_seq_len, sched.config)
-    if linear_base:
+    if base_sigmas is not None:
+        kwargs["sigmas"] = base_sigmas
+    elif linear_base:
         kwargs["sigmas"] = np.linspace(1.0, 1.0 / num_steps, num_steps)
     sched.set_timesteps(num_steps, device="cpu", **kwargs)
     sigmas = sched.sigmas.to(torch.float32)

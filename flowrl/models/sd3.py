@@ -21,8 +21,8 @@ from flowrl.models.base import (
     cfg_forward_inputs,
     combine_cfg,
     pad_encodings,
-    to_uint8,
 )
+from flowrl.models.kl_vae import decode_kl_latents, prepare_kl_vae
 from flowrl.models.schedule import schedule_sigmas
 
 
@@ -45,11 +45,12 @@ class SD3Adapter(FlowModelAdapter):
         super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
+        # SD3 crops its position embedding from a pos_embed_max_size^2 grid of patches.
+        grid = self.transformer.config.pos_embed_max_size
+        if grid:
+            self.max_image_side = grid * self.transformer.config.patch_size * self.vae_scale_factor
         self._sigma_cache: dict[int, torch.Tensor] = {}
-        # cuDNN's convolutions run NHWC on the GPU; an NCHW VAE makes every conv transpose its
-        # input and output, a sizeable share of a short rollout's device time.
-        self.vae_memory_format = torch.channels_last if self.device.type == "cuda" else torch.contiguous_format
-        self.vae.to(memory_format=self.vae_memory_format)
+        self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
@@ -107,10 +108,5 @@ class SD3Adapter(FlowModelAdapter):
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
 
     # --- VAE -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        config = self.vae.config
-        scaled = latents / config.scaling_factor + config.shift_factor
-        scaled = scaled.to(self.vae.dtype).contiguous(memory_format=self.vae_memory_format)
-        image = self.vae.decode(scaled, return_dict=False)[0]
-        return to_uint8(image)
+        return decode_kl_latents(self.vae, latents, self.vae_memory_format)

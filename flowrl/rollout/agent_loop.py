@@ -9,7 +9,7 @@ Equality of the two paths rests on seeds: row i gets seed base + global row inde
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
 flowrl.engine.output.TransitionSpec as non-tensor columns: height, width, num_inference_steps,
-noise_level, sde_type, guidance_scale), per-row `sampling_overrides` included. The loop knows
+noise_level, sde_type, guidance_scale, true_cfg_scale), per-row `sampling_overrides` included. The loop knows
 nothing about rewards or training; `on_sample_done(row, output)` lets a caller (async reward
 scoring) see each sample as soon as it finishes.
 """
@@ -47,6 +47,13 @@ OUTPUT_TO_BATCH = {
     "negative_prompt_embeds_mask": "negative_prompt_embeds_mask",
     "negative_pooled_prompt_embeds": "negative_pooled_prompt_embeds",
 }
+
+
+def row_seed(base_seed: int, row: int) -> int:
+    """The seed of row `row` of a batch whose base seed is `base_seed` (rollout.seed for training
+    rows, counted over the whole run; rollout.val_seed for validation rows, counted from 0).
+    Consecutive rows get consecutive seeds, as generate_batched gives sample j seed + j."""
+    return (base_seed * 1_000_000_007) % 2**62 + row
 
 
 class AgentLoop:
@@ -108,8 +115,7 @@ class AgentLoop:
         seeds = []
         for i in range(len(batch)):
             explicit = None if given is None else given[i]
-            # Consecutive rows get consecutive seeds, as generate_batched gives sample j seed + j.
-            seeds.append(int(explicit) if explicit is not None else (base * 1_000_000_007) % 2**62 + row_offset + i)
+            seeds.append(int(explicit) if explicit is not None else row_seed(base, row_offset + i))
         return seeds
 
     # --- main entry --------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.build import check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
+from flowrl.trainer.export import export_pipeline, save_transformer
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
 from flowrl.trainer.step_rows import gather_step_rows
@@ -97,6 +98,8 @@ class FlowGRPOTrainer:
                 max_batch_rows=cfg.engine.max_batch_rows,
                 decode_chunk_size=cfg.engine.decode_chunk_size,
                 **cfg.model.adapter_options(),
+                prompt_cache_mb=cfg.engine.prompt_cache_mb,
+                prompt_cache_device=cfg.engine.prompt_cache_device,
             )
         self.engine = engine
         self.adapter = engine.adapter
@@ -325,23 +328,34 @@ class FlowGRPOTrainer:
         self._print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
-        """The trained weights for use outside flowrl: a diffusers LoRA folder (`final/lora`), or
-        the transformer (`final/transformer`); with trainer.ema, the moving average's weights the
-        same way under `final/ema/`. Returns the trained weights' folder. Every rank calls it
-        (sharded weights are gathered); rank 0 writes."""
-        final = self._save_weights(self.output_dir / "final")
+        """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
+        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
+        with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
+        or the transformer). Returns the pipeline folder. Every rank calls it (sharded weights are
+        gathered); rank 0 writes."""
+        final = self.output_dir / "final"
+        state = self.parallel.gathered_state_dict(self.adapter.transformer)
+        if self.world.is_main:
+            export_pipeline(self.adapter, final, self.step, self.config_dict, transformer_state=state)
+        self.world.barrier()
         if self.ema is not None:
             with self.ema.applied():
                 self._save_weights(self.output_dir / "final" / "ema")
         return final
 
     def _save_weights(self, folder: Path) -> Path:
-        if not has_lora(self.adapter.transformer):
-            return self.parallel.save_transformer(self.adapter.transformer, folder / "transformer")
+        """The trained weights alone: a diffusers LoRA folder, or the transformer (gathered from
+        every rank when sharded), written by rank 0."""
+        transformer = self.adapter.transformer
+        lora = has_lora(transformer)
+        state = None if lora else self.parallel.gathered_state_dict(transformer)
         if self.world.is_main:  # LoRA weights are the same on every rank
-            save_lora_for_diffusers(self.adapter, folder / "lora")
+            if lora:
+                save_lora_for_diffusers(self.adapter, folder / "lora")
+            else:
+                save_transformer(transformer, folder / "transformer", state)
         self.world.barrier()
-        return folder / "lora"
+        return folder / ("lora" if lora else "transformer")
 
     def _evaluation_weights(self):
         """The weights validation samples with: the moving average with trainer.ema (put back

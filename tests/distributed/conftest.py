@@ -41,7 +41,7 @@ BASE = (
     "trainer.lr=0.001",
     "algorithm.old_log_prob=recompute",
 )
-LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "algorithm.kl_beta=0.01")
+LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "algorithm.kl_beta=0.01", "trainer.ema.enabled=true")
 FULL = ("trainer.lora.enabled=false", "trainer.ema.enabled=true", "trainer.ema.update_every=1")
 TIMEOUT_S = 300
 
@@ -164,9 +164,53 @@ def max_weight_difference(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def assert_same_training(a: Path, b: Path, weights: tuple[str, ...], atol_weights: float = 1e-5) -> None:
+def final_entries(output: Path) -> dict[str, Path]:
+    """Every file of output/final by relative path, and every symlinked component folder (not
+    descended into: its target is the base model's)."""
+    root = Path(output) / "final"
+    entries = {}
+    for folder, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            path = Path(folder) / name
+            if path.is_symlink() or path.is_file():
+                entries[path.relative_to(root).as_posix()] = path
+    assert entries, f"{root} is empty"
+    return entries
+
+
+# flowrl_run.json keys that say where and how a run ran, not what it trained.
+RUN_ONLY_KEYS = ("trainer.output_dir", "distributed.")
+
+
+def _trained_config(run_info: dict) -> dict:
+    from flowrl.trainer.resume import flatten
+
+    flat = flatten(run_info.pop("config"))
+    return {**run_info, "config": {k: v for k, v in flat.items() if not k.startswith(RUN_ONLY_KEYS)}}
+
+
+def assert_same_final(a: Path, b: Path, atol_weights: float = 1e-5) -> None:
+    """The two runs' final/ folders are the same pipeline folder: the same entries, links to the
+    same base model components, weights within atol_weights, flowrl_run.json equal but for the
+    run-only keys, every other file byte for byte."""
+    ea, eb = final_entries(a), final_entries(b)
+    assert ea.keys() == eb.keys()
+    for name, path in ea.items():
+        other = eb[name]
+        if path.is_symlink() or other.is_symlink():
+            assert path.is_symlink() and other.is_symlink() and path.resolve() == other.resolve(), name
+        elif name.endswith(".safetensors"):
+            assert max_weight_difference(load_file(str(path)), load_file(str(other))) < atol_weights, name
+        elif name == "flowrl_run.json":
+            infos = [_trained_config(json.loads(p.read_text())) for p in (path, other)]
+            assert infos[0] == infos[1]
+        else:
+            assert path.read_bytes() == other.read_bytes(), name
+
+
+def assert_same_training(a: Path, b: Path, atol_weights: float = 1e-5) -> None:
     """The two runs logged the same steps with reward stats within 1e-6, trained the same rows
-    with as many optimizer steps, and ended with trained weights within atol_weights."""
+    with as many optimizer steps, and ended with the same final/ folder (`assert_same_final`)."""
     ma, mb = metrics(a), metrics(b)
     assert [r["step"] for r in ma] == [r["step"] for r in mb]
     for ra, rb in zip(ma, mb):
@@ -175,8 +219,7 @@ def assert_same_training(a: Path, b: Path, weights: tuple[str, ...], atol_weight
                 assert abs(ra[key] - rb[key]) < 1e-6, (ra["step"], key, ra[key], rb[key])
         for key in ("adv/num_rows_trained", "actor/num_optimizer_steps", "rollout/policy_version"):
             assert ra.get(key) == rb.get(key), (ra["step"], key)
-    for folder in weights:
-        assert max_weight_difference(final_weights(a, folder), final_weights(b, folder)) < atol_weights, folder
+    assert_same_final(a, b, atol_weights)
 
 
 def check_launch(launch: Launch) -> Launch:

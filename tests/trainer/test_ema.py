@@ -87,6 +87,6 @@ def test_validation_samples_with_the_average_and_checkpoints_save_it(make_cfg):
         assert torch.equal(ema_file[name], ema.averages[name]) and torch.equal(weights_file[name], trained[name])
     assert latest_checkpoint(cfg.trainer.output_dir) == saved
     final = trainer.save_final()
-    assert (final / "pytorch_lora_weights.safetensors").is_file()
+    assert (final / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (trainer.output_dir / "final" / "ema" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     trainer.scorer.close()

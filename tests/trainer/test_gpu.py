@@ -53,7 +53,8 @@ def test_tiny_training_on_cuda_bf16(make_cfg, old_log_prob):
 
 
 @pytest.mark.parametrize(
-    "kind, old_log_prob", [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout")]
+    "kind, old_log_prob",
+    [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout"), ("z_image", "rollout")],
 )
 def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_log_prob):
     """The gap is the trainer's log-prob values (its no-grad graph, flowrl.trainer.policy) against
