@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 
-from conftest import assert_same_training, check_launch, torchrun
+from distributed_runs import assert_same_training, check_launch, torchrun
 
 
 def test_a_killed_rank_restarts_the_group_which_resumes_and_finishes(full_args, full_reference, tmp_path):

@@ -1,6 +1,6 @@
 """The Ray launcher: 2 CPU workers on a local Ray bound to 127.0.0.1 train 2 steps with the same
 metrics and weights as the torchrun launch of the same run, and no process of the run listens on
-an address other than the loopback. One Ray for the session (its start costs seconds)."""
+an address other than the loopback. One Ray for this file (its start costs seconds)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 
 import psutil
 import pytest
-from conftest import assert_same_final, metrics
+from distributed_runs import assert_same_final, metrics
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'ray[train]')")
 
@@ -24,7 +24,7 @@ LOCAL_RAY_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # shut down after this file: later tests see none of Ray's sockets or threads
 def local_ray(tmp_path_factory):
     saved = {name: os.environ.get(name) for name in [*LOCAL_RAY_ENV, "RAY_TMPDIR"]}
     os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")))

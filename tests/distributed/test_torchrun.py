@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import (
+from distributed_runs import (
     assert_same_training,
     check_launch,
     final_weights,
