@@ -87,6 +87,12 @@
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
 #                      --compile-rounding fused                                              ~3 min each
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
+#   dist-1gpu `torchrun --nproc-per-node 1 -m flowrl train` through NCCL, 2 training steps each of
+#             random-weight models at real size (model.path=random:<arch>): SD3.5-medium LoRA,
+#             SD3.5-medium full fine-tuning (FSDP2, a sharded checkpoint), Qwen-Image LoRA; the
+#             step timings and peak memory from each run's metrics.jsonl (NPROC=K: K ranks, the
+#             same per-GPU batch)                                                          ~5-7 min
+#   dist-cpu-smoke  dist-1gpu's runs on the tiny SD3 model, 2 gloo ranks on the CPU
 #   z-image   Z-Image rollout: 16 samples, 50 steps (ZImagePipeline's default), CFG 5.0 (the
 #             pipeline's guidance 4.0, as the Z-Image recipe), eager + compiled, 1 repeat    ~7-9 min
 #   z-image-compiled   the z-image rollout, compiled engine modes only, 3 repeats, a profile ~5-6 min
@@ -151,6 +157,42 @@ script() {
 # `flowrl bench train` on random weights: a weight-free reward and the embedded prompts in place of
 # the recipes' OCR reward and prompt files.
 RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
+
+# dist_train NAME CAP LOG MODEL SIZE OVERRIDES...: 2 training steps of `torchrun --nproc-per-node
+# ${NPROC:-1} -m flowrl train` (NCCL on GPUs, gloo on the CPU; 2 prompts x 4 samples per rank) into
+# $OUT/NAME, within the budget, then one [bench] line per step from its metrics.jsonl.
+dist_train() {
+  local name=$1 cap=$2 log=$3 model=$4 size=$5 nproc=${NPROC:-1}; shift 5
+  within_budget "$name" "$cap" "$log" || return 0
+  echo "[gpu_suites] $name (limit ${LIMIT}s): torchrun --nproc-per-node $nproc -m flowrl train model.path=$model $*" | tee -a "$log"
+  timeout -k 10 "$LIMIT" python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-addr 127.0.0.1 \
+    --master-port $(( 29500 + RANDOM % 2000 )) --local-addr 127.0.0.1 -m flowrl train model.path="$model" \
+    trainer.output_dir="$OUT/$name" trainer.overwrite=true trainer.total_steps=2 trainer.prompts_per_step=$(( 2 * nproc )) \
+    rollout.n=4 rollout.sampling.height="$size" rollout.sampling.width="$size" rollout.sampling.sde_window_size=2 \
+    trainer.val_every=0 trainer.save_every=2 reward.name=jpeg_compressibility logging.tensorboard=false \
+    logging.progress_bar=false "$@" >>"$log" 2>&1
+  echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
+  python3 - "$name" "$OUT/$name/metrics.jsonl" <<'PY' | tee -a "$log"
+import json, sys
+from pathlib import Path
+
+name, path = sys.argv[1], Path(sys.argv[2])
+for r in (json.loads(line) for line in path.read_text().splitlines()) if path.is_file() else []:
+    print(f"[bench] {name} step {r['step']}: {r['timing/step_s']:.1f} s (rollout {r['timing/rollout_s']:.1f} s, "
+          f"update {r.get('timing/update_s', 0):.1f} s), peak {r.get('memory/peak_gb', 0):.1f} GB, reward {r['reward/mean']:.4f}")
+PY
+}
+
+# dist_suite MODEL_SD35 MODEL_QWEN SIZE STEPS LOG OVERRIDES...: dist-1gpu's three runs.
+dist_suite() {
+  local sd35=$1 qwen=$2 size=$3 steps=$4 log=$5; shift 5
+  dist_train dist-sd35-lora 150 "$log" "$sd35" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=true trainer.lora.rank=32 trainer.micro_batch_size=4 "$@"
+  dist_train dist-sd35-full 180 "$log" "$sd35" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=false trainer.micro_batch_size=4 trainer.lr=1e-5 "$@"
+  dist_train dist-qwen-lora 200 "$log" "$qwen" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=true trainer.lora.rank=64 trainer.micro_batch_size=2 trainer.gradient_checkpointing=true "$@"
+}
 
 suite() {
   local log=$1 s=$2
@@ -308,6 +350,12 @@ suite() {
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)
       run qwen-quick-rollout 200 "$log" rollout --model qwen-image -n 8 --steps 20 --size 512 --serial-samples 1 ;;
+    dist-1gpu)
+      dist_suite random:sd35-medium random:qwen-image 512 10 "$log" model.dtype=bfloat16 trainer.mixed_precision=bf16 ;;
+    dist-cpu-smoke)  # dist-1gpu's runs on the tiny SD3 and Qwen-Image models, 2 gloo ranks on the CPU
+      python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" >>"$log" 2>&1
+      python3 -m flowrl.cli make-tiny --kind qwen_image "$OUT/tiny-qwen" >>"$log" 2>&1
+      NPROC=2 GLOO_SOCKET_IFNAME=lo dist_suite "$OUT/tiny-sd3" "$OUT/tiny-qwen" 64 4 "$log" ;;
     cpu-smoke)  # checks this script itself anywhere (tiny models, seconds)
       run smoke-rollout 120 "$log" rollout --model tiny-sd3 -n 3 --steps 3 --size 64 --compile --compile-backend aot_eager \
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
@@ -348,4 +396,4 @@ else
 fi
 echo
 echo "== summary ($(( SECONDS - START ))s)"
-python3 -m flowrl.bench.summary "$OUT"/*.json | tee "$OUT/summary.md"
+if compgen -G "$OUT/*.json" >/dev/null; then python3 -m flowrl.bench.summary "$OUT"/*.json | tee "$OUT/summary.md"; fi

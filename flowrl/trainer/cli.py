@@ -3,15 +3,19 @@
     flowrl train                                   # the embedded tiny CPU run (a few minutes)
     flowrl train --config recipes/sd35_medium_ocr_lora.yaml model.path=/path/to/sd35m
     flowrl train --config F trainer.total_steps=5 rollout.n=8
+    torchrun --nproc-per-node 4 -m flowrl train --config F        # 4 data-parallel ranks
+    flowrl train --config F distributed.launcher=ray distributed.num_workers=4
 
 Without --config the embedded tiny run is used: the tiny random SD3 model (built offline on
 first use), full fine-tuning on CPU with the weight-free `image_flatness` reward (flatter,
 lower-contrast images score higher); it prints the mean reward of the first and last 5 steps. recipes/tiny_cpu.yaml spells out the same settings.
+Over several processes (docs/distributed.md) every rank runs `train_rank`; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 
@@ -54,43 +58,61 @@ def load_train_config(config_path: str | None, overrides: list[str]):
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from flowrl.trainer.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = load_train_config(args.config, list(args.overrides))
+        from flowrl.distributed.launch import launch_training
+
+        return launch_training(cfg, functools.partial(train_rank, args=args))
+    except ValueError as error:  # the config, or the world it runs in: the same on every rank
+        if os.environ.get("RANK", "0") == "0":
+            print(f"flowrl train: error: {error}", file=sys.stderr)
+        return 2
+
+
+def train_rank(cfg, world, args: argparse.Namespace) -> int:
+    """One rank of `flowrl train` (the only one in a one-process run): plan the run (on rank 0,
+    before the model loads: a finished run loads nothing), build the trainer, fit; rank 0 prints.
+    A stop signal during start-up abandons it; during training it stops the run cleanly and rank 0
+    prints how to resume (flowrl.trainer.interrupts). Returns the exit code."""
+    from flowrl.config import config_to_dict
+    from flowrl.trainer.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
+    from flowrl.trainer.resume import plan_run
+
+    say = print if world.is_main else (lambda *args, **kwargs: None)
     # Until training starts, a stop signal simply abandons the start-up: nothing is written yet
     # that a resume would need (the tiny model is written to a staging folder and moved in place).
     signals = StopSignals()
     try:
-        cfg = load_train_config(args.config, list(args.overrides))
         with signals, signals.abortable():
-            from flowrl.config import config_to_dict
-            from flowrl.trainer.resume import plan_run
-
-            plan = plan_run(cfg, config_to_dict(cfg))  # before the model loads: a finished run loads nothing
+            plan = world.on_main(lambda: plan_run(cfg, config_to_dict(cfg)))
             if plan.finished:
-                print(f"flowrl train: {plan.finished}")
+                say(f"flowrl train: {plan.finished}")
                 return 0
             from flowrl.trainer.trainer import FlowGRPOTrainer
 
-            trainer = FlowGRPOTrainer(cfg, plan=plan)
+            trainer = FlowGRPOTrainer(cfg, plan=plan, world=world)
     except ValueError as error:
-        print(f"flowrl train: error: {error}", file=sys.stderr)
+        where = f" (rank {world.rank})" if world.is_distributed else ""
+        print(f"flowrl train{where}: error: {error}", file=sys.stderr)
         return 2
     except (PhaseAborted, KeyboardInterrupt):
-        print("flowrl train: interrupted before training started; run the same command to start again", file=sys.stderr)
+        say("flowrl train: interrupted before training started; run the same command to start again", file=sys.stderr)
         return 128 + (signals.requested or signal.SIGINT)
     if args.config is None:
-        print(
+        say(
             f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
             f"outputs in {cfg.trainer.output_dir}"
         )
     try:
         summary = trainer.fit()
     except TrainingInterrupted as stop:
-        print(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
+        say(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
         return stop.exit_code
     finally:
         trainer.engine.shutdown()
+    if not world.is_main:
+        return 0
     trained, reached = summary["steps_trained"], summary["steps"]
     print(
         f"steps trained: {trained}"

@@ -51,6 +51,7 @@ RESUME_RULES: tuple[tuple[str, str], ...] = (
     ("reward.", NEW),  # what is scored from now on
     ("data.", REFUSE),  # the dataset the saved position indexes
     ("logging.", NEW),
+    ("distributed.", NEW),  # how many processes train: any world size resumes any checkpoint
 )
 _SECRET_KEYS = ("token",)
 

@@ -15,6 +15,15 @@ One training step:
    records the version that produced it;
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
+
+Over several ranks (`world`, flowrl.distributed; docs/distributed.md) every rank draws the same
+prompts and rolls out its contiguous share of the step's groups, each row with the seed it has in
+one process; rewards, uids and row settings are all-gathered (flowrl.trainer.step_rows), so the
+advantages use the statistics of all rows exactly as one process computes them; the update is
+planned over every rank's rows and every rank takes the same optimizer step
+(flowrl.trainer.update). Validation prompts are split over the ranks and gathered. Metrics cover
+all rows (timings: the slowest rank); rank 0 alone writes logs, grids, the progress bar, the
+checkpoint's shared files and the exported weights.
 """
 
 from __future__ import annotations
@@ -28,17 +37,22 @@ import torch
 
 from flowrl import sampler
 from flowrl.console import note
+from flowrl.distributed.checks import check_world
+from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import build_engine, check_before_loading
+from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
+from flowrl.trainer.export import export_pipeline, save_transformer
 from flowrl.trainer.health import ZeroSpreadWatch
 from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
 from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
 from flowrl.trainer.progress import NO_PROGRESS, StepProgress
+from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
@@ -52,31 +66,40 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
-    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
-    the model loads.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here (on rank
+    0), before the model loads. world: this process among the run's ranks (None: one process).
     """
 
     # fit() installs these for its run; a step run outside fit() shows no bar and is not abortable.
     _progress = NO_PROGRESS
     _signals: StopSignals | None = None
 
-    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None, world: World | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
+        self.world = world or World.single(cfg.model.resolve_device())
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        if self.world.is_distributed:
+            check_world(cfg, self.world.size, self.world.local_size)
         self.config_dict = config_to_dict(cfg)
         # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
-        self.plan = plan or resume.plan_run(cfg, self.config_dict)
-        self.plan.start(cfg.trainer.output_dir)
+        self.plan = plan or self.world.on_main(lambda: resume.plan_run(cfg, self.config_dict))
+        if self.world.is_main:
+            self.plan.start(cfg.trainer.output_dir)
+        self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
         self.output_dir = Path(tcfg.output_dir)
-        self.engine = engine if engine is not None else build_engine(cfg)
-        self.adapter = self.engine.adapter
+        if engine is None:
+            # The embedded tiny model is built once, by rank 0, before any rank reads it.
+            self.world.on_main(lambda: resolve_model_path(cfg.model))
+            engine = build_engine(cfg, device=self.world.device)
+        self.engine = engine
+        self.adapter = engine.adapter
         # `model.path=random:NAME`: the architecture's name, said in every step's metrics and the summary.
         self.random_weights = getattr(self.adapter, "random_weights", None)
         transformer = self.adapter.transformer
@@ -85,6 +108,10 @@ class FlowGRPOTrainer:
             params = apply_trainable(transformer, tcfg.lora)
         if tcfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        # Over ranks: replicated LoRA, or the full transformer sharded in place (new parameter objects).
+        self.parallel = DataParallel.wrap(transformer, self.world, full_fine_tuning=not tcfg.lora.enabled)
+        if self.parallel.is_sharded:
+            params = [p for p in transformer.parameters() if p.requires_grad]
         if cfg.engine.compile:
             # After LoRA injection, so the compiled blocks trace the modules that are trained; the
             # engine and the trainer share them (compilation is in place).
@@ -92,17 +119,16 @@ class FlowGRPOTrainer:
 
             self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
-            print(
+            self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
                 "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
-                "half a minute, SD3.5-medium's VAE decoder a few minutes)",
-                flush=True,
+                "half a minute, SD3.5-medium's VAE decoder a few minutes)"
             )
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         ema = tcfg.ema
         self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.agent_loop = AgentLoop(self.engine, cfg.rollout)
@@ -113,9 +139,15 @@ class FlowGRPOTrainer:
         if self.plan.checkpoint is not None:
             self._restore(self.plan.checkpoint)
         log = cfg.logging
-        self.logger = MetricsLogger(
-            self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
-        )
+        self.logger = None  # rank 0 alone writes metrics
+        if self.world.is_main:
+            self.logger = MetricsLogger(
+                self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
+            )
+
+    def _print(self, line: str) -> None:
+        if self.world.is_main:
+            print(line, flush=True)
 
     # --- one step ---------------------------------------------------------------------------------
     def _sde_window(self, step: int) -> tuple[int, int] | None:
@@ -129,39 +161,46 @@ class FlowGRPOTrainer:
         return sampler.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
 
     def train_step(self) -> dict:
-        """Run training step self.step + 1; returns its metrics."""
+        """Run training step self.step + 1; returns its metrics (the same on every rank)."""
         from flowrl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
         step = self.step + 1
-        rows = self.prompts.next_rows()
+        rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
         window = self._sde_window(step)
         for i, row in enumerate(rows):
             row["uid"] = f"step{step}-prompt{i}"
             if window is not None:
                 row["sampling_overrides"] = {"sde_window": window}
-        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
+        n = self.cfg.rollout.n
+        first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
+        batch = RolloutBatch.from_rows(my_rows).repeat(n)
+        first_row = self.agent_loop.rows_generated
         if hasattr(self.engine, "reset_stats"):
             self.engine.reset_stats()
 
         # 1. rollout, each sample scored as soon as it is done (generate_sequences returns after
-        # every on_sample_done call has returned, so every row has been submitted)
+        # every on_sample_done call has returned, so every row has been submitted); each row gets
+        # the seed of its index among all ranks' rows
         def submit(row: int, output) -> None:
             self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
             self._progress.advance()
 
         self._progress.phase("rollout", len(batch))
         with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
-            rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+            with self.parallel.rollout_weights():
+                rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
+            self.agent_loop.rows_generated = first_row + len(rows) * n
             t_rollout = time.perf_counter()
             rewards, components = self.scorer.results_with_components(len(rollout))
             t_reward = time.perf_counter()
+        everyone = gather_step_rows(self.world, rollout, rewards, components, self._engine_counters())
 
-        # 2. advantages
+        # 2. advantages, over the rows of every rank
         algo = self.cfg.algorithm
         adv = compute_group_advantages(
-            rewards,
-            list(rollout.non_tensor_batch["uid"]),
+            everyone.rewards,
+            everyone.uids,
             algo.std_mode,
             algo.std_eps,
             algo.adv_clip_max,
@@ -170,18 +209,18 @@ class FlowGRPOTrainer:
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
-        metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
+        metrics = everyone.metrics(adv, keep, self.policy_version)
 
-        # 3. update (the engine is idle: generate_sequences returned every sample)
+        # 3. update (the engine is idle: generate_sequences returned every sample); planned over
+        # the kept rows of every rank, each rank running its own
         self._progress.phase("update")
         if keep.any():
-            rows_kept = np.flatnonzero(keep)
-            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
+            tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
             specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
-            advantages = torch.from_numpy(adv.values[rows_kept])
+            advantages = torch.from_numpy(adv.values[everyone.mine])
             metrics.update(
                 self.updater.update(
-                    tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
+                    tensors, specs, advantages, torch.ones(len(specs)), step, trained=everyone.trained(keep)
                 )
             )
             t_sync = time.perf_counter()
@@ -193,64 +232,72 @@ class FlowGRPOTrainer:
         metrics["timing/rollout_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = t_reward - t_rollout
         metrics["timing/step_s"] = time.perf_counter() - t0
+        if self.world.device.type == "cuda":
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
         self.step = step
-        return metrics
+        return self._max_over_ranks(metrics)
 
-    def _rollout_metrics(self, rollout, rewards, components, adv, keep) -> dict:
-        finite = rewards[np.isfinite(rewards)]
-        versions = np.asarray(rollout.non_tensor_batch["policy_version"], dtype=np.int64)
-        metrics = {
-            "reward/mean": float(finite.mean()) if finite.size else float("nan"),
-            "reward/std": float(finite.std()) if finite.size else float("nan"),
-            "reward/nan_ratio": float(1.0 - finite.size / max(len(rewards), 1)),
-            "adv/zero_std_ratio": adv.zero_std_ratio,
-            "adv/mean_group_std": adv.mean_group_std,
-            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
-            "adv/num_rows_trained": int(keep.sum()),
-            "rollout/policy_version": int(versions.min()),
-            "rollout/policy_lag": int(self.policy_version - versions.min()),
-        }
-        for name, scores in components.items():
-            if len(components) > 1:
-                metrics[f"reward/{name}/mean"] = float(np.nanmean(scores))
-        if hasattr(self.engine, "stats"):
-            stats = self.engine.stats()
-            metrics["rollout/mean_rows_per_forward"] = stats.get("mean_rows_per_forward", 0.0)
-            metrics["rollout/images_per_second"] = stats.get("images_per_second", 0.0)
-        metrics["rollout/num_batched_groups"] = rollout.meta_info.get("num_batched_groups", 0)
-        return metrics
+    def _engine_counters(self) -> dict:
+        if not hasattr(self.engine, "stats"):
+            return {}
+        stats = self.engine.stats()
+        return {name: stats.get(name, 0) for name in ("num_rows", "num_forwards", "images_per_second")}
+
+    def _max_over_ranks(self, metrics: dict) -> dict:
+        """The `timing/*` and `memory/*` metrics of the slowest, fullest rank (a collective)."""
+        names = sorted(k for k in metrics if k.startswith(("timing/", "memory/")))
+        return {**metrics, **dict(zip(names, self.world.max([metrics[k] for k in names])))}
 
     # --- validation -------------------------------------------------------------------------------
     def validate(self) -> dict:
         """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the
-        moving average of the weights); a captioned grid PNG."""
+        moving average of the weights); a captioned grid PNG. Each rank samples and scores its
+        share of the prompts; rank 0 writes the grid of all of them."""
         from flowrl.rollout.batch import RolloutBatch
 
         if not self.val_rows:  # trainer.num_val_images=0
             return {}
         t0 = time.perf_counter()
-        batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
-        self._progress.phase("validation", len(batch))
-        # The abortable block inside the weights' swap: a stop signal never lands mid-swap.
-        with self._evaluation_weights(), self._abortable():
-            out = self.agent_loop.generate_sequences(
-                batch, validation=True, on_sample_done=lambda row, output: self._progress.advance()
-            )
+        first, mine = self.world.share(self.val_rows)
+        self._progress.phase("validation", len(mine))
+        images, scores, prompts, targets = None, [], [], []
+        # The abortable block inside the weights' swap: a stop signal never lands mid-swap. Every
+        # rank enters rollout_weights (a collective when sharded).
+        with self._evaluation_weights(), self.parallel.rollout_weights(), self._abortable():
+            if mine:
+                batch = RolloutBatch.from_rows([dict(row) for row in mine])
+                out = self.agent_loop.generate_sequences(
+                    batch,
+                    validation=True,
+                    on_sample_done=lambda row, output: self._progress.advance(),
+                    row_offset=first,
+                )
+                images = out.batch["images"]
+                prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+                targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
         with self._abortable():
-            images = out.batch["images"]
-            prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
-            scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
-        targets = out.non_tensor_batch.get("ground_truth")
-        grid = save_image_grid(
-            images, grid_captions(prompts, scores, targets), self.output_dir / "val" / f"step_{self.step:06d}.png"
+            if mine:
+                metadata = [_row_metadata(out, i) for i in range(len(out))]
+                scores = list(self.reward.score_or_nan(images, prompts, metadata)[0])
+        shares = [share for share in self.world.gather((images, scores, prompts, targets)) if share[0] is not None]
+        scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
+        if self.world.is_main:
+            prompts = [p for share in shares for p in share[2]]
+            targets = [t for share in shares for t in share[3]]
+            grid = save_image_grid(
+                torch.cat([share[0] for share in shares]),
+                grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
+                self.output_dir / "val" / f"step_{self.step:06d}.png",
+            )
+            if self.cfg.logging.log_images:
+                self.logger.log_image(self.step, "val/images", grid)
+        return self._max_over_ranks(
+            {
+                "val/reward_mean": float(np.nanmean(scores)),
+                "val/reward_std": float(np.nanstd(scores)),
+                "timing/val_s": time.perf_counter() - t0,
+            }
         )
-        if self.cfg.logging.log_images:
-            self.logger.log_image(self.step, "val/images", grid)
-        return {
-            "val/reward_mean": float(np.nanmean(scores)),
-            "val/reward_std": float(np.nanstd(scores)),
-            "timing/val_s": time.perf_counter() - t0,
-        }
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -269,6 +316,7 @@ class FlowGRPOTrainer:
             state,
             self.config_dict,
             ema=self.ema,
+            parallel=self.parallel,
         )
 
     def _restore(self, path: Path) -> None:
@@ -276,14 +324,20 @@ class FlowGRPOTrainer:
         hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
         optimizer = self.updater.optimizer
         restored = checkpoint.load_checkpoint(
-            path, self.adapter.transformer, optimizer, self.param_names, verify=False, ema=self.ema
+            path,
+            self.adapter.transformer,
+            optimizer,
+            self.param_names,
+            verify=False,
+            ema=self.ema,
+            parallel=self.parallel,
         )
         tcfg = self.cfg.trainer
         for group in optimizer.param_groups:
             group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         if self.ema is not None and not restored["ema_restored"]:
             self.ema.reset()  # from the restored weights
-            print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
+            self._print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -291,26 +345,37 @@ class FlowGRPOTrainer:
         self.updater.num_optimizer_steps = state["num_optimizer_steps"]
         self.policy_version = state["policy_version"]
         self.engine.set_policy_version(self.policy_version)
-        print(f"resumed from {path} at step {self.step}")
+        self._print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
         """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
         pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
         with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
-        or the transformer). Returns the pipeline folder."""
-        from flowrl.trainer.export import export_pipeline
-
-        final = export_pipeline(self.adapter, self.output_dir / "final", self.step, self.config_dict)
+        or the transformer). Returns the pipeline folder. Every rank calls it (sharded weights are
+        gathered); rank 0 writes."""
+        final = self.output_dir / "final"
+        state = self.parallel.gathered_state_dict(self.adapter.transformer)
+        if self.world.is_main:
+            export_pipeline(self.adapter, final, self.step, self.config_dict, transformer_state=state)
+        self.world.barrier()
         if self.ema is not None:
             with self.ema.applied():
                 self._save_weights(self.output_dir / "final" / "ema")
         return final
 
     def _save_weights(self, folder: Path) -> Path:
-        if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, folder / "lora")
-        self.adapter.transformer.save_pretrained(folder / "transformer")
-        return folder / "transformer"
+        """The trained weights alone: a diffusers LoRA folder, or the transformer (gathered from
+        every rank when sharded), written by rank 0."""
+        transformer = self.adapter.transformer
+        lora = has_lora(transformer)
+        state = None if lora else self.parallel.gathered_state_dict(transformer)
+        if self.world.is_main:  # LoRA weights are the same on every rank
+            if lora:
+                save_lora_for_diffusers(self.adapter, folder / "lora")
+            else:
+                save_transformer(transformer, folder / "transformer", state)
+        self.world.barrier()
+        return folder / ("lora" if lora else "transformer")
 
     def _evaluation_weights(self):
         """The weights validation samples with: the moving average with trainer.ema (put back
@@ -328,13 +393,15 @@ class FlowGRPOTrainer:
         """
         tcfg = self.cfg.trainer
         if self.plan.finished:
-            self.scorer.close()
-            self.logger.close()
-            print(self.plan.finished, flush=True)
+            self._close()
+            self._print(self.plan.finished)
             return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
         start_step = self.step
         self._progress = StepProgress(
-            tcfg.total_steps, self.step, disable=not self.cfg.logging.progress_bar, is_compiling=self.cfg.engine.compile
+            tcfg.total_steps,
+            self.step,
+            disable=not (self.cfg.logging.progress_bar and self.world.is_main),
+            is_compiling=self.cfg.engine.compile,
         )
         self._signals = StopSignals()
         # Counts the transformer forwards of the update phase (the bar's "update N fwd").
@@ -348,25 +415,26 @@ class FlowGRPOTrainer:
             with self._signals:
                 try:
                     if tcfg.val_every and self.step == 0:
-                        self.logger.log(0, self.validate())
+                        self._log(0, self.validate())
                     while self.step < tcfg.total_steps:
                         if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
                             break
                         rewind = StepRewind.capture(self.prompts, self.agent_loop)
                         metrics = self.train_step()
                         rewind = None  # the step completed: nothing to undo
-                        zero_spread.observe(self.step, metrics)
+                        if self.world.is_main:
+                            zero_spread.observe(self.step, metrics)
                         try:
                             if tcfg.val_every and self.step % tcfg.val_every == 0:
                                 metrics.update(self.validate())
                         finally:  # an aborted validation still logs the completed step
                             if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
-                                self.logger.log(self.step, metrics)
+                                self._log(self.step, metrics)
                         if tcfg.save_every and self.step % tcfg.save_every == 0:
                             self.save()
                             last_saved_step = self.step
                         self._progress.step_done(metrics)
-                        self._signals.check()
+                        self._check_stop()
                 except PhaseAborted:
                     if rewind is not None:
                         rewind.restore()
@@ -378,13 +446,12 @@ class FlowGRPOTrainer:
             self._progress.close()
             if not is_clean_exit:  # interrupted or failed: no engine thread may outlive the run
                 self.engine.shutdown()
-            self.scorer.close(drop_pending=not is_clean_exit)
-            self.logger.close()
+            self._close(drop_pending=not is_clean_exit)
             self._progress, self._signals = NO_PROGRESS, None
         if zero_spread.summary():
             note(zero_spread.summary())
         if interrupted is not None:
-            if interrupted.checkpoint is None:
+            if interrupted.checkpoint is None and self.world.is_main:
                 # No step of this run was kept: remove what it wrote (step-0 validation, logs), so the
                 # folder is as plan_run found it and the same command starts over.
                 resume.delete_run_files(self.output_dir, resume.run_files(self.output_dir), "no step completed")
@@ -396,19 +463,47 @@ class FlowGRPOTrainer:
             self._progress.advance()
 
     def _abortable(self):
-        return self._signals.abortable() if self._signals is not None else contextlib.nullcontext()
+        """A phase a stop signal may drop at once. Over several ranks none is: a rank leaving a phase
+        alone would leave the others waiting in its collectives, so the ranks stop together at the
+        end of a step (`_check_stop`)."""
+        if self._signals is None or self.world.is_distributed:
+            return contextlib.nullcontext()
+        return self._signals.abortable()
+
+    def _check_stop(self) -> None:
+        """The safe point after a step: stop when a signal was received (over several ranks: by any
+        rank, agreed through a collective, so that every rank stops after the same step)."""
+        if self.world.is_distributed:
+            requested = self._signals.requested or 0
+            agreed = int(self.world.max([float(requested)])[0])
+            if agreed and self._signals.requested is None:
+                self._signals.requested = agreed
+        self._signals.check()
 
     def _stop_after_signal(self, last_saved_step: int) -> TrainingInterrupted:
-        """Save the last completed step if no checkpoint holds it; say where a resume starts."""
+        """Save the last completed step if no checkpoint holds it (every rank: the save is a
+        collective when sharded); say where a resume starts."""
         saved_now = self.step > last_saved_step
         resume_from = self.save() if saved_now else checkpoint.latest_checkpoint(self.output_dir)
         return TrainingInterrupted(self._signals.requested, self.step, resume_from, saved_now)
 
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def _close(self, drop_pending: bool = False) -> None:
+        self.scorer.close(drop_pending=drop_pending)
+        if self.logger is not None:
+            self.logger.close()
+
     def summary(self) -> dict:
+        """The exported weights and, on rank 0, the reward summary (every rank calls it)."""
+        final = self.save_final()
+        if not self.world.is_main:
+            return {"steps": self.step, "final_weights": str(final)}
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
         means = [r["reward/mean"] for r in records]
         curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
-        final = self.save_final()
         return {
             "steps": self.step,
             "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),
