@@ -107,6 +107,7 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     try:
         summary = trainer.fit()
     except TrainingInterrupted as stop:
+        world.barrier()  # every rank has stopped and saved: the ranks exit together
         say(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
         return stop.exit_code
     finally:

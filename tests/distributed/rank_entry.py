@@ -6,7 +6,8 @@ FLOWRL_TEST_RECORD=DIR   each training rollout's seeds, latents and log-probs to
                          DIR/rank<R>-rollout<K>.pt (K counts this process's training rollouts)
 FLOWRL_TEST_FAIL=R:S:M   on rank R, at the start of training step S, on torchrun's first attempt
                          only: M=raise raises RuntimeError("injected failure ... (time T)", T
-                         its wall-clock time), M=kill sends the process SIGKILL
+                         its wall-clock time), M=kill sends the process SIGKILL, M=term
+                         sends it SIGTERM and goes on with the step (a stop signal to one rank)
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def install_hooks(record_dir: str | None = None, fail: str | None = None, rank: 
             if rank == int(fail_rank) and self.step + 1 == int(fail_step):
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if mode == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return train_step(self)
                 raise RuntimeError(f"injected failure on rank {rank} at step {fail_step} (time {time.time():.3f})")
             return train_step(self)
 
