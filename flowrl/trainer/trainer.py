@@ -10,9 +10,12 @@ One training step:
 4. PPO update (flowrl.trainer.update), each row re-scored with the settings it was drawn with (the
    rollout's per-row TransitionSpec, so per-row sampling overrides score as they sampled); the
    engine is idle here, since the rollout has returned;
-5. bump the policy version: the engine's transformer IS the trained module (LoRA injected in
-   place), so the next rollout samples from the new weights with no copy, and every output
-   records the version that produced it;
+5. bump the policy version and publish it: the engine's transformer IS the trained module (LoRA
+   injected in place), so the next rollout samples from the new weights with no copy, and every
+   output records the version that produced it. Decoupled (rollout.servers / num_replicas), the
+   rollouts run on rollout servers and publishing uploads the weights to them
+   (flowrl.trainer.rollout_backend); with trainer.async_rollout, step k + 1's rollout runs while
+   step k trains (flowrl.trainer.rollout_schedule);
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
 """
@@ -35,6 +38,8 @@ from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.rollout_backend import open_rollout_backend
+from flowrl.trainer.rollout_schedule import CollectedRollout, VersionHistory, schedule_for
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
@@ -67,6 +72,8 @@ class FlowGRPOTrainer:
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
         self.output_dir = Path(tcfg.output_dir)
+        # Where training rollouts run; started replicas load their model while this one loads.
+        self.rollout_backend = open_rollout_backend(cfg, self.output_dir)
         if engine is None:
             from flowrl.engine.engine import DiffusionEngine
 
@@ -106,13 +113,19 @@ class FlowGRPOTrainer:
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
-        self.agent_loop = AgentLoop(engine, cfg.rollout)
+        self.rollout_backend.bind(engine)
+        self.agent_loop = AgentLoop(self.rollout_backend.replicas, cfg.rollout)
+        # Validation samples in this process, with the trainer's weights (or their EMA).
+        self.val_agent_loop = AgentLoop(engine, cfg.rollout) if self.rollout_backend.is_decoupled else self.agent_loop
         self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
         if self.plan.checkpoint is not None:
             self._restore(self.plan.checkpoint)
+        self.versions = VersionHistory(self.step, self.policy_version)
+        self.rollouts = schedule_for(self)  # synchronous, or one step ahead (trainer.async_rollout)
+        self.rollout_backend.publish(self.policy_version)  # rollout servers start from these weights
         log = cfg.logging
         self.logger = MetricsLogger(
             self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
@@ -131,29 +144,12 @@ class FlowGRPOTrainer:
 
     def train_step(self) -> dict:
         """Run training step self.step + 1; returns its metrics."""
-        from flowrl.rollout.batch import RolloutBatch
-
         t0 = time.perf_counter()
         step = self.step + 1
-        rows = self.prompts.next_rows()
-        window = self._sde_window(step)
-        for i, row in enumerate(rows):
-            row["uid"] = f"step{step}-prompt{i}"
-            if window is not None:
-                row["sampling_overrides"] = {"sde_window": window}
-        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
-        if hasattr(self.engine, "reset_stats"):
-            self.engine.reset_stats()
-
-        # 1. rollout, each sample scored as soon as it is done (generate_sequences returns after
-        # every on_sample_done call has returned, so every row has been submitted)
-        def submit(row: int, output) -> None:
-            self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
-
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+        # 1. the step's rollout and rewards (self._roll_out, now or started during the last step)
+        collected = self.rollouts.collect(step)
+        rollout, rewards = collected.rollout, collected.rewards
         t_rollout = time.perf_counter()
-        rewards, components = self.scorer.results_with_components(len(rollout))
-        t_reward = time.perf_counter()
 
         # 2. advantages
         algo = self.cfg.algorithm
@@ -168,9 +164,9 @@ class FlowGRPOTrainer:
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
-        metrics = self._rollout_metrics(rollout, rewards, components, adv, keep)
+        metrics = self._rollout_metrics(collected, adv, keep)
 
-        # 3. update (the engine is idle: generate_sequences returned every sample)
+        # 3. update (the trainer's engine is idle: generate_sequences returned every sample)
         if keep.any():
             rows_kept = np.flatnonzero(keep)
             tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
@@ -182,16 +178,47 @@ class FlowGRPOTrainer:
                 )
             )
             self.policy_version = self.updater.num_optimizer_steps
-            self.engine.set_policy_version(self.policy_version)
-        metrics["timing/rollout_s"] = t_rollout - t0
-        metrics["timing/reward_wait_s"] = t_reward - t_rollout
+        self.rollouts.after_update(self.policy_version)
+        self.versions.record(step, self.policy_version)
+        metrics["timing/rollout_s"] = collected.rollout_s
+        metrics["timing/rollout_wait_s"] = t_rollout - t0
+        metrics["timing/reward_wait_s"] = collected.reward_wait_s
         metrics["timing/step_s"] = time.perf_counter() - t0
         self.step = step
         return metrics
 
-    def _rollout_metrics(self, rollout, rewards, components, adv, keep) -> dict:
+    def _roll_out(self, step: int) -> CollectedRollout:
+        """Step `step`'s rows rolled out and scored (a schedule decides when this runs)."""
+        from flowrl.rollout.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        rows = self.prompts.next_rows()
+        window = self._sde_window(step)
+        for i, row in enumerate(rows):
+            row["uid"] = f"step{step}-prompt{i}"
+            if window is not None:
+                row["sampling_overrides"] = {"sde_window": window}
+        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
+        self.rollout_backend.reset_stats()
+
+        # each sample scored as soon as it is done (generate_sequences returns after every
+        # on_sample_done call has returned, so every row has been submitted)
+        def submit(row: int, output) -> None:
+            self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
+
+        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
+        t_rollout = time.perf_counter()
+        stats = self.rollout_backend.stats()
+        rewards, components = self.scorer.results_with_components(len(rollout))
+        return CollectedRollout(rollout, rewards, components, stats, t_rollout - t0, time.perf_counter() - t_rollout)
+
+    def _rollout_metrics(self, collected: CollectedRollout, adv, keep) -> dict:
+        rollout, rewards, components = collected.rollout, collected.rewards, collected.components
         finite = rewards[np.isfinite(rewards)]
         versions = np.asarray(rollout.non_tensor_batch["policy_version"], dtype=np.int64)
+        # How many training steps the weights being trained are ahead of those that drew each row.
+        staleness = self.versions.staleness(versions, self.step)
+        rollout.add_non_tensors({"staleness": staleness.tolist()})
         metrics = {
             "reward/mean": float(finite.mean()) if finite.size else float("nan"),
             "reward/std": float(finite.std()) if finite.size else float("nan"),
@@ -202,14 +229,14 @@ class FlowGRPOTrainer:
             "adv/num_rows_trained": int(keep.sum()),
             "rollout/policy_version": int(versions.min()),
             "rollout/policy_lag": int(self.policy_version - versions.min()),
+            "rollout/staleness_mean": float(staleness.mean()),
+            "rollout/staleness_max": int(staleness.max()),
         }
         for name, scores in components.items():
             if len(components) > 1:
                 metrics[f"reward/{name}/mean"] = float(np.nanmean(scores))
-        if hasattr(self.engine, "stats"):
-            stats = self.engine.stats()
-            metrics["rollout/mean_rows_per_forward"] = stats.get("mean_rows_per_forward", 0.0)
-            metrics["rollout/images_per_second"] = stats.get("images_per_second", 0.0)
+        metrics["rollout/mean_rows_per_forward"] = collected.stats.get("mean_rows_per_forward", 0.0)
+        metrics["rollout/images_per_second"] = collected.stats.get("images_per_second", 0.0)
         metrics["rollout/num_batched_groups"] = rollout.meta_info.get("num_batched_groups", 0)
         return metrics
 
@@ -224,7 +251,7 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
         with self._evaluation_weights():
-            out = self.agent_loop.generate_sequences(batch, validation=True)
+            out = self.val_agent_loop.generate_sequences(batch, validation=True)
         images = out.batch["images"]
         prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
         scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
@@ -243,8 +270,7 @@ class FlowGRPOTrainer:
     def save(self) -> Path:
         state = {
             "policy_version": self.policy_version,
-            "data": self.prompts.state_dict(),
-            "rows_generated": self.agent_loop.rows_generated,
+            **self.data_state(saved=True),
             "num_optimizer_steps": self.updater.num_optimizer_steps,
         }
         return checkpoint.save_checkpoint(
@@ -257,6 +283,18 @@ class FlowGRPOTrainer:
             self.config_dict,
             ema=self.ema,
         )
+
+    def data_state(self, saved: bool = False) -> dict:
+        """The data position: the prompt sampler's and the rollout rows' count. saved=True: the one
+        a checkpoint keeps, from before an early rollout (trainer.async_rollout) drew its rows."""
+        if saved and self.rollouts.saved_data_state() is not None:
+            return self.rollouts.saved_data_state()
+        return {"data": self.prompts.state_dict(), "rows_generated": self.agent_loop.rows_generated}
+
+    def has_step(self, step: int) -> bool:
+        """Whether fit() trains step `step` (the data position as it is now)."""
+        epochs = self.cfg.trainer.epochs
+        return step <= self.cfg.trainer.total_steps and (epochs is None or self.prompts.epochs_done < epochs)
 
     def _restore(self, path: Path) -> None:
         """Continue from the checkpoint `plan_run` verified; this config's optimizer
@@ -311,6 +349,7 @@ class FlowGRPOTrainer:
 
         tcfg = self.cfg.trainer
         if self.plan.finished:
+            self.rollout_backend.close()
             self.scorer.close()
             self.logger.close()
             print(self.plan.finished, flush=True)
@@ -323,7 +362,7 @@ class FlowGRPOTrainer:
         )
         try:
             while self.step < tcfg.total_steps:
-                if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
+                if tcfg.epochs is not None and self.data_state(saved=True)["data"]["epoch"] >= tcfg.epochs:
                     break
                 metrics = self.train_step()
                 if tcfg.val_every and self.step % tcfg.val_every == 0:
@@ -334,8 +373,11 @@ class FlowGRPOTrainer:
                     self.save()
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", clip=f"{metrics.get('actor/clipfrac', 0):.2f}")
+            self.rollouts.finish()
         finally:
             bar.close()
+            self.rollouts.close()
+            self.rollout_backend.close()
             self.scorer.close()
             self.logger.close()
         return {**self.summary(), "steps_trained": self.step - start_step}

@@ -1,0 +1,194 @@
+"""Where the trainer's training rollouts run, and how new weights get there.
+
+- `ColocatedRollouts`: the trainer's own engine, whose transformer IS the trained module (the
+  LoRA is injected in place): publishing a version only tags the samples admitted from then on.
+- `DecoupledRollouts`: rollout servers (`flowrl serve`), either started by the user
+  (`rollout.servers`) or started here (`rollout.num_replicas`, on `rollout.replica_devices`, and
+  stopped on exit); requests are balanced over them per group (flowrl.rollout.balancer, with
+  failover). Publishing a version uploads the trainable weights (the LoRA, or the full
+  transformer) to every live replica as one safetensors file with the version and its sha256,
+  then waits until each one serves that version with that checksum: the next rollout request is
+  sent only after every replica has switched.
+
+`open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
+replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
+knows the client and the trainable weights, nothing about the update or the rewards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from safetensors.torch import save as save_safetensors
+
+from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, replica_name
+from flowrl.trainer.lora import has_lora, trainable_state_dict
+
+logger = logging.getLogger(__name__)
+
+# Counters summed over replicas; the rates are recomputed from the sums.
+_SUMMED_STATS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_failed", "busy_seconds")
+
+
+def weights_checksum(state: dict) -> str:
+    """sha256 of the tensors alone (a safetensors file of them without metadata): what the trainer
+    and a replica compare to show they hold the same weights."""
+    return hashlib.sha256(save_safetensors(state)).hexdigest()
+
+
+def weights_payload(transformer) -> tuple[bytes, str, str]:
+    """(safetensors bytes of the trainable weights, their checksum, kind "lora" or "full"); a
+    LoRA file carries its adapter config (peft's) in its metadata."""
+    state = {name: t.detach().cpu().contiguous() for name, t in trainable_state_dict(transformer).items()}
+    kind = "lora" if has_lora(transformer) else "full"
+    metadata = {"kind": kind}
+    if kind == "lora":
+        metadata["lora_config"] = json.dumps(transformer.peft_config["default"].to_dict(), default=list)
+    return save_safetensors(state, metadata=metadata), weights_checksum(state), kind
+
+
+class ColocatedRollouts:
+    """Rollouts on the trainer's own engine (module docstring)."""
+
+    is_decoupled = False
+
+    def __init__(self):
+        self.engine = None
+
+    def bind(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def replicas(self):
+        """What the agent loop balances over: the trainer's engine."""
+        return self.engine
+
+    def publish(self, version: int) -> None:
+        self.engine.set_policy_version(version)
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        pass
+
+
+class DecoupledRollouts:
+    """Rollouts on rollout servers (module docstring)."""
+
+    is_decoupled = True
+
+    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None, publish_timeout_s: float = 600.0):
+        self.config = rollout_cfg
+        self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
+        self._urls = list(urls or [])
+        self.publish_timeout_s = publish_timeout_s
+        self.engine = None
+        self.clients: list = []
+        self.balancer: LeastInFlightBalancer | None = None
+        self.published: tuple[int, str] | None = None  # (version, checksum) every live replica serves
+
+    def bind(self, engine) -> None:
+        """Attach the trainer's engine (its adapter holds the weights to publish); connect."""
+        from flowrl.client import RemoteEngine
+
+        self.engine = engine
+        token = None
+        if self.processes is not None:
+            self._urls = self.processes.wait_ready()
+            token = self.processes.admin_token
+        self.clients = [
+            RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls
+        ]
+        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+
+    @property
+    def replicas(self) -> LeastInFlightBalancer:
+        return self.balancer
+
+    def publish(self, version: int) -> None:
+        """Upload the trainer's trainable weights as `version` to every live replica and wait
+        until each serves it with the same checksum (replicas that fail are dropped)."""
+        payload, checksum, kind = weights_payload(self.engine.adapter.transformer)
+        live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
+        if not live:
+            raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
+
+        def push(index: int) -> str:
+            client = self.clients[index]
+            client.load_weights(payload, version, checksum, kind)
+            info = client.wait_for_version(version, timeout_s=self.publish_timeout_s)
+            if info.get("checksum") != checksum:
+                raise RuntimeError(
+                    f"{replica_name(client, index)} serves version {version} with checksum {info.get('checksum')} "
+                    f"but the trainer sent {checksum}"
+                )
+            return checksum
+
+        with ThreadPoolExecutor(max_workers=len(live)) as pool:
+            futures = {index: pool.submit(push, index) for index in live}
+        for index, future in futures.items():
+            error = future.exception()
+            if error is not None:
+                self.balancer.drop(index, f"the weights of version {version} did not go live: {error}")
+        if not self.balancer.live_replicas:
+            raise NoReplicaLeftError(
+                f"no rollout replica took the weights of version {version}: " + self.balancer.summary()
+            )
+        self.published = (version, checksum)
+
+    def reset_stats(self) -> None:
+        for client in self.balancer.live_replicas:
+            client.reset_stats()
+
+    def stats(self) -> dict:
+        """The replicas' batching counters summed (the rates from the sums); dropped ones left out."""
+        per_replica = [client.stats() for client in self.balancer.live_replicas]
+        total = {name: sum(s.get(name, 0) for s in per_replica) for name in _SUMMED_STATS}
+        total["mean_rows_per_forward"] = total["num_rows"] / total["num_forwards"] if total["num_forwards"] else 0.0
+        busy = max((s.get("busy_seconds", 0.0) for s in per_replica), default=0.0)
+        total["images_per_second"] = total["num_samples_finished"] / busy if busy > 0 else 0.0
+        total["num_replicas"] = len(per_replica)
+        return total
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.processes is not None:
+            self.processes.stop()
+
+
+def open_rollout_backend(cfg, output_dir: str | Path):
+    """The backend the config asks for; started replicas begin loading their model now."""
+    rollout = cfg.rollout
+    if not rollout.is_decoupled:
+        return ColocatedRollouts()
+    if rollout.servers:
+        return DecoupledRollouts(rollout, urls=rollout.servers)
+    from flowrl.client import ReplicaProcesses
+    from flowrl.trainer.build import resolve_model_path
+
+    devices = list(rollout.replica_devices) or [cfg.model.resolve_device()] * rollout.num_replicas
+    processes = ReplicaProcesses(
+        resolve_model_path(cfg.model), devices, Path(output_dir) / "replicas", serve_args=replica_serve_args(cfg)
+    )
+    processes.launch()
+    return DecoupledRollouts(rollout, processes=processes)
+
+
+def replica_serve_args(cfg) -> list[str]:
+    """The `flowrl serve` options that make a started replica sample as the trainer's engine does."""
+    args = ["--dtype", cfg.model.dtype, "--max-batch-rows", str(cfg.engine.max_batch_rows)]
+    args += ["--decode-chunk-size", str(cfg.engine.decode_chunk_size)]
+    if cfg.model.max_sequence_length is not None:
+        args += ["--max-sequence-length", str(cfg.model.max_sequence_length)]
+    if cfg.trainer.mixed_precision != "no":
+        args += ["--mixed-precision", cfg.trainer.mixed_precision]
+    return args
