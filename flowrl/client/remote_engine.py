@@ -16,7 +16,7 @@ naming the server (a balancer then re-sends the request to another replica); a 4
 than `timeout_s` counts as the server being unavailable. Cancelling every future of a request (or
 the coroutine of an async call) closes its connection, which cancels it on the server.
 
-Weight updates (`load_weights`, `wait_for_version`) need the server's admin token: `admin_token`,
+Weight updates (`load_weights`, `weights_info`) need the server's admin token: `admin_token`,
 or the FLOWRL_ADMIN_TOKEN environment variable.
 """
 
@@ -29,12 +29,14 @@ from concurrent.futures import Future
 
 import httpx
 
-from flowrl.client import wire_io
 from flowrl.client.errors import RemoteEngineError, RemoteRequestError, ServerUnavailableError
 from flowrl.sampling_params import SamplingParams
+from flowrl.server import wire
 
-ADMIN_TOKEN_ENV = "FLOWRL_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = wire.ADMIN_TOKEN_ENV
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+# Counters of engine.stats() that stats() reports since the last reset_stats().
+_COUNTERS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_failed", "busy_seconds")
 _RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 
 
@@ -103,56 +105,58 @@ class RemoteEngine:
         return self.submit_batched(prompt, 1, sampling_params)[0]
 
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
-        """One sample per prompt, sample i with seed + i (the engine's rule), one request each."""
+        """One sample per prompt, sample i with seed + i (the engine's rule), in one request."""
         if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")
-        params = _checked(prompts[0], 1, sampling_params)
-        if params.seed is None:
-            return [f for p in prompts for f in self.submit_batched(p, 1, params)]
-        return [
-            f for i, p in enumerate(prompts) for f in self.submit_batched(p, 1, params.replace(seed=params.seed + i))
-        ]
+        for prompt in prompts:
+            params = _checked(prompt, 1, sampling_params)
+        return self._submit(wire.rollout_request(prompts, 1, params), len(prompts))
 
     def submit_batched(
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
     ) -> list[Future]:
         """Send one rollout request for N samples of `prompt`; one future per sample."""
         params = _checked(prompt, num_outputs_per_prompt, sampling_params)
+        return self._submit(wire.rollout_request(prompt, num_outputs_per_prompt, params), num_outputs_per_prompt)
+
+    def _submit(self, body: dict, num_samples: int) -> list[Future]:
         if self._is_closed:
             raise RuntimeError(f"RemoteEngine({self.url}) is closed; create a new one")
-        body = wire_io.rollout_request(prompt, num_outputs_per_prompt, params)
         request = asyncio.run_coroutine_threadsafe(self._rollout(body), self._loop)
-        futures = [Future() for _ in range(num_outputs_per_prompt)]
+        futures = [Future() for _ in range(num_samples)]
         _fan_out(self.url, request, futures)
         return futures
 
     def stats(self) -> dict:
         """The server engine's batching counters since the last `reset_stats()` (the engine's keys:
-        num_forwards, num_rows, num_samples_finished, mean_rows_per_forward, images_per_second,
-        policy_version, ...)."""
-        current = self._call(self._get_json("/v1/stats", "GET /v1/stats"))
-        return wire_io.stats_since(current, self._stats_base)
+        num_forwards, num_rows, rows_per_forward_hist, num_samples_finished, mean_rows_per_forward,
+        images_per_second, policy_version, ...)."""
+        return _stats_since(self._stats_now(), self._stats_base)
 
     def reset_stats(self) -> None:
-        self._stats_base = self._call(self._get_json("/v1/stats", "GET /v1/stats"))
+        self._stats_base = self._stats_now()
+
+    def _stats_now(self) -> dict:
+        return wire.stats_from_json(self._call(self._get_json(wire.STATS_PATH)))
 
     def health(self) -> dict:
-        """The server's /health answer (status, model, policy version)."""
-        return self._call(self._get_json("/health", "GET /health"))
+        """The server's /health answer (status, model, policy_version, samples_in_flight, ...)."""
+        return self._call(self._get_json(wire.HEALTH_PATH))
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.health()["policy_version"])
 
     # --- weights (admin) ---------------------------------------------------------------------------
-    def load_weights(self, payload: bytes, version: int, checksum: str, kind: str) -> dict:
-        """Upload weights (a safetensors file's bytes, `kind` "lora" or "full") as policy `version`;
-        the server verifies them against `checksum` before they go live. Returns its answer."""
-        return self._call(self._load_weights(payload, version, checksum, kind))
+    def load_weights(self, body: bytes, version: int, kind: str) -> dict:
+        """Upload weights (`wire.encode_weights`' bytes; `kind` "lora" or "full") as policy
+        `version`. The server verifies them (checksum, names, shapes, dtypes), lets the samples in
+        flight finish, and answers once they are live (policy_version, weights_sha256, ...)."""
+        return self._call(self._load_weights(body, version, kind))
 
     def weights_info(self) -> dict:
-        """The live weights: {"policy_version", "checksum", ...} as the server reports them."""
-        return self._call(self._get_json(wire_io.WEIGHTS_PATH, f"GET {wire_io.WEIGHTS_PATH}", admin=True))
-
-    def wait_for_version(self, version: int, timeout_s: float = 300.0, poll_s: float = 0.05) -> dict:
-        """Block until the server serves policy `version` (or raise ServerUnavailableError)."""
-        return self._call(self._wait_for_version(version, timeout_s, poll_s))
+        """The live weights as the server reports them: policy_version, kind, weights_sha256."""
+        return self._call(self._get_json(wire.WEIGHTS_PATH, admin=True))
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -182,9 +186,9 @@ class RemoteEngine:
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
         return self._client
 
-    async def _send(self, method: str, path: str, what: str, **kwargs) -> httpx.Response:
+    async def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
         """One call with bounded retries; ServerUnavailableError / RemoteRequestError / RemoteEngineError."""
-        last_error = ""
+        what, last_error = f"{method} {path}", ""
         for attempt in range(1, self.max_attempts + 1):
             try:
                 response = await self._http().request(method, self.url + path, **kwargs)
@@ -209,15 +213,15 @@ class RemoteEngine:
         raise ServerUnavailableError(self.url, what, self.max_attempts, last_error)
 
     async def _rollout(self, body: dict) -> list:
-        response = await self._send("POST", wire_io.ROLLOUTS_PATH, f"POST {wire_io.ROLLOUTS_PATH}", json=body)
+        response = await self._send("POST", wire.ROLLOUTS_PATH, json=body)
         try:
-            return wire_io.decode_rollout_response(response)
+            return wire.decode_outputs(response.content)
         except (ValueError, KeyError) as exc:
             raise RemoteEngineError(self.url, f"its rollout answer could not be decoded: {exc}") from exc
 
-    async def _get_json(self, path: str, what: str, admin: bool = False) -> dict:
+    async def _get_json(self, path: str, admin: bool = False) -> dict:
         headers = self._admin_headers() if admin else None
-        return (await self._send("GET", path, what, headers=headers)).json()
+        return (await self._send("GET", path, headers=headers)).json()
 
     def _admin_headers(self) -> dict:
         if not self.admin_token:
@@ -226,29 +230,10 @@ class RemoteEngine:
             )
         return {"Authorization": f"Bearer {self.admin_token}"}
 
-    async def _load_weights(self, payload: bytes, version: int, checksum: str, kind: str) -> dict:
-        request = wire_io.weights_request(payload, version, checksum, kind)
-        response = await self._send(
-            "POST",
-            wire_io.LOAD_WEIGHTS_PATH,
-            f"POST {wire_io.LOAD_WEIGHTS_PATH}",
-            headers=self._admin_headers(),
-            **request,
-        )
-        return response.json()
-
-    async def _wait_for_version(self, version: int, timeout_s: float, poll_s: float) -> dict:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            info = await self._get_json(wire_io.WEIGHTS_PATH, f"GET {wire_io.WEIGHTS_PATH}", admin=True)
-            if int(info["policy_version"]) == version:
-                return info
-            if loop.time() > deadline:
-                raise ServerUnavailableError(
-                    self.url, f"waiting for policy version {version}", 1, f"still serving {info['policy_version']}"
-                )
-            await asyncio.sleep(poll_s)
+    async def _load_weights(self, body: bytes, version: int, kind: str) -> dict:
+        headers = {**self._admin_headers(), "Content-Type": wire.WEIGHTS_MEDIA_TYPE}
+        query = {"kind": kind, "version": version, "sha256": wire.file_sha256(body)}
+        return (await self._send("POST", wire.WEIGHTS_PATH, params=query, content=body, headers=headers)).json()
 
     def _call(self, coroutine):
         """Run `coroutine` on the client's loop and wait for it (from any thread but that loop's)."""
@@ -256,6 +241,22 @@ class RemoteEngine:
             coroutine.close()
             raise RuntimeError(f"RemoteEngine({self.url}) is closed; create a new one")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+
+def _stats_since(current: dict, base: dict | None) -> dict:
+    """The engine's counters since `base` (a /v1/stats answer), with the rates recomputed."""
+    stats = dict(current)
+    if base is not None:
+        for name in _COUNTERS:
+            stats[name] = current.get(name, 0) - base.get(name, 0)
+        hist, base_hist = current.get("rows_per_forward_hist", {}), base.get("rows_per_forward_hist", {})
+        stats["rows_per_forward_hist"] = {
+            k: v - base_hist.get(k, 0) for k, v in hist.items() if v != base_hist.get(k, 0)
+        }
+    stats["mean_rows_per_forward"] = stats["num_rows"] / stats["num_forwards"] if stats["num_forwards"] else 0.0
+    busy = stats.get("busy_seconds", 0.0)
+    stats["images_per_second"] = stats["num_samples_finished"] / busy if busy > 0 else 0.0
+    return stats
 
 
 def _checked(prompt, num_outputs_per_prompt, sampling_params: SamplingParams | None) -> SamplingParams:
@@ -321,8 +322,8 @@ def _error_message(response: httpx.Response) -> str:
     except ValueError:
         return response.text[:500] or response.reason_phrase
     if isinstance(body, dict):
-        for key in ("detail", "error", "message"):
-            if key in body:
-                value = body[key]
-                return value if isinstance(value, str) else str(value)
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict) and "message" in error:  # OpenAI's error shape
+            return str(error["message"])
+        return str(error)[:500]
     return str(body)[:500]

@@ -17,15 +17,12 @@ knows the client and the trainable weights, nothing about the update or the rewa
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from safetensors.torch import save as save_safetensors
-
 from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, replica_name
+from flowrl.server import wire
 from flowrl.trainer.lora import has_lora, trainable_state_dict
 
 logger = logging.getLogger(__name__)
@@ -34,21 +31,20 @@ logger = logging.getLogger(__name__)
 _SUMMED_STATS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_failed", "busy_seconds")
 
 
-def weights_checksum(state: dict) -> str:
-    """sha256 of the tensors alone (a safetensors file of them without metadata): what the trainer
-    and a replica compare to show they hold the same weights."""
-    return hashlib.sha256(save_safetensors(state)).hexdigest()
-
-
 def weights_payload(transformer) -> tuple[bytes, str, str]:
-    """(safetensors bytes of the trainable weights, their checksum, kind "lora" or "full"); a
-    LoRA file carries its adapter config (peft's) in its metadata."""
-    state = {name: t.detach().cpu().contiguous() for name, t in trainable_state_dict(transformer).items()}
-    kind = "lora" if has_lora(transformer) else "full"
-    metadata = {"kind": kind}
-    if kind == "lora":
-        metadata["lora_config"] = json.dumps(transformer.peft_config["default"].to_dict(), default=list)
-    return save_safetensors(state, metadata=metadata), weights_checksum(state), kind
+    """(the weight-update body of the trainable weights, their `wire.weights_sha256`, kind "lora"
+    or "full"); a LoRA body carries its settings, so a server without a LoRA yet adds the same one."""
+    state = trainable_state_dict(transformer)
+    lora = None
+    if has_lora(transformer):
+        peft = transformer.peft_config["default"]
+        lora = {
+            "rank": peft.r,
+            "alpha": peft.lora_alpha,
+            "target_modules": sorted(peft.target_modules),
+            "dropout": peft.lora_dropout,
+        }
+    return wire.encode_weights(state, lora=lora), wire.weights_sha256(state), "lora" if lora else "full"
 
 
 class ColocatedRollouts:
@@ -85,11 +81,10 @@ class DecoupledRollouts:
 
     is_decoupled = True
 
-    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None, publish_timeout_s: float = 600.0):
+    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None):
         self.config = rollout_cfg
         self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
         self._urls = list(urls or [])
-        self.publish_timeout_s = publish_timeout_s
         self.engine = None
         self.clients: list = []
         self.balancer: LeastInFlightBalancer | None = None
@@ -121,16 +116,16 @@ class DecoupledRollouts:
         if not live:
             raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
 
-        def push(index: int) -> str:
+        def push(index: int) -> None:
             client = self.clients[index]
-            client.load_weights(payload, version, checksum, kind)
-            info = client.wait_for_version(version, timeout_s=self.publish_timeout_s)
-            if info.get("checksum") != checksum:
+            client.load_weights(payload, version, kind)  # answers once the weights are live
+            info = client.weights_info()
+            live = (int(info["policy_version"]), info["weights_sha256"])
+            if live != (version, checksum):
                 raise RuntimeError(
-                    f"{replica_name(client, index)} serves version {version} with checksum {info.get('checksum')} "
-                    f"but the trainer sent {checksum}"
+                    f"{replica_name(client, index)} serves version {live[0]} with weights_sha256 {live[1]}; "
+                    f"the trainer sent version {version} with {checksum}"
                 )
-            return checksum
 
         with ThreadPoolExecutor(max_workers=len(live)) as pool:
             futures = {index: pool.submit(push, index) for index in live}
@@ -184,11 +179,13 @@ def open_rollout_backend(cfg, output_dir: str | Path):
 
 
 def replica_serve_args(cfg) -> list[str]:
-    """The `flowrl serve` options that make a started replica sample as the trainer's engine does."""
-    args = ["--dtype", cfg.model.dtype, "--max-batch-rows", str(cfg.engine.max_batch_rows)]
-    args += ["--decode-chunk-size", str(cfg.engine.decode_chunk_size)]
+    """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
+    the model's dtype and text length, the engine's batch limits (its KEY=VALUE overrides)."""
+    args = ["--dtype", cfg.model.dtype]
+    args += [
+        f"engine.max_batch_rows={cfg.engine.max_batch_rows}",
+        f"engine.decode_chunk_size={cfg.engine.decode_chunk_size}",
+    ]
     if cfg.model.max_sequence_length is not None:
-        args += ["--max-sequence-length", str(cfg.model.max_sequence_length)]
-    if cfg.trainer.mixed_precision != "no":
-        args += ["--mixed-precision", cfg.trainer.mixed_precision]
+        args.append(f"model.max_sequence_length={cfg.model.max_sequence_length}")
     return args
