@@ -21,7 +21,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, replica_name
+from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, ReplicaDownError, replica_name
 from flowrl.server import wire
 from flowrl.trainer.lora import has_lora, trainable_state_dict
 
@@ -141,11 +141,12 @@ class DecoupledRollouts:
 
     def reset_stats(self) -> None:
         for client in self.balancer.live_replicas:
-            client.reset_stats()
+            _unless_down(client.reset_stats)
 
     def stats(self) -> dict:
-        """The replicas' batching counters summed (the rates from the sums); dropped ones left out."""
-        per_replica = [client.stats() for client in self.balancer.live_replicas]
+        """The replicas' batching counters summed (the rates from the sums); replicas dropped or
+        down are left out (their requests went elsewhere; failover, not metrics, handles them)."""
+        per_replica = [s for s in (_unless_down(c.stats) for c in self.balancer.live_replicas) if s is not None]
         total = {name: sum(s.get(name, 0) for s in per_replica) for name in _SUMMED_STATS}
         total["mean_rows_per_forward"] = total["num_rows"] / total["num_forwards"] if total["num_forwards"] else 0.0
         busy = max((s.get("busy_seconds", 0.0) for s in per_replica), default=0.0)
@@ -158,6 +159,14 @@ class DecoupledRollouts:
             client.close()
         if self.processes is not None:
             self.processes.stop()
+
+
+def _unless_down(call):
+    """call(), or None when its replica is down."""
+    try:
+        return call()
+    except ReplicaDownError:
+        return None
 
 
 def open_rollout_backend(cfg, output_dir: str | Path):
