@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("flowrl.models.tiny_cli", "build a tiny random diffusers checkpoint offline"),
     "config": ("flowrl.config_cli", "show the resolved configuration as YAML"),
     "reward-score": ("flowrl.rewards.cli", "score image files with a reward, one score per line"),
+    "serve": ("flowrl.server.serve_cli", "serve a model over HTTP: OpenAI Images API, RL rollouts, weight updates"),
     "reward-server": ("flowrl.server.reward_cli", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.data.cli", "write prompt datasets (for example OCR prompts)"),
     "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput and log-prob parity"),

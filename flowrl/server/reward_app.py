@@ -22,10 +22,6 @@ This package is the only place that imports fastapi/uvicorn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
-import threading
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -33,46 +29,10 @@ from starlette.concurrency import run_in_threadpool
 
 from flowrl.rewards.base import Reward, RewardError
 from flowrl.rewards.http_client import TOKEN_ENV, scores_to_json
+from flowrl.server.http import drain, has_bearer_token, read_body
 from flowrl.server.score_request import BadRequest, ServerLimits, parse_score_request
 
-# Past this many bytes a refused body is no longer drained: the connection is closed instead.
-_DRAIN_LIMIT = 1 << 30
-
-
-async def _drain(request: Request) -> None:
-    seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > _DRAIN_LIMIT:
-            return
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, or BadRequest(413) once it passes `limit` bytes (never held whole: the
-    rest is drained unread, up to _DRAIN_LIMIT, so the client reads the answer)."""
-    declared = request.headers.get("content-length", "")
-    parts: list[bytes] | None = None if declared.isdigit() and int(declared) > limit else []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if parts is not None and size > limit:
-            parts = None
-        if parts is not None:
-            parts.append(chunk)
-        elif size > _DRAIN_LIMIT:
-            break
-    if parts is None:
-        raise BadRequest(
-            f"request body over {limit} bytes (--max-body-mb); send fewer images per request "
-            "(the http reward's max_request_bytes option)",
-            413,
-        )
-    return b"".join(parts)
-
-
-def _authorized(request: Request, token: str) -> bool:
-    sent = request.headers.get("authorization", "")
-    return hmac.compare_digest(sent.encode("utf-8", "replace"), f"Bearer {token}".encode())
+_BODY_FIX = "raise --max-body-mb, or send fewer images per request (the http reward's max_request_bytes option)"
 
 
 def create_reward_app(reward: Reward, limits: ServerLimits | None = None, token: str | None = None) -> FastAPI:
@@ -92,12 +52,12 @@ def create_reward_app(reward: Reward, limits: ServerLimits | None = None, token:
     @app.post("/score")
     async def score(request: Request):
         try:
-            if token and not _authorized(request, token):
-                await _drain(request)
+            if token and not has_bearer_token(request, token):
+                await drain(request)
                 detail = f"missing or wrong bearer token; set the http reward's token option or {TOKEN_ENV}"
                 headers = {"WWW-Authenticate": "Bearer"}
                 return JSONResponse({"error": "unauthorized", "detail": detail}, status_code=401, headers=headers)
-            body = await _read_body(request, limits.max_body_bytes)
+            body = await read_body(request, limits.max_body_bytes, _BODY_FIX)
             async with slots:
                 total, components = await run_in_threadpool(
                     decode_and_score, body, request.headers.get("content-type", "")
@@ -120,39 +80,3 @@ def create_reward_app(reward: Reward, limits: ServerLimits | None = None, token:
         }
 
     return app
-
-
-@contextlib.contextmanager
-def serve_in_background(
-    app: FastAPI,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    log_level: str = "warning",
-    startup_timeout_s: float = 20.0,
-    max_connections: int | None = None,
-):
-    """Run `app` with uvicorn in a daemon thread; yields its base URL; stops it on exit.
-
-    port=0 picks a free port (the URL carries the real one). Binds loopback unless told otherwise.
-    max_connections: connections served at once; uvicorn answers 503 (retried by the client) past it.
-    """
-    import uvicorn
-
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="off", limit_concurrency=max_connections
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="reward-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"reward server did not start on {host}:{port} (port in use? see the log above)")
-        time.sleep(0.01)
-    bound_port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://{host}:{bound_port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

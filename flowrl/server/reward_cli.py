@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from PIL import Image
 
     from flowrl.rewards.http_client import TOKEN_ENV
-    from flowrl.server.reward_app import create_reward_app, serve_in_background
+    from flowrl.server.http import serve_in_background
+    from flowrl.server.reward_app import create_reward_app
     from flowrl.server.score_request import ServerLimits
 
     if not 0 <= args.port <= 65535:

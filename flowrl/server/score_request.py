@@ -22,11 +22,13 @@ from PIL import Image
 
 
 class BadRequest(ValueError):
-    """A client error: answered with 400 (or `status_code`) and the message."""
+    """A client error: answered with 400 (or `status_code`) and the message; `param` names the
+    request field at fault when there is one."""
 
-    def __init__(self, message: str, status_code: int = 400):
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
         super().__init__(message)
         self.status_code = status_code
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,13 @@ def parse_multipart(body: bytes, content_type: str) -> list[tuple[str, bytes]]:
     raise BadRequest("malformed multipart body: missing the closing boundary")
 
 
-def _load_json(data: bytes, what: str):
+def load_json(data: bytes, what: str, fields: str = "images, prompts, metadata"):
+    """Parsed JSON, or BadRequest(400) for malformed or too deeply nested JSON (`fields`: what
+    a flat request holds, for the message)."""
     try:
         return json.loads(data)
     except RecursionError:
-        raise BadRequest(f"{what} is nested too deeply; send flat JSON (images, prompts, metadata)") from None
+        raise BadRequest(f"{what} is nested too deeply; send flat JSON ({fields})") from None
     except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError, and ints over Python's digit limit
         raise BadRequest(f"{what} is not valid JSON ({error})") from None
 
@@ -130,7 +134,7 @@ def _decode_into(image: Image.Image, out: np.ndarray, field: str) -> None:
 def _png_payloads(body: bytes, content_type: str, limits: ServerLimits) -> tuple[list[bytes], dict]:
     """The request's PNG byte strings (at most max_batch_size, counted before decoding) and its JSON."""
     if content_type.startswith("application/json"):
-        payload = _load_json(body, "body")
+        payload = load_json(body, "body")
         if not isinstance(payload, dict):
             raise BadRequest("JSON body must be an object with images, prompts and metadata")
         raw_images = payload.get("images")
@@ -143,7 +147,7 @@ def _png_payloads(body: bytes, content_type: str, limits: ServerLimits) -> tuple
         requests = [content for name, content in parts if name == "request"]
         if len(requests) != 1:
             raise BadRequest("multipart request needs exactly one 'request' field with JSON {prompts, metadata}")
-        payload = _load_json(requests[0], "multipart field 'request'")
+        payload = load_json(requests[0], "multipart field 'request'")
         if not isinstance(payload, dict):
             raise BadRequest("multipart field 'request' must be a JSON object with prompts and metadata")
         files = [content for name, content in parts if name == "images"]

@@ -143,7 +143,8 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
     if origin == DEFAULTS and not _tiny(model_path):
         # No recipe and no run: sampling sized for a real model (the defaults are the tiny run's).
         sized = ["height=512", "width=512", "num_inference_steps=10"]
-        cfg = load_config(None, [*(f"rollout.val_sampling.{item}" for item in sized), *overrides])
+        sections = ("rollout.sampling", "rollout.val_sampling")  # `flowrl serve` defaults to both
+        cfg = load_config(None, [*(f"{section}.{item}" for section in sections for item in sized), *overrides])
     device = args.device or cfg.model.device
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device {device!r} is invalid; use auto, cpu, cuda or cuda:N")

@@ -18,7 +18,8 @@ from flowrl.rewards import (
     unregister_reward,
 )
 from flowrl.rewards.http_client import HttpReward, encode_png, encode_png_base64
-from flowrl.server.reward_app import create_reward_app, serve_in_background
+from flowrl.server.http import serve_in_background
+from flowrl.server.reward_app import create_reward_app
 from flowrl.server.score_request import ServerLimits
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from flowrl.rewards import RewardError, RowwiseReward, build_reward
 from flowrl.rewards.http_client import TOKEN_ENV, HttpReward, encode_png, encode_png_base64
-from flowrl.server.reward_app import create_reward_app, serve_in_background
+from flowrl.server.http import serve_in_background
+from flowrl.server.reward_app import create_reward_app
 from flowrl.server.score_request import ServerLimits
 
 TOKEN = "s3cret-token"

@@ -1,0 +1,105 @@
+"""HTTP plumbing shared by flowrl's services (the reward service and `flowrl serve`).
+
+- `read_body(request, limit, fix)`: the body, refused with BadRequest(413) past `limit` bytes
+  without ever holding more than that (the rest is drained unread, so the client gets the answer);
+- `drain(request)`: read and drop a body (answering before the body is read makes some clients
+  fail with a broken pipe instead of reading the answer);
+- `has_bearer_token(request, token)`: the `Authorization: Bearer` check, in constant time;
+- `serve_in_background(app, ...)`: uvicorn in a daemon thread, its URL yielded, stopped on exit.
+
+It knows HTTP and uvicorn, nothing about what the services do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import threading
+import time
+
+from starlette.requests import ClientDisconnect, Request
+
+from flowrl.server.score_request import BadRequest
+
+# Past this many bytes a refused body is no longer drained: the connection is closed instead.
+_DRAIN_LIMIT = 1 << 30
+
+
+async def drain(request: Request) -> None:
+    seen = 0
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > _DRAIN_LIMIT:
+                return
+    except (RuntimeError, ClientDisconnect):  # the body was read already, or the client is gone
+        return
+
+
+async def read_body(request: Request, limit: int, fix: str) -> bytes:
+    """The request body, or BadRequest(413) naming `limit` and `fix` once it passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    parts: list[bytes] | None = None if declared.isdigit() and int(declared) > limit else []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if parts is not None and size > limit:
+            parts = None
+        if parts is not None:
+            parts.append(chunk)
+        elif size > _DRAIN_LIMIT:
+            break
+    if parts is None:
+        raise BadRequest(f"request body over {limit} bytes; {fix}", 413)
+    return b"".join(parts)
+
+
+def has_bearer_token(request: Request, token: str) -> bool:
+    sent = request.headers.get("authorization", "")
+    return hmac.compare_digest(sent.encode("utf-8", "replace"), f"Bearer {token}".encode())
+
+
+@contextlib.contextmanager
+def serve_in_background(
+    app,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    startup_timeout_s: float = 20.0,
+    max_connections: int | None = None,
+    name: str = "flowrl-server",
+    graceful_timeout_s: float | None = None,
+):
+    """Run `app` with uvicorn in a daemon thread; yields its base URL; stops it on exit.
+
+    port=0 picks a free port (the URL carries the real one). Binds loopback unless told otherwise.
+    max_connections: connections served at once; uvicorn answers 503 (retried by the client) past it.
+    graceful_timeout_s: on exit, how long requests in flight may take to finish (None: as long as they need).
+    """
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        limit_concurrency=max_connections,
+        timeout_graceful_shutdown=graceful_timeout_s,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"{name} did not start on {host}:{port} (port in use? see the log above)")
+        time.sleep(0.01)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    url_host = f"[{host}]" if ":" in host else host
+    try:
+        yield f"http://{url_host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
