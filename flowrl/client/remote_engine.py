@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import httpx
 
 from flowrl.client.errors import RemoteEngineError, RemoteRequestError, ServerUnavailableError
+from flowrl.engine.api import EngineAPI
 from flowrl.sampling_params import SamplingParams
 from flowrl.server import wire
 
@@ -40,10 +41,8 @@ _COUNTERS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_fa
 _RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 
 
-class RemoteEngine:
+class RemoteEngine(EngineAPI):
     """A `flowrl serve` server behind the engine's API (see the module docstring)."""
-
-    supports_batched_generation = True
 
     def __init__(
         self,
@@ -76,34 +75,7 @@ class RemoteEngine:
         self._stats_base: dict | None = None
         self._is_closed = False
 
-    # --- the engine's API ----------------------------------------------------------------------------
-    def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):
-        """One sample for a prompt, or one per prompt for a list (sample i uses seed + i)."""
-        if isinstance(prompt, list):
-            return _wait(self.submit_many(prompt, sampling_params))
-        return _wait([self.submit(prompt, sampling_params)])[0]
-
-    def generate_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None):
-        """N samples of one prompt (sample j uses seed + j), from one request."""
-        return _wait(self.submit_batched(prompt, num_outputs_per_prompt, sampling_params))
-
-    async def generate_async(self, prompt: str, sampling_params: SamplingParams | None = None):
-        return (await self.generate_batched_async(prompt, 1, sampling_params))[0]
-
-    async def generate_batched_async(
-        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
-    ):
-        futures = self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)
-        try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-
-    def submit(self, prompt: str, sampling_params: SamplingParams | None = None) -> Future:
-        return self.submit_batched(prompt, 1, sampling_params)[0]
-
+    # --- the engine's API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
         """One sample per prompt, sample i with seed + i (the engine's rule), in one request."""
         if not isinstance(prompts, list) or not prompts:
@@ -160,12 +132,12 @@ class RemoteEngine:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the connections and stop the client's thread (requests in flight fail)."""
+        """Cancel the requests in flight (their futures are cancelled), close the connections and
+        stop the client's thread."""
         if self._is_closed:
             return
         self._is_closed = True
-        if self._client is not None:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
@@ -181,6 +153,14 @@ class RemoteEngine:
         return f"RemoteEngine({self.url!r})"
 
     # --- on the client's event loop ------------------------------------------------------------------
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
@@ -304,15 +284,6 @@ def _fan_out(url: str, request: Future, futures: list[Future]) -> None:
     request.add_done_callback(resolved)
     for f in futures:
         f.add_done_callback(sample_cancelled)
-
-
-def _wait(futures: list[Future]) -> list:
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -16,7 +16,6 @@ forwards. `stats()` shows the batching that actually happened.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import secrets
@@ -28,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from flowrl import sampler
+from flowrl.engine.api import EngineAPI
 from flowrl.engine.executor import Executor
 from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.sample import SampleState
@@ -70,10 +70,8 @@ def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> l
     return compile_adapter(adapter, backend, rounding)
 
 
-class DiffusionEngine:
+class DiffusionEngine(EngineAPI):
     """Continuous-batching diffusion engine over one model adapter."""
-
-    supports_batched_generation = True
 
     def __init__(
         self,
@@ -130,32 +128,7 @@ class DiffusionEngine:
             compile_rounding=compile_rounding,
         )
 
-    # --- public API ------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):
-        """One sample for a prompt (a DiffusionOutput), or one per prompt for a list (sample i
-        uses seed + i), all in flight at once."""
-        if isinstance(prompt, list):
-            return [f.result() for f in self.submit_many(prompt, sampling_params)]
-        return self.submit(prompt, sampling_params).result()
-
-    def generate_batched(
-        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
-    ) -> list[DiffusionOutput]:
-        """N samples of one prompt from shared forwards; sample j uses seed + j."""
-        return [f.result() for f in self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)]
-
-    async def generate_async(self, prompt: str, sampling_params: SamplingParams | None = None) -> DiffusionOutput:
-        return await asyncio.wrap_future(self.submit(prompt, sampling_params))
-
-    async def generate_batched_async(
-        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
-    ) -> list[DiffusionOutput]:
-        futures = self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-
-    def submit(self, prompt: str, sampling_params: SamplingParams | None = None) -> Future:
-        return self.submit_batched(prompt, 1, sampling_params)[0]
-
+    # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
         if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")

@@ -189,8 +189,9 @@ def open_rollout_backend(cfg, output_dir: str | Path):
 
 def replica_serve_args(cfg) -> list[str]:
     """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
-    the model's dtype and text length, the engine's batch limits (its KEY=VALUE overrides)."""
-    args = ["--dtype", cfg.model.dtype]
+    the model's dtype and text length, the trainer's mixed precision (the engine's autocast), the
+    engine's batch limits (as KEY=VALUE overrides of the server's config)."""
+    args = ["--dtype", cfg.model.dtype, f"trainer.mixed_precision={cfg.trainer.mixed_precision}"]
     args += [
         f"engine.max_batch_rows={cfg.engine.max_batch_rows}",
         f"engine.decode_chunk_size={cfg.engine.decode_chunk_size}",

@@ -1,0 +1,68 @@
+"""The engine's calling conventions, one home for every engine-like class.
+
+`EngineAPI` derives `generate`, `generate_batched`, their async twins and `submit` from the two
+methods an engine implements: `submit_batched(prompt, n, params) -> list[Future]` (N samples of
+one prompt, sample j with seed + j) and `submit_many(prompts, params) -> list[Future]` (one sample
+per prompt, sample i with seed + i). `flowrl.engine.DiffusionEngine` (in process) and
+`flowrl.client.RemoteEngine` (a server) both use it, so callers drive either the same way.
+
+An interrupted wait (an error, KeyboardInterrupt, a cancelled coroutine) cancels the samples still
+in flight instead of leaving them running for nobody. It knows nothing about how samples are made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+from flowrl.sampling_params import SamplingParams
+
+
+def wait_all(futures: list[Future]) -> list:
+    """Every future's result; if the wait is interrupted, the unfinished ones are cancelled."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+
+
+class EngineAPI:
+    """generate / generate_batched / async twins / submit over submit_batched and submit_many."""
+
+    supports_batched_generation = True
+
+    def submit_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params=None) -> list[Future]:
+        raise NotImplementedError
+
+    def submit_many(self, prompts: list[str], sampling_params=None) -> list[Future]:
+        raise NotImplementedError
+
+    def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):
+        """One sample for a prompt (a DiffusionOutput), or one per prompt for a list (sample i
+        uses seed + i), all in flight at once."""
+        if isinstance(prompt, list):
+            return wait_all(self.submit_many(prompt, sampling_params))
+        return wait_all([self.submit(prompt, sampling_params)])[0]
+
+    def generate_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None):
+        """N samples of one prompt from shared forwards; sample j uses seed + j."""
+        return wait_all(self.submit_batched(prompt, num_outputs_per_prompt, sampling_params))
+
+    async def generate_async(self, prompt: str, sampling_params: SamplingParams | None = None):
+        return (await self.generate_batched_async(prompt, 1, sampling_params))[0]
+
+    async def generate_batched_async(
+        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
+    ):
+        futures = self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except BaseException:  # one failed, or the coroutine was cancelled: the rest are not wanted
+            for f in futures:
+                f.cancel()
+            raise
+
+    def submit(self, prompt: str, sampling_params: SamplingParams | None = None) -> Future:
+        return self.submit_batched(prompt, 1, sampling_params)[0]
