@@ -62,12 +62,15 @@ def test_sigterm_stops_the_trainer_and_its_replicas(tmp_path):
             print("clean-up ran", flush=True)
         """
     )
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     pids = [int(pid) for pid in trainer.stdout.readline().split()]
-    assert len(pids) == 2 and not any(_gone(pid) for pid in pids)
+    assert len(pids) == 2 and not any(_gone(pid) for pid in pids), trainer.stderr.read()
     trainer.send_signal(signal.SIGTERM)
-    assert trainer.wait(timeout=30) == 128 + signal.SIGTERM
-    assert "clean-up ran" in trainer.stdout.read()
+    out, err = trainer.communicate(timeout=60)
+    assert trainer.returncode == 128 + signal.SIGTERM, err
+    assert "clean-up ran" in out
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

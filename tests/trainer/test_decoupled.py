@@ -6,6 +6,8 @@ ratio that is not 1."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -94,7 +96,11 @@ def test_async_training_is_one_update_stale_and_off_policy(make_cfg, rollout_ser
         return result
 
     trainer._roll_out = trainer.rollouts.roll_out = recording
-    metrics = run_steps(trainer, 3)
+    metrics = [trainer.train_step(), trainer.train_step()]
+    # A checkpoint now (step 3's rollout is out) saves the data position after step 2's rows.
+    state = json.loads((trainer.save() / "state.json").read_text())["trainer"]
+    assert state["rows_generated"] == 2 * 8 and state["data"]["position"] == 4
+    metrics += run_steps(trainer, 1)
 
     # Step 1 rolls out with version 0; step 2's rollout ran during step 1's update, still on
     # version 0; step 3's on version 1 (published once step 2's rollout had returned).
