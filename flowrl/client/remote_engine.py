@@ -4,8 +4,8 @@
 `generate`, `generate_batched`, their async twins, `submit` / `submit_many` / `submit_batched`
 (returning `concurrent.futures.Future`s, as the agent loop and the balancer use them) and
 `stats()`, so `AgentLoop` drives local engines and remote servers alike. The outputs are the
-server's `DiffusionOutput`s, decoded from the wire format of `flowrl.server.wire` (JSON plus
-safetensors / PNG payloads, never pickle): the same tensors the server's engine produced.
+server's `DiffusionOutput`s, decoded from the wire format of `flowrl.server.wire` (a JSON request,
+answered with one safetensors file; never pickle): the same tensors the server's engine produced.
 
 Each request is one HTTP call on a background event loop (one thread per client, an
 `httpx.AsyncClient` with pooled connections), so hundreds of requests can be in flight at once and
