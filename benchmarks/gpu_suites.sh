@@ -13,6 +13,14 @@
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
+#   flux      FLUX.1 [dev] rollout: 16 samples, 28 steps, guidance 3.5 (the guidance embedding:
+#             one row per sample), 512 px, eager + compiled                                  ~6-8 min
+#   flux-logprob  FLUX.1 [dev]'s bf16 log-prob gap and LoRA training step at the FLUX recipe's
+#             settings (6 steps, noise 0.9, guidance 3.5, LoRA r64, bf16 autocast, compiled,
+#             gradient checkpointing), micro-batches 1, 8                                   ~5-7 min
+#   sd35-large  SD3.5-large rollout: 16 samples, 10 steps, CFG 4.5 (32 rows), eager + compiled ~6-8 min
+#   sd35-large-logprob  SD3.5-large's bf16 log-prob gap and LoRA training step at its recipe's
+#             settings (CFG 4.5, LoRA r32, bf16 autocast, compiled, gradient checkpointing) ~6-8 min
 #   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
 #             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
 #   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
@@ -152,6 +160,20 @@ suite() {
     qwen)
       run qwen-rollout 540 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile --serial-samples 2 \
         --repeats 1 --profile engine-batched-compiled --profile-steps 2 ;;
+    flux)
+      run flux-rollout 540 "$log" rollout --model flux-dev -n 16 --steps 28 --size 512 --guidance-scale 3.5 --compile \
+        --serial-samples 2 --repeats 1 ;;
+    flux-logprob)
+      run flux-logprob 520 "$log" logprob --model flux-dev -n 16 --steps 6 --size 512 --guidance-scale 3.5 \
+        --noise-level 0.9 --lora-rank 64 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 \
+        --train-micro-batch 3 --old-log-prob recompute ;;
+    sd35-large)
+      run sd35-large-rollout 540 "$log" rollout --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
+        --compile --serial-samples 4 --repeats 1 ;;
+    sd35-large-logprob)
+      run sd35-large-logprob 520 "$log" logprob --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
+        --lora-rank 32 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 --train-micro-batch 4 \
+        --old-log-prob recompute ;;
     qwen-cfg)
       run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
@@ -272,12 +294,16 @@ suite() {
         --gradient-checkpointing --profile
       script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
         --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json"
+      run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \
+        --true-cfg-scale 2.0 --peak-seconds 0.1 --modes pipeline-batched,engine-batched
+      run smoke-flux-logprob 120 "$log" logprob --model tiny-flux -n 2 --steps 3 --size 64 --guidance-scale 3.5 \
+        --micro-batches 1,2 --peak-seconds 0.1 --train-repeats 1
       run smoke-z-image-rollout 120 "$log" rollout --model tiny-z-image -n 3 --steps 3 --size 64 --guidance-scale 5.0 \
         --compile --compile-backend aot_eager --peak-seconds 0.1
       run smoke-z-image-logprob 120 "$log" logprob --model tiny-z-image -n 4 --steps 4 --size 64 --guidance-scale 5.0 \
         --noise-level 1.0 --sde-window-size 2 --micro-batches 1,4 --lora-rank 4 --autocast bf16 \
         --gradient-checkpointing --old-log-prob recompute --train-micro-batch 2 --peak-seconds 0.1 ;;
-    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, z-image, sd35-quick, qwen-quick)" | tee -a "$log" ;;
+    *) echo "[gpu_suites] unknown suite $s (tests, sd35, qwen, qwen-cfg, flux, sd35-large, z-image, sd35-quick, qwen-quick)" | tee -a "$log" ;;
   esac
 }
 

@@ -2,9 +2,10 @@
 
 `SamplingParams` is plain data shared by the config, the agent loop, the engine and the sampler.
 It knows nothing about torch, models or engines and imports only the standard library, so
-importing it never pulls in the engine or torch's compiler. `validate()` checks everything that
-does not depend on the model; the engine adds the model's size multiple. Every error names the
-field, the value and the fix.
+importing it never pulls in the engine or torch's compiler. `validate()` is the one home of every
+field's rules: the config, the engine and the servers call it before anything is queued or loaded
+(the engine passes its model's size limits and adds its guidance rule: how many rows a sample
+takes, flowrl.models.base). Every error names the field, the value and the fix.
 
 `SdeType` is the one list of step types; `flowrl.sampler` implements each of them.
 """
@@ -12,11 +13,21 @@ field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 # "sde": Flow-GRPO's SDE step; "cps": the coefficient-preserving step (FLOWGRPO.md section 1).
 SdeType = Literal["sde", "cps"]
+
+# Limits for any model, so an absurd request fails at once instead of in a giant allocation: a
+# side of MAX_IMAGE_SIDE pixels, MAX_IMAGE_PIXELS pixels per image (a 2048 x 4096 image), and
+# MAX_INFERENCE_STEPS denoising steps. Seeds are non-negative and below 2**63 (int64 everywhere).
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_PIXELS = 2048 * 4096
+MAX_INFERENCE_STEPS = 1000
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -24,11 +35,18 @@ class SamplingParams:
     """How to sample one image.
 
     height, width: image size in pixels (a multiple of the model's size factor: 16 for SD3 and
-        Qwen-Image).
-    num_inference_steps: denoising steps T (the schedule has T + 1 sigmas, ending at 0).
-    guidance_scale: classifier-free guidance g; g > 1 runs cond and uncond rows in one forward
-        (Qwen-Image "true CFG"); g <= 1 runs the cond row only.
-    negative_prompt: text of the uncond row when g > 1 (None means the empty string).
+        Qwen-Image), at most MAX_IMAGE_SIDE per side (or the model's own, smaller limit) and
+        MAX_IMAGE_PIXELS per image.
+    num_inference_steps: denoising steps T (the schedule has T + 1 sigmas, ending at 0), at most
+        MAX_INFERENCE_STEPS.
+    guidance_scale: the model's guidance g. On classifier-free-guidance models (SD3, Qwen-Image)
+        g > 1 runs cond and uncond rows in one forward (Qwen-Image "true CFG") and g <= 1 the
+        cond row only; on guidance-distilled models (FLUX.1 [dev]) g is the value of the
+        transformer's guidance embedding, one row per sample (flowrl.models.base says which).
+    true_cfg_scale: classifier-free guidance on top of a guidance-distilled model: > 1 adds the
+        uncond row (negative_prompt) to the same forward, as FluxPipeline's true_cfg_scale does.
+        Must stay 1.0 on classifier-free-guidance models (their guidance_scale is that already).
+    negative_prompt: text of the uncond row, when there is one (None means the empty string).
     noise_level: the SDE noise level a; 0 makes every step the Euler ODE step.
     sde_type: "sde" (Flow-GRPO) or "cps" (coefficient-preserving).
     sde_window: explicit [start, end) step indices that are stochastic; None lets the engine
@@ -37,7 +55,7 @@ class SamplingParams:
         engine draws start ~ U{lo .. hi - size} once per engine call (shared by all samples of a
         generate_batched call), from a generator seeded by `seed`. When both are None, every step
         but the last is stochastic.
-    seed: seed of the sample's own noise generator (None: fresh randomness).
+    seed: seed of the sample's own noise generator, in [0, MAX_SEED] (None: fresh randomness).
     logprobs: record the per-step log-prob of the window steps.
     """
 
@@ -45,6 +63,7 @@ class SamplingParams:
     width: int = 512
     num_inference_steps: int = 10
     guidance_scale: float = 1.0
+    true_cfg_scale: float = 1.0
     negative_prompt: str | None = None
     noise_level: float = 0.7
     sde_type: SdeType = "sde"
@@ -54,43 +73,75 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = True
 
-    @property
-    def uses_cfg(self) -> bool:
-        return self.guidance_scale > 1.0
-
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
-    def validate(self, size_multiple: int = 1) -> "SamplingParams":
-        """Raise ValueError naming the bad field; return self when all is well."""
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SamplingParams.{name}={value!r} must be a positive integer")
-            if value % size_multiple:
-                lower = max(size_multiple, value // size_multiple * size_multiple)
-                raise ValueError(
-                    f"SamplingParams.{name}={value} is not a multiple of {size_multiple}, the "
-                    f"model's size factor; use for example {lower} or {lower + size_multiple}"
-                )
-        if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
-            raise ValueError(f"SamplingParams.num_inference_steps={self.num_inference_steps!r} must be an integer >= 1")
+    def validate(
+        self, size_multiple: int = 1, max_image_side: int | None = None, num_samples: int = 1
+    ) -> "SamplingParams":
+        """Raise ValueError naming the bad field, its value and the fix; return self when all is well.
+
+        size_multiple, max_image_side: the model's limits on height and width (its adapter's
+        `size_multiple` and `max_image_side`; None: only the general MAX_IMAGE_SIDE).
+        num_samples: how many consecutive seeds (seed, seed + 1, ...) the request draws.
+        """
+        self._validate_size(size_multiple, max_image_side)
+        _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)
+        _check_real("guidance_scale", self.guidance_scale, "e.g. 1.0 (no CFG) or 4.5")
+        _check_real("noise_level", self.noise_level, "e.g. 0.7 (SDE) or 0.0 (ODE)")
         if self.sde_type not in get_args(SdeType):
-            raise ValueError(f"SamplingParams.sde_type={self.sde_type!r} is unknown; use one of {get_args(SdeType)}")
-        if not (self.noise_level >= 0.0):
-            raise ValueError(f"SamplingParams.noise_level={self.noise_level!r} must be >= 0")
+            _fail("sde_type", self.sde_type, f"is unknown; use one of {get_args(SdeType)}")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            _fail("negative_prompt", self.negative_prompt, "must be a string or None (the empty prompt)")
+        if not isinstance(self.logprobs, bool):
+            _fail("logprobs", self.logprobs, "must be True or False")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED - (num_samples - 1))
+        if self.noise_level < 0.0:
+            _fail("noise_level", self.noise_level, "must be >= 0")
         if self.sde_type == "cps" and self.noise_level > 1.0:
-            raise ValueError(
-                f"SamplingParams.noise_level={self.noise_level} is above 1, which the 'cps' step "
-                "does not allow (its std is sigma_next * sin(a*pi/2)); use a value in [0, 1]"
+            _fail(
+                "noise_level",
+                self.noise_level,
+                "is above 1, which the 'cps' step does not allow (its std is sigma_next * sin(a*pi/2)); "
+                "use a value in [0, 1]",
             )
         if self.logprobs and self.noise_level == 0.0:
             raise ValueError(
-                "SamplingParams.logprobs=True with noise_level=0: an ODE step has no density; "
+                "SamplingParams.logprobs=True with SamplingParams.noise_level=0: an ODE step has no density; "
                 "set logprobs=False for deterministic (ODE) sampling, or noise_level > 0"
             )
+        self._validate_window()
+        return self
+
+    def _validate_size(self, size_multiple: int, max_image_side: int | None) -> None:
+        side_limit = MAX_IMAGE_SIDE if max_image_side is None else min(MAX_IMAGE_SIDE, max_image_side)
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                _fail(name, value, "must be a positive integer (pixels)")
+            if value > side_limit:
+                whose = "this model's" if side_limit < MAX_IMAGE_SIDE else "flowrl's (MAX_IMAGE_SIDE)"
+                _fail(name, value, f"is above {side_limit}, {whose} largest image side; use at most {side_limit}")
+            if value % size_multiple:
+                lower = max(size_multiple, value // size_multiple * size_multiple)
+                upper = lower + size_multiple if lower + size_multiple <= side_limit else lower - size_multiple
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is not a multiple of {size_multiple}, the "
+                    f"model's size factor; use for example {lower} or {upper}"
+                )
+        if self.height * self.width > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"SamplingParams.height x SamplingParams.width = {self.height} x {self.width} = "
+                f"{self.height * self.width} pixels is above MAX_IMAGE_PIXELS = {MAX_IMAGE_PIXELS}; "
+                "use a smaller size, e.g. 2048 x 2048"
+            )
+
+    def _validate_window(self) -> None:
         steps = self.num_inference_steps
         if self.sde_window is not None:
+            if not _is_int_pair(self.sde_window):
+                _fail("sde_window", self.sde_window, "must be None or a pair of step indices [start, end)")
             start, end = self.sde_window
             if not (0 <= start < end <= steps - 1):
                 raise ValueError(
@@ -98,17 +149,46 @@ class SamplingParams:
                     f"0 <= start < end <= num_inference_steps - 1 = {steps - 1} (the last step, "
                     "which ends at sigma 0, is always an ODE step)"
                 )
+        if self.sde_window_range is not None and not _is_int_pair(self.sde_window_range):
+            _fail("sde_window_range", self.sde_window_range, "must be None or a pair of step indices [lo, hi]")
         if self.sde_window_size is not None:
+            if not _is_int(self.sde_window_size):
+                _fail("sde_window_size", self.sde_window_size, "must be None or an integer >= 1")
             lo, hi = self.sde_window_range or (0, steps - 1)
             if not (1 <= self.sde_window_size and 0 <= lo and lo + self.sde_window_size <= hi <= steps - 1):
                 raise ValueError(
                     f"SamplingParams.sde_window_size={self.sde_window_size} with "
-                    f"sde_window_range={(lo, hi)} must satisfy size >= 1 and "
+                    f"SamplingParams.sde_window_range={(lo, hi)} must satisfy size >= 1 and "
                     f"0 <= lo <= hi - size, hi <= num_inference_steps - 1 = {steps - 1}"
                 )
         elif self.sde_window_range is not None:
             raise ValueError(
-                "SamplingParams.sde_window_range is set but sde_window_size is None; set "
+                "SamplingParams.sde_window_range is set but SamplingParams.sde_window_size is None; set "
                 "sde_window_size too (the window length to draw inside the range)"
             )
-        return self
+
+
+def _fail(name: str, value, fix: str):
+    raise ValueError(f"SamplingParams.{name}={value!r} {fix}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_int_pair(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value)
+
+
+def _check_int(name: str, value, minimum: int, maximum: int) -> None:
+    if not _is_int(value) or not minimum <= value <= maximum:
+        _fail(name, value, f"must be an integer in [{minimum}, {maximum}]")
+
+
+def _check_real(name: str, value, example: str) -> None:
+    try:
+        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        _fail(name, value, f"must be a finite number, {example}")

@@ -28,6 +28,14 @@ def tiny_qwen_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_path(tmp_path_factory):
+    """A tiny random FLUX.1 [dev] checkpoint folder (seed 0), built once per test session."""
+    from flowrl.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("flux", tmp_path_factory.mktemp("tiny_flux"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_z_image_path(tmp_path_factory):
     """A tiny random Z-Image checkpoint folder (seed 0), built once per test session."""
     from flowrl.models.tiny import build_tiny_checkpoint

@@ -40,7 +40,7 @@ def test_every_flag_has_help_with_its_default(name):
         ["generate", "--steps", "x"],
         ["eval", "--model"],
         ["data", "ocr", "--num", "x"],
-        ["make-tiny", "--kind", "flux", "out"],
+        ["make-tiny", "--kind", "bogus", "out"],
         ["bench", "rollout", "--steps", "0"],
         ["config", "shows"],
     ],

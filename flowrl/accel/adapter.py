@@ -44,6 +44,8 @@ FAMILIES = {
     "qwen_image": FamilyFastPath(
         install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS
     ),
+    # Double-stream blocks, then single-stream ones (each list shares one compiled graph).
+    "flux": FamilyFastPath(block_lists=("transformer_blocks", "single_transformer_blocks")),
     # One stream of blocks, in the order the forward runs them: image tokens, text tokens, joint.
     "z_image": FamilyFastPath(block_lists=("noise_refiner", "context_refiner", "layers")),
 }

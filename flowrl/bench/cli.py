@@ -1,8 +1,9 @@
 """`flowrl bench rollout|logprob ...` (see flowrl.bench.rollout / .logprob).
 
 --model takes a local diffusers folder or a named architecture with random weights:
-sd35-medium, qwen-image, z-image (published sizes, built on the device in the model dtype),
-tiny-sd3, tiny-qwen, tiny-z-image (CPU smoke tests). The experiments in benchmarks/ reuse the common options
+sd35-medium, sd35-large, qwen-image, flux-dev, z-image (published sizes, built on the device in the
+model dtype), tiny-sd3, tiny-qwen, tiny-flux, tiny-z-image (CPU smoke tests). The experiments in benchmarks/ reuse
+the common options
 (`add_common_arguments`, `add_compile_arguments`).
 """
 
@@ -19,12 +20,23 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="local diffusers folder, or sd35-medium | qwen-image | z-image | tiny-sd3 | tiny-qwen | tiny-z-image "
-        "(random weights)",
+        help="local diffusers folder, or sd35-medium | sd35-large | qwen-image | flux-dev | z-image | tiny-sd3 "
+        "| tiny-qwen | tiny-flux | tiny-z-image (random weights)",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
     parser.add_argument("--size", type=positive_int, default=512, help="image height = width in pixels (default 512)")
-    parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale; > 1 runs cond + uncond rows")
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=1.0,
+        help="guidance scale: CFG (> 1 runs cond + uncond rows), or FLUX.1 [dev]'s guidance embedding",
+    )
+    parser.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        default=1.0,
+        help="true CFG on a guidance-distilled model (FLUX): > 1 runs cond + uncond rows (default 1)",
+    )
     parser.add_argument(
         "--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)"
     )
@@ -37,7 +49,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-layers",
         type=positive_int,
         default=None,
-        help="build sd35-medium / qwen-image / z-image with this many blocks (smoke tests of the published widths)",
+        help="build a published architecture with this many blocks of each kind (smoke tests of the published widths)",
     )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")

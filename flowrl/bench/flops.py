@@ -61,8 +61,11 @@ def transformer_flops_per_row(adapter: FlowModelAdapter, height: int, width: int
     encodings = adapter.encode_prompts([prompt])
     latents = torch.randn((1, *adapter.latent_shape(height, width)), device=adapter.device)
     sigma = torch.full((1,), 0.5, device=adapter.device)
-    guidance = torch.ones(1, device=adapter.device)
-    return count_flops(lambda: adapter.velocity(latents, sigma, encodings, [None], guidance, height, width))
+    cfg_scale = torch.ones(1, device=adapter.device)
+    guidance = adapter.guidance_embedding_kwargs(torch.ones(1, device=adapter.device))
+    return count_flops(
+        lambda: adapter.velocity(latents, sigma, encodings, [None], cfg_scale, height, width, **guidance)
+    )
 
 
 @torch.no_grad()

@@ -246,6 +246,7 @@ def run_logprob(args) -> int:
                 "steps": args.steps,
                 "size": args.size,
                 "guidance_scale": args.guidance_scale,
+                "true_cfg_scale": args.true_cfg_scale,
                 "noise_level": args.noise_level,
                 "lora_rank": args.lora_rank,
                 "autocast": args.autocast,
@@ -266,7 +267,17 @@ def run_logprob(args) -> int:
     from flowrl.engine.engine import DiffusionEngine
     from flowrl.engine.output import TransitionSpec
 
-    rows_per_sample = 2 if args.guidance_scale > 1.0 else 1
+    params_sampling = SamplingParams(
+        height=args.size,
+        width=args.size,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale,
+        noise_level=args.noise_level,
+        seed=args.seed,
+        sde_window_size=args.sde_window_size,
+    )
+    rows_per_sample = adapter.rows_per_sample(params_sampling)
     # With --compile the blocks are compiled after LoRA injection, as the trainer does; rollout
     # and trainer then both run compiled (the trainer's grad-mode graph is a second graph).
     engine = DiffusionEngine(
@@ -276,29 +287,13 @@ def run_logprob(args) -> int:
         autocast_dtype=autocast_dtype,
         compile_rounding=args.compile_rounding,
     )
-    params_sampling = SamplingParams(
-        height=args.size,
-        width=args.size,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance_scale,
-        noise_level=args.noise_level,
-        seed=args.seed,
-        sde_window_size=args.sde_window_size,
-    )
     t0 = time.perf_counter()
     outputs = engine.generate_batched(PROMPT, args.num_samples, params_sampling)
     report.data["rollout_seconds"] = time.perf_counter() - t0
     report.data["rollout_rows_per_forward"] = engine.stats()["mean_rows_per_forward"]
     engine.shutdown()
     tensors = _rollout_tensors(outputs)
-    spec = TransitionSpec(
-        height=args.size,
-        width=args.size,
-        num_inference_steps=args.steps,
-        noise_level=args.noise_level,
-        sde_type="sde",
-        guidance_scale=args.guidance_scale,
-    )
+    spec = TransitionSpec.of(params_sampling)
     print(
         f"[bench] rollout of {args.num_samples} samples x {tensors['all_log_probs'].shape[1]} window steps "
         f"in {report.data['rollout_seconds']:.1f}s",

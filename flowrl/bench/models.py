@@ -4,17 +4,22 @@
 diffusers pipeline that share one transformer and one VAE (so every mode of a benchmark runs the
 very same modules), plus the text geometry used for fake prompts.
 
-Named architectures (random weights, no text encoders):
+Named architectures (random weights, no text encoders; their configs: flowrl.bench.architectures):
 - `sd35-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
   stabilityai/stable-diffusion-3.5-medium (2.24 B transformer parameters); prompts are 77 + 256
   tokens of width 4096 plus a pooled 2048 vector, as CLIP-L/G + T5 give.
+- `sd35-large`: the same with stabilityai/stable-diffusion-3.5-large's transformer (8.06 B).
 - `qwen-image`: QwenImageTransformer2DModel and AutoencoderKLQwenImage with the configs of
   Qwen/Qwen-Image (20.4 B transformer parameters); prompts are 64 tokens of width 3584.
+- `flux-dev`: FluxTransformer2DModel (guidance embedding) and AutoencoderKL with the configs of
+  black-forest-labs/FLUX.1-dev (11.9 B); prompts are 512 T5 tokens of width 4096 (the pipeline's
+  default max_sequence_length) plus CLIP-L's pooled 768 vector.
 - `z-image`: ZImageTransformer2DModel and AutoencoderKL with the configs of
   Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
   architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
   Qwen3-4B gives.
-- `tiny-sd3`, `tiny-qwen`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU smoke tests).
+- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU
+  smoke tests).
 
 Big models are built parameter by parameter directly on the target device in the target dtype
 (constructing a 20 B model on the CPU takes minutes). Prompt embeddings are fixed random tensors
@@ -32,101 +37,13 @@ from types import SimpleNamespace
 
 import torch
 
+from flowrl.bench.architectures import ARCHITECTURES, RANDOM_WEIGHT_MODULES
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, pad_encodings
+from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.models.z_image import ZImageAdapter
-
-SD35_MEDIUM_TRANSFORMER = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
-SD35_MEDIUM_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=1024,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    shift_factor=0.0609,
-    scaling_factor=1.5305,
-)
-QWEN_IMAGE_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=60,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=3584,
-    guidance_embeds=False,
-    axes_dims_rope=(16, 56, 56),
-)
-QWEN_IMAGE_VAE = dict(  # AutoencoderKLQwenImage's defaults are the published config; stated here
-    base_dim=96,
-    z_dim=16,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-)
-Z_IMAGE_TRANSFORMER = dict(
-    all_patch_size=(2,),
-    all_f_patch_size=(1,),
-    in_channels=16,
-    dim=3840,
-    n_layers=30,
-    n_refiner_layers=2,
-    n_heads=30,
-    n_kv_heads=30,
-    norm_eps=1e-5,
-    qk_norm=True,
-    cap_feat_dim=2560,
-    rope_theta=256.0,
-    t_scale=1000.0,
-    axes_dims=[32, 48, 48],
-    axes_lens=[1536, 512, 512],
-)
-# FLUX.1's VAE, which Z-Image uses: SD3.5's layout with its own latent scale and shift.
-Z_IMAGE_VAE = dict(SD35_MEDIUM_VAE, scaling_factor=0.3611, shift_factor=0.1159)
-Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
-QWEN_IMAGE_SCHEDULER = dict(
-    base_shift=0.5,
-    max_shift=0.9,
-    use_dynamic_shifting=True,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift=1.0,
-)
-
-# name -> (family, text tokens, text width, pooled width or None)
-ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
-    "sd35-medium": ("sd3", 77 + 256, 4096, 2048),
-    "qwen-image": ("qwen_image", 64, 3584, None),
-    "z-image": ("z_image", 64, 2560, None),
-    "tiny-sd3": ("sd3", 77 + 32, 64, 64),
-    "tiny-qwen": ("qwen_image", 16, 32, None),
-    "tiny-z-image": ("z_image", 16, 32, None),
-}
+from flowrl.sampling_params import SamplingParams
 
 
 @dataclass
@@ -166,11 +83,21 @@ class BenchQwenImageAdapter(_RandomPromptsMixin, QwenImageAdapter):
     pass
 
 
+class BenchFluxAdapter(_RandomPromptsMixin, FluxAdapter):
+    pass
+
+
 class BenchZImageAdapter(_RandomPromptsMixin, ZImageAdapter):
     pass
 
 
-BENCH_ADAPTERS = {"sd3": BenchSD3Adapter, "qwen_image": BenchQwenImageAdapter, "z_image": BenchZImageAdapter}
+# family -> the adapter over random prompt embeddings
+BENCH_ADAPTERS = {
+    "sd3": BenchSD3Adapter,
+    "qwen_image": BenchQwenImageAdapter,
+    "flux": BenchFluxAdapter,
+    "z_image": BenchZImageAdapter,
+}
 
 
 def _fill_parameter(data: torch.Tensor, name: str, generator: torch.Generator) -> None:
@@ -203,34 +130,19 @@ def build_random_module(cls, config: dict, device: torch.device, dtype: torch.dt
 
 
 def _random_modules(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None):
-    from diffusers import (
-        AutoencoderKL,
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-        SD3Transformer2DModel,
-        ZImageTransformer2DModel,
-    )
+    import diffusers
 
-    if name == "z-image":
-        config = dict(Z_IMAGE_TRANSFORMER, **({} if num_layers is None else {"n_layers": num_layers}))
-        transformer = build_random_module(ZImageTransformer2DModel, config, device, dtype, seed=0)
-        vae = build_random_module(AutoencoderKL, Z_IMAGE_VAE, device, dtype, seed=1)
-        return transformer, vae, FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER)
-    if name == "sd35-medium":
-        config = dict(SD35_MEDIUM_TRANSFORMER)
-        if num_layers is not None:
-            config["num_layers"] = num_layers
+    transformer_cls, config, vae_cls, vae_config, scheduler_config = RANDOM_WEIGHT_MODULES[name]
+    config = dict(config)
+    if num_layers is not None:  # fewer main blocks of every kind, at the published widths
+        for key in ("num_layers", "num_single_layers", "n_layers"):  # Z-Image's is n_layers
+            if key in config:
+                config[key] = num_layers
+        if "dual_attention_layers" in config:
             config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
-        transformer = build_random_module(SD3Transformer2DModel, config, device, dtype, seed=0)
-        vae = build_random_module(AutoencoderKL, SD35_MEDIUM_VAE, device, dtype, seed=1)
-        return transformer, vae, FlowMatchEulerDiscreteScheduler(shift=3.0)
-    config = dict(QWEN_IMAGE_TRANSFORMER)
-    if num_layers is not None:
-        config["num_layers"] = num_layers
-    transformer = build_random_module(QwenImageTransformer2DModel, config, device, dtype, seed=0)
-    vae = build_random_module(AutoencoderKLQwenImage, QWEN_IMAGE_VAE, device, dtype, seed=1)
-    return transformer, vae, FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    transformer = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=0)
+    vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
+    return transformer, vae, diffusers.FlowMatchEulerDiscreteScheduler(**scheduler_config)
 
 
 def _tiny_modules(name: str, device: torch.device, dtype: torch.dtype):
@@ -244,25 +156,23 @@ def _tiny_modules(name: str, device: torch.device, dtype: torch.dtype):
 def _pipeline(family: str, transformer, vae, scheduler):
     """The family's diffusers pipeline over these modules, text encoders None (prompts are
     passed as embeddings)."""
-    if family == "sd3":
-        from diffusers import StableDiffusion3Pipeline
+    import diffusers
 
-        pipe = StableDiffusion3Pipeline(
-            transformer=transformer,
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            text_encoder_2=None,
-            tokenizer_2=None,
-            text_encoder_3=None,
-            tokenizer_3=None,
-        )
-    else:
-        from diffusers import QwenImagePipeline, ZImagePipeline
-
-        cls = ZImagePipeline if family == "z_image" else QwenImagePipeline
-        pipe = cls(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    text_modules = {
+        "sd3": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
+        "qwen_image": ("text_encoder", "tokenizer"),
+        "flux": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
+        "z_image": ("text_encoder", "tokenizer"),
+    }[family]
+    pipeline_cls = {
+        "sd3": "StableDiffusion3Pipeline",
+        "qwen_image": "QwenImagePipeline",
+        "flux": "FluxPipeline",
+        "z_image": "ZImagePipeline",
+    }
+    pipe = getattr(diffusers, pipeline_cls[family])(
+        transformer=transformer, scheduler=scheduler, vae=vae, **dict.fromkeys(text_modules)
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -288,7 +198,10 @@ def build_bench_model(
     else:
         transformer, vae, scheduler = _random_modules(model, device, dtype, num_layers)
     pipe = _pipeline(family, transformer, vae, scheduler)
-    adapter = BENCH_ADAPTERS[family](pipe, device, dtype)
+    adapter_cls = BENCH_ADAPTERS[family]
+    # FLUX's T5 length is an adapter setting (the positions it builds); the others take their default.
+    options = {"max_sequence_length": tokens} if family == "flux" else {}
+    adapter = adapter_cls(pipe, device, dtype, **options)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     return BenchModel(model, family, adapter, pipe)
 
@@ -306,31 +219,36 @@ def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[tor
     return apply_trainable(transformer, cfg)
 
 
-def pipeline_prompt_kwargs(bench: BenchModel, prompts: list[str], guidance_scale: float) -> dict:
+def pipeline_prompt_kwargs(
+    bench: BenchModel, prompts: list[str], guidance_scale: float, true_cfg_scale: float = 1.0
+) -> dict:
     """Precomputed prompt embeddings as the family's pipeline takes them (batch = len(prompts)),
-    with the empty negative prompt's embeddings when guidance_scale > 1."""
+    with the empty negative prompt's embeddings when the settings take an uncond row (the
+    adapter's rule: flowrl.models.base)."""
     adapter = bench.adapter
     encodings = adapter.encode_prompts(prompts)
-    uses_cfg = guidance_scale > 1.0
-    negatives = adapter.encode_prompts([""]) * len(prompts) if uses_cfg else None
+    settings = SamplingParams(guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale)
+    uses_uncond = adapter.rows_per_sample(settings) > 1
+    negative_encodings = adapter.encode_prompts([""]) * len(prompts) if uses_uncond else None
     if bench.family == "z_image":
         # Unpadded captions, as the pipeline's own encoder gives them; its guidance_scale is
         # flowrl's minus 1 (flowrl.models.z_image), and 0 turns guidance off.
         kwargs = dict(prompt_embeds=[e.embeds for e in encodings], guidance_scale=max(guidance_scale - 1.0, 0.0))
-        if uses_cfg:
-            kwargs.update(negative_prompt_embeds=[e.embeds for e in negatives])
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=[e.embeds for e in negative_encodings])
         return kwargs
     embeds, mask, pooled = pad_encodings(encodings)
-    if bench.family == "sd3":
+    negatives = pad_encodings(negative_encodings) if uses_uncond else None
+    if bench.family in ("sd3", "flux"):
         kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance_scale)
-        if uses_cfg:
-            neg_embeds, _, neg_pooled = pad_encodings(negatives)
-            kwargs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
+        if bench.family == "flux":
+            kwargs.update(true_cfg_scale=true_cfg_scale)
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=negatives[0], negative_pooled_prompt_embeds=negatives[2])
         return kwargs
     # Qwen-Image: no mask when nothing is padded (what the pipeline does itself; keeps fast kernels).
     padded = len({e.embeds.shape[0] for e in encodings}) > 1
     kwargs = dict(prompt_embeds=embeds, prompt_embeds_mask=mask if padded else None, true_cfg_scale=guidance_scale)
-    if uses_cfg:
-        neg_embeds, _, _ = pad_encodings(negatives)
-        kwargs.update(negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=None)
+    if uses_uncond:
+        kwargs.update(negative_prompt_embeds=negatives[0], negative_prompt_embeds_mask=None)
     return kwargs

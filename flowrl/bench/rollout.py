@@ -65,6 +65,7 @@ def _params(args, steps: int) -> SamplingParams:
         width=args.size,
         num_inference_steps=steps,
         guidance_scale=args.guidance_scale,
+        true_cfg_scale=args.true_cfg_scale,
         noise_level=args.noise_level,
         seed=args.seed,
         logprobs=args.noise_level > 0,
@@ -80,7 +81,8 @@ class RolloutBench:
             raise ValueError(f"--lora-rank={args.lora_rank} must be >= 0 (0: no adapter)")
         if args.lora_rank:  # as the trainer rolls out: the policy's LoRA adapter active in every mode
             make_trainable(self.bench.adapter.transformer, args.lora_rank, self.bench.adapter.default_lora_targets)
-        self.rows_per_image = 2 if args.guidance_scale > 1.0 else 1
+        self.bench.adapter.check_guidance(_params(args, 1))
+        self.rows_per_image = self.bench.adapter.rows_per_sample(_params(args, 1))
         needed = args.num_samples * self.rows_per_image
         self.max_batch_rows = args.max_batch_rows or max(needed, 2)
         self.engines: dict[bool, object] = {}
@@ -116,7 +118,7 @@ class RolloutBench:
         return run
 
     def pipeline_call(self, steps: int, n: int, calls: int = 1):
-        kwargs = pipeline_prompt_kwargs(self.bench, [PROMPT] * n, self.args.guidance_scale)
+        kwargs = pipeline_prompt_kwargs(self.bench, [PROMPT] * n, self.args.guidance_scale, self.args.true_cfg_scale)
         size = self.args.size
 
         def run():
@@ -182,7 +184,8 @@ class RolloutBench:
             )
         else:
             batch = 1 if base == "pipeline-serial" else n
-            # SD3's and Z-Image's pipelines concatenate cond and uncond rows; Qwen-Image's runs two forwards.
+            # SD3's and Z-Image's pipelines concatenate cond and uncond rows; Qwen-Image's and FLUX's run
+            # two forwards.
             rows = batch * (self.rows_per_image if self.bench.family in ("sd3", "z_image") else 1)
             result.update(mean_rows_per_forward=float(rows))
         return result
@@ -246,6 +249,7 @@ def run_rollout(args) -> int:
                 "steps": a.steps,
                 "size": a.size,
                 "guidance_scale": a.guidance_scale,
+                "true_cfg_scale": a.true_cfg_scale,
                 "noise_level": a.noise_level,
                 "repeats": a.repeats,
                 "warmup_steps": a.warmup_steps,

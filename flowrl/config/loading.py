@@ -99,11 +99,12 @@ def _parse_override(item: str) -> dict:
 
 
 def _build(layers: list[tuple[str, object]]) -> FlowRLConfig:
+    # Our own strict check first, of every layer: OmegaConf alone would accept `n: 2.0`-style
+    # coercions (bool from 2, str from a list) and gives no dotted key for tuple-length errors.
+    for source, data in layers:
+        _check_value(FlowRLConfig, data, "", source)
     merged = OmegaConf.structured(FlowRLConfig)
     for source, data in layers:
-        # Our own strict check first: OmegaConf alone would accept `n: 2.0`-style coercions
-        # (bool from 2, str from a list) and gives no dotted key for tuple-length errors.
-        _check_value(FlowRLConfig, data, "", source)
         try:
             merged = OmegaConf.merge(merged, data)
         except OmegaConfBaseException as error:  # a safety net; _check_value should catch all

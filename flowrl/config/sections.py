@@ -10,7 +10,8 @@ This module knows nothing about models, engines or trainers: it only describes a
 
 Every choice list is a `Literal` type on its field, its one home: `check_choices` (run by each
 section's `validate()`, and by the loader on every file and override value) rejects any other
-value, naming the field and the choices. Code that needs a list as a tuple takes
+value, naming the field and the choices. `check_finite` (run first by the root's `validate()`)
+rejects NaN and infinity in every float of every section. Code that needs a list as a tuple takes
 `typing.get_args` of the type (`StdMode`, `MixedPrecision`, `OldLogProbSource`, and
 `flowrl.sampling_params.SdeType`).
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowrl.sampling_params import SamplingParams
+from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
 StdMode = Literal["global", "group"]
@@ -65,8 +67,27 @@ def check_choices(section, prefix: str) -> None:
 
 
 def _check_min(key: str, value, minimum, strict: bool = False) -> None:
-    if value is not None and (value <= minimum if strict else value < minimum):
+    # Written as "not above" so that NaN, which compares False with everything, fails too.
+    if value is not None and not (value > minimum if strict else value >= minimum):
         _fail(key, value, f"must be {'>' if strict else '>='} {minimum}")
+
+
+def check_finite(node, key: str = "") -> None:
+    """Every float anywhere in `node` (a config dataclass, with its nested dataclasses, tuples,
+    lists and mappings) is finite: NaN or infinity is never a meaningful setting (a NaN guidance
+    scale would silently turn CFG off, a NaN learning rate would train on garbage)."""
+    if dataclasses.is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            _fail(key, node, "must be a finite number (not NaN or infinity)")
+        return
+    for name, value in items:
+        check_finite(value, f"{key}.{name}" if key else str(name))
 
 
 @dataclass
@@ -75,16 +96,17 @@ class ModelConfig:
 
     path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
         the embedded tiny SD3 model, which the trainer builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "z_image".
+    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
-    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; Qwen-Image:
-        the longest prompt, shorter ones stay unpadded). None: the family's default (SD3 256,
-        Qwen-Image 1024); the pipelines allow up to 512 (SD3) and 1024 (Qwen-Image).
+    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's;
+        Qwen-Image and Z-Image: the longest prompt, shorter ones stay unpadded). None: the family's
+        default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024, Z-Image 512); the pipelines
+        allow up to 512 (SD3, FLUX, Z-Image) and 1024 (Qwen-Image).
     """
 
     path: str | None = None
-    family: Literal["auto", "sd3", "qwen_image", "z_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     max_sequence_length: int | None = None
@@ -122,6 +144,8 @@ class ModelConfig:
 # `compile` and `compile_rounding`): the one list of each, which flowrl.accel reads.
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 CompileRounding = Literal["eager", "fused"]
+# Where the engine keeps prompt encodings (flowrl.engine.prompt_cache): host memory or the device.
+PromptCacheDevice = Literal["host", "device"]
 
 
 @dataclass
@@ -136,16 +160,22 @@ class EngineConfig:
         PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
         (only where kernels write); the trainer's log-prob values come from the rollout's graph
         either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
+    prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
+        0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
+        copied to the device per request) or "device" (no copy, costs device memory).
     """
 
     max_batch_rows: int = 32
     decode_chunk_size: int = 16
     compile: bool = False
     compile_rounding: CompileRounding = "eager"
+    prompt_cache_mb: int = 1024
+    prompt_cache_device: PromptCacheDevice = "host"
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
+        _check_min("engine.prompt_cache_mb", self.prompt_cache_mb, 0)
         check_choices(self, "engine")
         if self.compile_rounding != "eager" and not self.compile:
             raise ValueError(
@@ -222,7 +252,7 @@ class RolloutConfig:
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
-                # Every supported family (SD3, Qwen-Image, Z-Image) needs sides that are multiples of 16;
+                # Every supported family (SD3, Qwen-Image, FLUX, Z-Image) needs sides that are multiples of 16;
                 # checking here fails before any model is loaded.
                 params.validate(size_multiple=16)
             except ValueError as error:
@@ -421,6 +451,8 @@ class TrainerConfig:
             _fail("trainer.output_dir", self.output_dir, "give a folder for checkpoints and metrics")
         if not self.resume:
             _fail("trainer.resume", self.resume, "use 'auto', 'never' or a checkpoint path")
+        if not 0 <= self.seed <= MAX_SEED:
+            _fail("trainer.seed", self.seed, f"must be in [0, {MAX_SEED}]")
         self.lora.validate()
         self.ema.validate()
         return self
@@ -543,8 +575,23 @@ class FlowRLConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> "FlowRLConfig":
+        check_finite(self)
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        for name in ("sampling", "val_sampling"):
+            params = getattr(self.rollout, name)
+            # An uncond row: true CFG on any family, or guidance_scale > 1 on the classifier-free-
+            # guidance families (FLUX.1 [dev] embeds its guidance_scale instead; the engine applies
+            # the family's exact rule, flowrl.models.base, once the model is known).
+            field_name = "true_cfg_scale" if params.true_cfg_scale > 1 else "guidance_scale"
+            uncond_row = params.true_cfg_scale > 1 or (params.guidance_scale > 1 and self.model.family != "flux")
+            if uncond_row and self.engine.max_batch_rows < 2:
+                _fail(
+                    "engine.max_batch_rows",
+                    self.engine.max_batch_rows,
+                    f"rollout.{name}.{field_name}={getattr(params, field_name)} runs CFG, two rows per sample; "
+                    f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
+                )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
             _fail(

@@ -1,13 +1,13 @@
 """The diffusion rollout engine: continuous batching at denoising-step granularity.
 
-Public names: `DiffusionEngine`, `SamplingParams` (re-exported from `flowrl.sampling_params`, its
-home), `DiffusionOutput`.
+Public names: `DiffusionEngine`, `EngineClosedError`, `SamplingParams` (re-exported from
+`flowrl.sampling_params`, its home), `DiffusionOutput`.
 """
 
 from flowrl.engine.output import DiffusionOutput
 from flowrl.sampling_params import SamplingParams
 
-__all__ = ["DiffusionEngine", "SamplingParams", "DiffusionOutput"]
+__all__ = ["DiffusionEngine", "EngineClosedError", "SamplingParams", "DiffusionOutput"]
 
 
 def __getattr__(name):
@@ -16,4 +16,8 @@ def __getattr__(name):
         from flowrl.engine.engine import DiffusionEngine
 
         return DiffusionEngine
+    if name == "EngineClosedError":
+        from flowrl.engine.loop import EngineClosedError
+
+        return EngineClosedError
     raise AttributeError(name)

@@ -1,27 +1,26 @@
 """DiffusionEngine: the public sync/async API over a background engine thread.
 
 Callers (any thread, any coroutine) submit requests; validation happens in the caller before
-anything is queued, so bad input raises there and the engine keeps serving. The engine thread runs
-the continuous-batching loop:
+anything is queued (`SamplingParams.validate` with the model's size limits, the model's schedule,
+the rows a sample needs), so bad input raises ValueError there and the engine keeps serving. The
+engine thread (flowrl/engine/loop.py) runs the continuous-batching loop: new requests are taken
+between any two iterations, so requests arriving at different times share forwards. `stats()`
+shows the batching that actually happened.
 
-1. drain new requests, encode prompts not yet in the prompt cache (one batched encode; a prompt is
-   encoded once however many samples use it), and queue their samples;
-2. admit waiting samples up to max_batch_rows;
-3. step one compatible group with one transformer forward (samples may be at different steps);
-4. decode samples that finished, in bounded chunks, and resolve their futures.
+Cancellation: `future.cancel()` on a submitted sample, or cancelling the coroutine of
+`generate_async` / `generate_batched_async` (a task's cancel, an `asyncio.wait_for` timeout), drops
+the sample between two steps and frees its rows; the other samples go on. An interrupted
+`generate` / `generate_batched` cancels its samples the same way.
 
-New requests are taken between any two iterations, so requests arriving at different times share
-forwards. `stats()` shows the batching that actually happened.
+Shutdown: `shutdown()` (or leaving a `with engine:` block) fails every request still in flight
+with EngineClosedError and joins the engine thread; the engine then refuses new requests with
+EngineClosedError (a new DiffusionEngine over the same adapter serves again). The same happens if
+the engine thread ever dies, so no caller waits forever on a dead engine.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
 import secrets
-import threading
-import time
-from collections import Counter, OrderedDict
 from concurrent.futures import Future
 
 import torch
@@ -29,13 +28,15 @@ import torch
 from flowrl import sampler
 from flowrl.engine.api import EngineAPI
 from flowrl.engine.executor import Executor
+from flowrl.engine.loop import EngineClosedError, EngineLoop
 from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.prompt_cache import PromptCache
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
-from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.models.base import FlowModelAdapter
 from flowrl.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
+__all__ = ["DiffusionEngine", "EngineClosedError"]
 
 
 def _compile_backend(compile: bool | str) -> str:
@@ -71,17 +72,23 @@ def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> l
 
 
 class DiffusionEngine(EngineAPI):
-    """Continuous-batching diffusion engine over one model adapter."""
+    """Continuous-batching diffusion engine over one model adapter.
+
+    prompt_cache_mb: bytes of prompt encodings kept for reuse, in MiB (0: none); the least
+    recently used are evicted first. prompt_cache_device: where they are kept: "host" (pinned
+    memory on a GPU machine, copied to the device per request without blocking) or "device".
+    """
 
     def __init__(
         self,
         adapter: FlowModelAdapter,
         max_batch_rows: int = 32,
         decode_chunk_size: int = 16,
-        prompt_cache_size: int = 4096,
         compile: bool | str = False,
         autocast_dtype: torch.dtype | None = None,
         compile_rounding: str = "eager",
+        prompt_cache_mb: int = 1024,
+        prompt_cache_device: str = "host",
     ):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
@@ -92,16 +99,10 @@ class DiffusionEngine(EngineAPI):
         self.executor = Executor(adapter, decode_chunk_size)
         self.set_mixed_precision(autocast_dtype)  # the transformer under torch.autocast, or not
         self.max_batch_rows = max_batch_rows
-        self.prompt_cache_size = prompt_cache_size
-        self._prompt_cache: OrderedDict[str, PromptEncoding] = OrderedDict()
-        self._inbox: queue.Queue[list[SampleState] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._num_in_flight = 0
-        self.policy_version = 0
-        self.reset_stats()
+        if isinstance(prompt_cache_mb, bool) or not isinstance(prompt_cache_mb, int) or prompt_cache_mb < 0:
+            raise ValueError(f"prompt_cache_mb={prompt_cache_mb!r} must be an integer >= 0 (MiB; 0 disables it)")
+        self.prompt_cache = PromptCache(prompt_cache_mb * 2**20, adapter.device, prompt_cache_device)
+        self._loop = EngineLoop(adapter, self.scheduler, self.executor, self.prompt_cache)
 
     @classmethod
     def from_pretrained(
@@ -113,6 +114,8 @@ class DiffusionEngine(EngineAPI):
         decode_chunk_size: int = 16,
         compile: bool | str = False,
         compile_rounding: str = "eager",
+        prompt_cache_mb: int = 1024,
+        prompt_cache_device: str = "host",
         **adapter_kwargs,
     ) -> "DiffusionEngine":
         from flowrl.models.registry import load_adapter
@@ -126,18 +129,21 @@ class DiffusionEngine(EngineAPI):
             decode_chunk_size=decode_chunk_size,
             compile=compile,
             compile_rounding=compile_rounding,
+            prompt_cache_mb=prompt_cache_mb,
+            prompt_cache_device=prompt_cache_device,
         )
 
     # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
+        """One sample per prompt, sample i with seed + i; every prompt is checked before any is queued."""
         if not isinstance(prompts, list) or not prompts:
             raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")
-        params = self._validated(prompts[0], sampling_params)
+        for p in prompts:
+            params = self._validated(p, sampling_params, len(prompts))
         base = params.seed if params.seed is not None else secrets.randbits(62)
-        futures = []
-        for i, p in enumerate(prompts):
-            futures += self.submit_batched(p, 1, params.replace(seed=base + i))
-        return futures
+        requests = [self._request(p, 1, params.replace(seed=base + i)) for i, p in enumerate(prompts)]
+        self._enqueue(requests)
+        return [s.future for samples in requests for s in samples]
 
     def submit_batched(
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
@@ -152,43 +158,31 @@ class DiffusionEngine(EngineAPI):
                 f"num_outputs_per_prompt={num_outputs_per_prompt!r} must be an integer >= 1 "
                 "(the number of samples to generate for this prompt)"
             )
-        params = self._validated(prompt, sampling_params)
-        base_seed = params.seed if params.seed is not None else secrets.randbits(62)
-        window = self._choose_window(params, base_seed)
-        samples = [
-            SampleState(prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future())
-            for j in range(num_outputs_per_prompt)
-        ]
-        self._enqueue(samples)
+        params = self._validated(prompt, sampling_params, num_outputs_per_prompt)
+        samples = self._request(prompt, num_outputs_per_prompt, params)
+        self._enqueue([samples])
         return [s.future for s in samples]
 
     def stats(self) -> dict:
-        with self._lock:
-            s = dict(self._stats)
-            s["rows_per_forward_hist"] = dict(sorted(self._stats["rows_per_forward_hist"].items()))
+        s = self._loop.stats()
         s["mean_rows_per_forward"] = s["num_rows"] / s["num_forwards"] if s["num_forwards"] else 0.0
         s["images_per_second"] = s["num_samples_finished"] / s["busy_seconds"] if s["busy_seconds"] > 0 else 0.0
         s["max_batch_rows"] = self.max_batch_rows
         s["policy_version"] = self.policy_version
+        s["prompt_cache_entries"] = len(self.prompt_cache)
+        s["prompt_cache_bytes"] = self.prompt_cache.nbytes
         return s
 
     def reset_stats(self) -> None:
-        with self._lock:
-            self._stats = {
-                "num_forwards": 0,
-                "num_rows": 0,
-                "rows_per_forward_hist": Counter(),
-                "num_samples_finished": 0,
-                "num_samples_failed": 0,
-                "num_prompt_encodes": 0,
-                "num_prompt_cache_hits": 0,
-                "num_decode_calls": 0,
-                "busy_seconds": 0.0,
-            }
+        self._loop.reset_stats()
+
+    @property
+    def policy_version(self) -> int:
+        return self._loop.policy_version
 
     def set_policy_version(self, version: int) -> None:
         """Tag samples admitted from now on with `version` (called after a weight update)."""
-        self.policy_version = int(version)
+        self._loop.policy_version = int(version)
 
     def set_mixed_precision(self, dtype: torch.dtype | None) -> None:
         """Run the transformer under torch.autocast(dtype) from the next step on (None: off). A
@@ -201,13 +195,17 @@ class DiffusionEngine(EngineAPI):
         self.executor.autocast_dtype = dtype
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
-        return self._idle.wait(timeout)
+        return self._loop.wait_until_idle(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive (it starts with the first request)."""
+        return self._loop.is_alive
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(None)
-            self._thread.join()
-            self._thread = None
+        """Fail every request in flight with EngineClosedError, join the engine thread, and refuse
+        new requests from now on (see the module docstring). Calling it again does nothing."""
+        self._loop.stop()
 
     def __enter__(self):
         return self
@@ -216,19 +214,36 @@ class DiffusionEngine(EngineAPI):
         self.shutdown()
 
     # --- caller side helpers -----------------------------------------------------------------------
-    def _validated(self, prompt, sampling_params: SamplingParams | None) -> SamplingParams:
+    def _validated(self, prompt, sampling_params: SamplingParams | None, num_samples: int = 1) -> SamplingParams:
         if not isinstance(prompt, str):
             raise ValueError(f"prompt={prompt!r} must be a string")
         params = sampling_params if sampling_params is not None else SamplingParams()
-        params.validate(self.adapter.size_multiple)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r} must be a flowrl SamplingParams (or None for the defaults)")
+        params.validate(self.adapter.size_multiple, self.adapter.max_image_side, num_samples)
+        self.adapter.check_guidance(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.
         self.adapter.sigmas(params.num_inference_steps, params.height, params.width)
-        if params.uses_cfg and self.max_batch_rows < 2:
+        rows = self.adapter.rows_per_sample(params)
+        if rows > self.max_batch_rows:
+            field = "true_cfg_scale" if self.adapter.guidance_kind == "distilled" else "guidance_scale"
             raise ValueError(
-                f"guidance_scale={params.guidance_scale} needs 2 rows per sample but the engine's "
-                f"max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set guidance_scale <= 1"
+                f"{field}={getattr(params, field)} needs {rows} rows per sample (cond + uncond) but the "
+                f"engine's max_batch_rows={self.max_batch_rows}; raise max_batch_rows or set {field} <= 1"
             )
         return params
+
+    def _request(self, prompt: str, num_samples: int, params: SamplingParams) -> list[SampleState]:
+        """The samples of one request: seeds seed + j, one SDE window for all of them."""
+        base_seed = params.seed if params.seed is not None else secrets.randbits(62)
+        window = self._choose_window(params, base_seed)
+        num_rows = self.adapter.rows_per_sample(params)
+        return [
+            SampleState(
+                prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future(), num_rows=num_rows
+            )
+            for j in range(num_samples)
+        ]
 
     @staticmethod
     def _choose_window(params: SamplingParams, base_seed: int) -> tuple[int, int]:
@@ -241,108 +256,6 @@ class DiffusionEngine(EngineAPI):
             )
         return sampler.default_sde_window(params.num_inference_steps)
 
-    def _enqueue(self, samples: list[SampleState]) -> None:
-        with self._lock:
-            self._num_in_flight += len(samples)
-            self._idle.clear()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="flowrl-engine", daemon=True)
-                self._thread.start()
-        self._inbox.put(samples)
-
-    # --- engine thread -------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            block = not self.scheduler.has_work()
-            try:
-                while True:
-                    item = self._inbox.get(block=block)
-                    block = False
-                    if item is None:
-                        return
-                    self._accept(item)
-            except queue.Empty:
-                pass
-            if self.scheduler.has_work():
-                t0 = time.perf_counter()
-                self._iterate()
-                with self._lock:
-                    self._stats["busy_seconds"] += time.perf_counter() - t0
-
-    def _accept(self, samples: list[SampleState]) -> None:
-        """Encode prompts (cache first) and queue the samples; failures go to their futures."""
-        try:
-            texts = [samples[0].prompt]
-            if samples[0].params.uses_cfg:
-                texts.append(samples[0].params.negative_prompt or "")
-            encodings = self._encode(texts)
-            for s in samples:
-                s.cond = encodings[0]
-                s.uncond = encodings[1] if s.params.uses_cfg else None
-                self.scheduler.add(s)
-        except Exception as exc:  # noqa: BLE001 - the error belongs to these callers only
-            logger.exception("engine: failed to accept a request")
-            self._fail(samples, exc)
-
-    def _encode(self, texts: list[str]) -> list[PromptEncoding]:
-        missing = list(dict.fromkeys(t for t in texts if t not in self._prompt_cache))
-        if missing:
-            for text, enc in zip(missing, self.adapter.encode_prompts(missing)):
-                self._prompt_cache[text] = enc
-            while len(self._prompt_cache) > self.prompt_cache_size:
-                self._prompt_cache.popitem(last=False)
-        with self._lock:
-            self._stats["num_prompt_encodes"] += len(missing)
-            self._stats["num_prompt_cache_hits"] += len(texts) - len(missing)
-        for t in texts:
-            self._prompt_cache.move_to_end(t)
-        return [self._prompt_cache[t] for t in texts]
-
-    def _iterate(self) -> None:
-        for s in self.scheduler.admit():
-            s.admitted_at = time.perf_counter()
-            s.policy_version = self.policy_version
-            try:
-                self.executor.prepare(s)
-            except Exception as exc:  # noqa: BLE001
-                self.scheduler.remove([s])
-                self._fail([s], exc)
-        group = self.scheduler.schedule()
-        if not group:
-            return
-        try:
-            rows = self.executor.step(group)
-            finished = [s for s in group if s.is_finished]
-            results = self.executor.finish(finished) if finished else []
-        except Exception as exc:  # noqa: BLE001 - fail these samples, keep serving the rest
-            logger.exception("engine: a step failed")
-            self.scheduler.remove(group)
-            self._fail(group, exc)
-            return
-        self.scheduler.remove(finished)
-        with self._lock:
-            self._stats["num_forwards"] += 1
-            self._stats["num_rows"] += rows
-            self._stats["rows_per_forward_hist"][rows] += 1
-            self._stats["num_samples_finished"] += len(results)
-            self._stats["num_decode_calls"] += -(-len(finished) // self.executor.decode_chunk_size) if finished else 0
-        for s, output in results:
-            self._resolve(s, output)
-
-    def _resolve(self, s: SampleState, output: DiffusionOutput) -> None:
-        s.future.set_result(output)
-        self._done(1)
-
-    def _fail(self, samples: list[SampleState], exc: BaseException) -> None:
-        for s in samples:
-            if not s.future.done():
-                s.future.set_exception(exc)
-        with self._lock:
-            self._stats["num_samples_failed"] += len(samples)
-        self._done(len(samples))
-
-    def _done(self, count: int) -> None:
-        with self._lock:
-            self._num_in_flight -= count
-            if self._num_in_flight == 0:
-                self._idle.set()
+    def _enqueue(self, requests: list[list[SampleState]]) -> None:
+        """Hand requests to the engine thread (EngineClosedError after shutdown)."""
+        self._loop.enqueue(requests)

@@ -1,12 +1,12 @@
 """Executor: owns the device work. Steps a group of samples with one transformer forward, then
 decodes finished samples in bounded chunks and packages them as DiffusionOutputs.
 
-A step packs every row (CFG rows inside the adapter), calls the shared `sampler.sde_step` once for
-the batch with per-row sigmas, noise levels and noise drawn from each sample's own generator, and
-unpacks the results back into the samples. Nothing in `step` reads a device value back to the
-host, so on a GPU the loop never waits for the device between steps. With `autocast_dtype` set
-(the trainer's mixed precision), the transformer runs under the same torch.autocast as the
-trainer's forward, so rollout and trainer log-probs agree.
+A step packs every row (CFG rows inside the adapter: `SampleState.num_rows` per sample), calls
+the shared `sampler.sde_step` once for the batch with per-row sigmas, noise levels and noise drawn
+from each sample's own generator, and unpacks the results back into the samples. Nothing in
+`step` reads a device value back to the host, so on a GPU the loop never waits for the device
+between steps. With `autocast_dtype` set (the trainer's mixed precision), the transformer runs
+under the same torch.autocast as the trainer's forward, so rollout and trainer log-probs agree.
 
 The executor knows nothing about queues or scheduling (which samples step together is
 scheduler.py's choice) nor about training: it runs the device work it is handed.
@@ -61,16 +61,18 @@ class Executor:
         latents = torch.stack([s.latents for s in group])
         in_window = [s.in_window(s.step) for s in group]
         sigma_values = [s.sigmas[s.step] for s in group]
-        sigma, sigma_next, guidance, noise_level, sigma_first = self._host_to_device(
+        sigma, sigma_next, cfg_scale, guidance, noise_level, sigma_first = self._host_to_device(
             [
                 sigma_values,
                 [s.sigmas[s.step + 1] for s in group],
+                [self.adapter.cfg_scale(s.params) for s in group],
                 [s.params.guidance_scale for s in group],
                 [s.params.noise_level if w else 0.0 for s, w in zip(group, in_window)],
                 [s.sigmas[1] if len(s.sigmas) > 2 else s.sigmas[0] for s in group],
             ]
         ).unbind(0)
-        # 2. one guided forward for every row (CFG rows inside the adapter)
+        # 2. one guided forward for every row (CFG rows inside the adapter; a guidance-distilled
+        #    model also takes guidance_scale for its guidance embedding)
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
@@ -82,10 +84,11 @@ class Executor:
                 sigma,
                 [s.cond for s in group],
                 [s.uncond for s in group],
-                guidance,
+                cfg_scale,
                 p0.height,
                 p0.width,
                 sigma_values=sigma_values,
+                **self.adapter.guidance_embedding_kwargs(guidance),
             )
         # 3. noise from each sample's own generator, for its SDE-window steps only
         if any(in_window):
@@ -134,9 +137,11 @@ class Executor:
         return sum(s.num_rows for s in group)
 
     @torch.no_grad()
-    def finish(self, samples: list[SampleState]) -> list[tuple[SampleState, DiffusionOutput]]:
-        """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk)."""
-        results = []
+    def finish(self, samples: list[SampleState]) -> list[tuple[list[SampleState], list[DiffusionOutput] | Exception]]:
+        """Decode finished samples in chunks of at most decode_chunk_size (same shape per chunk).
+        Returns each chunk with its outputs, or with the error its decode raised: a failure is
+        the chunk's alone, the other chunks are still decoded."""
+        chunks = []
         # Samples of one prompt share its cached encoding: copy each encoding tensor to the host
         # once per call, not once per sample (SD3's T5 embeddings are 2.7 MB per prompt).
         host_copies: dict[int, torch.Tensor] = {}
@@ -154,12 +159,16 @@ class Executor:
         for (height, width), same in by_key.items():
             for start in range(0, len(same), self.decode_chunk_size):
                 chunk = same[start : start + self.decode_chunk_size]
-                t0 = time.perf_counter()
-                images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
-                decode_s = (time.perf_counter() - t0) / len(chunk)
-                for s, image in zip(chunk, images):
-                    results.append((s, self._package(s, image, decode_s, to_host)))
-        return results
+                try:
+                    t0 = time.perf_counter()
+                    images = self.adapter.decode(torch.stack([s.latents for s in chunk]), height, width).cpu()
+                    decode_s = (time.perf_counter() - t0) / len(chunk)
+                    outputs = [self._package(s, image, decode_s, to_host) for s, image in zip(chunk, images)]
+                except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails this chunk
+                    chunks.append((chunk, exc))
+                else:
+                    chunks.append((chunk, outputs))
+        return chunks
 
     def _package(self, s: SampleState, image: torch.Tensor, decode_s: float, to_host) -> DiffusionOutput:
         start, end = s.sde_window

@@ -23,7 +23,9 @@ class TransitionSpec:
     """The sampling settings a sample's SDE transitions were drawn with: everything, besides the
     stored tensors, that re-scoring a transition needs. The schedule (and so the sigma_1 that the
     "sde" step uses at sigma 1) is the model's function of (num_inference_steps, height, width).
-    Rows with different sizes or step types cannot share a scoring pass (`group_key`)."""
+    Rows with different sizes or step types cannot share a scoring pass (`group_key`).
+    guidance_scale and true_cfg_scale: as SamplingParams; the adapter's guidance rule
+    (flowrl.models.base: cfg_scale, rows_per_sample) reads them as the engine did."""
 
     height: int
     width: int
@@ -31,6 +33,7 @@ class TransitionSpec:
     noise_level: float
     sde_type: SdeType
     guidance_scale: float
+    true_cfg_scale: float = 1.0
 
     @classmethod
     def of(cls, params: SamplingParams) -> "TransitionSpec":

@@ -28,6 +28,10 @@ class SampleState:
     seed: int
     sde_window: tuple[int, int]
     future: Future
+    # Rows this sample occupies in a forward (2 with an uncond row, else 1): the model's rule,
+    # `adapter.rows_per_sample(params)`, which the engine asks when it creates the sample; the
+    # scheduler and the executor read it here.
+    num_rows: int = 1
     sample_id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     # Filled at admission (engine thread).
@@ -42,11 +46,6 @@ class SampleState:
     last_stepped_tick: int = -1
     trajectory: list[torch.Tensor] = field(default_factory=list)
     log_probs: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def num_rows(self) -> int:
-        """Rows this sample occupies in a forward: 2 with CFG (cond + uncond), else 1."""
-        return 2 if self.params.uses_cfg else 1
 
     @property
     def batch_key(self) -> tuple[int, int]:

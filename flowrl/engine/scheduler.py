@@ -6,6 +6,7 @@ Policy:
 - Each iteration steps one compatible group (same latent shape): the group whose samples were
   stepped least recently, so groups of different shapes take turns and none starves. Every
   running sample of that group steps, whatever step of its schedule it is at.
+- A sample leaves when it finishes, fails or is cancelled (`remove`, `take`), freeing its rows.
 """
 
 from __future__ import annotations
@@ -61,3 +62,12 @@ class Scheduler:
     def remove(self, samples: list[SampleState]) -> None:
         gone = {id(s) for s in samples}
         self.running = [s for s in self.running if id(s) not in gone]
+
+    def take(self, predicate) -> list[SampleState]:
+        """Remove the waiting and running samples for which predicate(sample) holds; return them."""
+        taken = [s for s in (*self.waiting, *self.running) if predicate(s)]
+        if taken:
+            gone = {id(s) for s in taken}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+            self.remove(taken)
+        return taken

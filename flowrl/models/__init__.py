@@ -1,7 +1,7 @@
 """Model adapters over diffusers modules, one per family, behind one interface.
 
 `load_adapter(path, device, dtype)` reads `model_index.json` of a local diffusers folder and returns
-the matching adapter (`SD3Adapter`, `QwenImageAdapter` or `ZImageAdapter`; the list of families is
+the matching adapter (`SD3Adapter`, `QwenImageAdapter`, `FluxAdapter` or `ZImageAdapter`; the list of families is
 flowrl.models.registry). `flowrl.models.tiny` builds tiny random checkpoints offline for tests and
 the CPU demo. Nothing here compiles or holds kernels: that is flowrl.accel.
 """

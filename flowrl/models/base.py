@@ -10,10 +10,20 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
 - `initial_noise(height, width, generator)` -> latent-shaped float32 noise.
 - `velocity(latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None)` ->
   guided velocity for a batch of rows that may sit at different sigmas and use different prompts;
-  CFG rows (cond and uncond) run in the same transformer forward. `sigma_values`: the same sigmas
-  as host floats, which the engine passes so that an adapter can look up per-timestep work
-  without reading the device (Qwen-Image's modulation table); results do not depend on it.
+  CFG rows (cond and uncond) run in the same transformer forward. `guidance_scale` (B,): each
+  row's classifier-free guidance weight, `cfg_scale(params)` (rows without an uncond encoding
+  ignore it). `sigma_values`: the same sigmas as host floats, which the engine passes so that an
+  adapter can look up per-timestep work without reading the device (Qwen-Image's modulation
+  table); results do not depend on it. A guidance-distilled adapter also takes
+  `embedded_guidance` (B,), the value of its guidance embedding (`guidance_embedding_kwargs`).
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
+
+Guidance semantics (`guidance_kind`, one rule for every caller): "cfg" families (SD3, Qwen-Image,
+Z-Image) read `SamplingParams.guidance_scale` as the classifier-free guidance weight, > 1 adding
+an uncond row to the same forward; "distilled" families (FLUX.1 [dev]) feed guidance_scale to the
+transformer's guidance embedding, one row per sample, and add an uncond row (the negative prompt)
+only for `true_cfg_scale` > 1. `cfg_scale`, `rows_per_sample` and `check_guidance` are the one
+home of that rule: the engine's scheduler and executor and the trainer's re-scoring ask them.
 
 The adapter knows nothing about requests, scheduling or rewards, nor about compilation: the
 engine's `compile` option hands an adapter to flowrl.accel.compile_adapter, which compiles its
@@ -23,9 +33,14 @@ flowrl.models.registry.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+# How SamplingParams.guidance_scale acts on a family (see the module docstring).
+GuidanceKind = Literal["cfg", "distilled"]
 
 
 @dataclass
@@ -75,21 +90,24 @@ def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+def with_cfg_rows(per_row: torch.Tensor, cfg_rows: list[int]) -> torch.Tensor:
+    """`per_row` (B, ...) followed by its rows `cfg_rows`: the same input for each uncond row of a
+    CFG forward. Every row using CFG (the usual case) is a plain concatenation, no index tensor."""
+    if not cfg_rows:
+        return per_row
+    if len(cfg_rows) == per_row.shape[0]:
+        return torch.cat([per_row, per_row])
+    return torch.cat([per_row, per_row.index_select(0, rows_to_device(cfg_rows, per_row.device))])
+
+
 def cfg_forward_inputs(
     latents: torch.Tensor, sigmas: torch.Tensor, cond: list[PromptEncoding], uncond: list[PromptEncoding | None]
 ):
     """Rows of one CFG forward: every row's cond input, then the uncond inputs of the rows that
-    have an uncond encoding. Returns (latents, sigmas, encodings, cfg_rows). When every row uses
-    CFG (the usual case) this is a plain concatenation, no index tensor."""
+    have an uncond encoding. Returns (latents, sigmas, encodings, cfg_rows)."""
     cfg_rows = [i for i, u in enumerate(uncond) if u is not None]
     encodings = list(cond) + [uncond[i] for i in cfg_rows]
-    if not cfg_rows:
-        return latents, sigmas, encodings, cfg_rows
-    if len(cfg_rows) == latents.shape[0]:
-        return torch.cat([latents, latents]), torch.cat([sigmas, sigmas]), encodings, cfg_rows
-    index = rows_to_device(cfg_rows, latents.device)
-    hidden = torch.cat([latents, latents.index_select(0, index)])
-    return hidden, torch.cat([sigmas, sigmas.index_select(0, index)]), encodings, cfg_rows
+    return with_cfg_rows(latents, cfg_rows), with_cfg_rows(sigmas, cfg_rows), encodings, cfg_rows
 
 
 def combine_cfg(
@@ -114,6 +132,21 @@ def combine_cfg(
     return guided if every_row else cond_v.index_copy(0, index, guided)
 
 
+def check_guidance(guidance_kind: GuidanceKind, params) -> None:
+    """ValueError for guidance settings the family cannot honour (`params`: SamplingParams or
+    anything with guidance_scale and true_cfg_scale). Errors name SamplingParams' fields."""
+    for name in ("guidance_scale", "true_cfg_scale"):
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"SamplingParams.{name}={value!r} must be a finite number")
+    if guidance_kind == "cfg" and params.true_cfg_scale != 1.0:
+        raise ValueError(
+            f"SamplingParams.true_cfg_scale={params.true_cfg_scale} applies to guidance-distilled "
+            "models (FLUX.1 [dev]) only; this model's guidance_scale is classifier-free guidance "
+            f"already: set guidance_scale={params.true_cfg_scale} and leave true_cfg_scale at 1.0"
+        )
+
+
 def to_uint8(image: torch.Tensor) -> torch.Tensor:
     """VAE output in [-1, 1] -> uint8 (B, 3, H, W), rounding clamp(x/2 + 0.5, 0, 1) * 255.
     Non-finite pixels are an error (a NaN would otherwise become a silent 0)."""
@@ -128,12 +161,17 @@ class FlowModelAdapter:
 
     family: str = "base"
     size_multiple: int = 16  # height and width must be multiples of this
+    # The largest height or width in pixels the transformer can take (its position table's
+    # size), set by each family from its modules; None: no limit of the model's own.
+    max_image_side: int | None = None
     transformer: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
 
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
+    # How SamplingParams.guidance_scale acts (module docstring).
+    guidance_kind: GuidanceKind = "cfg"
     # The most text tokens the family's pipeline encodes (its own check_inputs limit).
     max_sequence_length_limit: int = 512
 
@@ -151,6 +189,27 @@ class FlowModelAdapter:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
+
+    # --- guidance: the one home of how many rows a sample takes and what weighs them ------------
+    def cfg_scale(self, params) -> float:
+        """The classifier-free guidance weight of a sample (`params`: SamplingParams or the
+        trainer's TransitionSpec): guidance_scale for "cfg" families, true_cfg_scale for
+        "distilled" ones. Above 1 the sample takes an uncond row."""
+        return params.true_cfg_scale if self.guidance_kind == "distilled" else params.guidance_scale
+
+    def rows_per_sample(self, params) -> int:
+        """Rows a sample occupies in a forward: 2 with an uncond row (cfg_scale > 1), else 1."""
+        return 2 if self.cfg_scale(params) > 1.0 else 1
+
+    def check_guidance(self, params) -> None:
+        """ValueError for guidance settings this model cannot honour (see `check_guidance`)."""
+        check_guidance(self.guidance_kind, params)
+
+    def guidance_embedding_kwargs(self, guidance_scale: torch.Tensor) -> dict:
+        """velocity's keyword arguments for the rows' SamplingParams.guidance_scale (B,): the
+        guidance embedding's value for "distilled" families, nothing for "cfg" ones (which read
+        guidance_scale as the CFG weight, passed positionally)."""
+        return {"embedded_guidance": guidance_scale} if self.guidance_kind == "distilled" else {}
 
     def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""Decoding with diffusers' AutoencoderKL, the VAE of SD3 and Z-Image.
+"""Decoding with diffusers' AutoencoderKL, the VAE of SD3, FLUX and Z-Image.
 
 Latents are (B, C, H/8, W/8) in the transformer's scale: the VAE sees latents / scaling_factor +
 shift_factor (both from the checkpoint's VAE config). On CUDA the VAE runs channels-last: cuDNN's

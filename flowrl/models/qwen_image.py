@@ -16,19 +16,12 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.base import (
-    FlowModelAdapter,
-    PromptEncoding,
-    cfg_forward_inputs,
-    combine_cfg,
-    pad_encodings,
-    to_uint8,
-)
+from flowrl.models.base import PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
+from flowrl.models.packed import PackedLatentAdapter, pack_2x2, unpack_2x2
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
-from flowrl.models.schedule import schedule_sigmas
 
 
-class QwenImageAdapter(FlowModelAdapter):
+class QwenImageAdapter(PackedLatentAdapter):
     family = "qwen_image"
     size_multiple = 16  # VAE factor 8 times the 2x2 packing
     max_sequence_length_limit = 1024
@@ -54,7 +47,11 @@ class QwenImageAdapter(FlowModelAdapter):
         self.true_cfg_renorm = true_cfg_renorm
         self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.latent_channels = self.vae.config.z_dim
-        self._sigma_cache: dict[tuple[int, int], torch.Tensor] = {}
+        # RoPE positions come from a table of P positions: an image of t tokens a side takes
+        # t / 2 on each side of 0, and the text follows at t / 2 .. t / 2 + text length.
+        positions = self.transformer.pos_embed.pos_freqs.shape[0]
+        max_tokens = 2 * (positions - max_sequence_length)
+        self.max_image_side = max_tokens * 2 * self.vae_scale_factor  # 2x2 packing of VAE latents
         decode_single_frames_in_2d(self.vae)  # taken only inside `decode` (see flowrl/models/qwen_vae.py)
 
     @classmethod
@@ -82,44 +79,14 @@ class QwenImageAdapter(FlowModelAdapter):
             out.append(PromptEncoding(embeds[row, :length], row_mask, None))
         return out
 
-    # --- latents and schedule ----------------------------------------------------------------
-    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        h, w = self._latent_hw(height, width)
-        return ((h // 2) * (w // 2), self.latent_channels * 4)
-
-    def initial_noise(self, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        h, w = self._latent_hw(height, width)
-        noise = torch.randn(
-            (1, 1, self.latent_channels, h, w), generator=generator, dtype=torch.float32, device=generator.device
-        )
-        return self.pack(noise[:, 0], h, w)[0]
-
+    # --- latents and schedule: flowrl.models.packed ---------------------------------------------
     def pack(self, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """(B, C, h, w) -> (B, h/2 * w/2, 4C): each token is a 2x2 patch, channel-major."""
-        b, c = latents.shape[:2]
-        x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+        return pack_2x2(latents)
 
     def unpack(self, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """Inverse of pack: (B, h/2 * w/2, 4C) -> (B, C, h, w)."""
-        b, _, d = tokens.shape
-        c = d // 4
-        x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, h, w)
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        seq_len = self.latent_shape(height, width)[0]
-        key = (num_steps, seq_len)
-        if key not in self._sigma_cache:
-            self._sigma_cache[key] = schedule_sigmas(self.scheduler, num_steps, image_seq_len=seq_len, linear_base=True)
-        return self._sigma_cache[key]
-
-    def schedule_sigma_values(self) -> list[float]:
-        """Every sigma of the schedules `sigmas` has built so far, as host floats."""
-        return [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]
+        return unpack_2x2(tokens, h, w)
 
     # --- transformer ---------------------------------------------------------------------------
     def velocity(self, latents, sigmas, cond, uncond, guidance_scale, height, width, sigma_values=None):

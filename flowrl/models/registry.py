@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter
+from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.models.z_image import ZImageAdapter
@@ -22,6 +23,7 @@ from flowrl.models.z_image import ZImageAdapter
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
+    "FluxPipeline": ("flux", FluxAdapter),
     "ZImagePipeline": ("z_image", ZImageAdapter),
 }
 

@@ -45,6 +45,10 @@ class SD3Adapter(FlowModelAdapter):
         super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
+        # SD3 crops its position embedding from a pos_embed_max_size^2 grid of patches.
+        grid = self.transformer.config.pos_embed_max_size
+        if grid:
+            self.max_image_side = grid * self.transformer.config.patch_size * self.vae_scale_factor
         self._sigma_cache: dict[int, torch.Tensor] = {}
         self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
 

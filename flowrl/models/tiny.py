@@ -1,4 +1,4 @@
-"""Tiny random diffusers checkpoints (SD3, Qwen-Image, Z-Image), built offline and deterministically.
+"""Tiny random diffusers checkpoints (SD3, Qwen-Image, FLUX, Z-Image), built offline and deterministically.
 
 `build_tiny_checkpoint(kind, path, seed)` assembles a complete pipeline (transformer, VAE, text
 encoders, hand-built tokenizers, FlowMatchEulerDiscreteScheduler) with random weights drawn from
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from flowrl.models.tiny_flux import build_tiny_flux
+from flowrl.models.tiny_modules import clip_text_config, t5_text_encoder, tiny_kl_vae
 from flowrl.models.tiny_tokenizers import (
     QWEN_MAX_LENGTH,
     build_clip_tokenizer,
@@ -27,6 +29,7 @@ from flowrl.models.tiny_z_image import build_z_image_pipeline
 TINY_KINDS: dict[str, str] = {
     "sd3": "StableDiffusion3Pipeline",
     "qwen_image": "QwenImagePipeline",
+    "flux": "FluxPipeline",
     "z_image": "ZImagePipeline",
 }
 
@@ -48,69 +51,18 @@ def _existing_kind(path: Path) -> str | None:
     return next((kind for kind, name in TINY_KINDS.items() if name == class_name), None)
 
 
-def tiny_kl_vae(scaling_factor: float, shift_factor: float):
-    """A tiny AutoencoderKL with the real ones' structure (16 latent channels, downsampling 8) and
-    the family's latent scale and shift (SD3's; FLUX.1's, which Z-Image uses)."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=shift_factor,
-        scaling_factor=scaling_factor,
-    )
-
-
 def _build_sd3():
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
 
     clip_tokenizer = build_clip_tokenizer()
     t5_tokenizer = build_t5_tokenizer()
     # Constraints: joint_attention_dim = T5 d_model >= 2 x CLIP hidden (the two CLIP embeddings are
     # concatenated and zero-padded to the T5 width); pooled_projection_dim = 2 x CLIP projection_dim.
-    clip_config = CLIPTextConfig(
-        vocab_size=len(clip_tokenizer),
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        projection_dim=32,
-        max_position_embeddings=clip_tokenizer.model_max_length,
-        hidden_act="gelu",
-        bos_token_id=clip_tokenizer.bos_token_id,
-        eos_token_id=clip_tokenizer.eos_token_id,
-        pad_token_id=clip_tokenizer.pad_token_id,
-    )
+    clip_config = clip_text_config(clip_tokenizer)
     text_encoder = CLIPTextModelWithProjection(clip_config)
     text_encoder_2 = CLIPTextModelWithProjection(clip_config)
-    text_encoder_3 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer),
-            d_model=64,
-            d_kv=16,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )
+    text_encoder_3 = t5_text_encoder(t5_tokenizer)
     # sample_size only sets the default resolution (8 latents = 64 px); pos_embed_max_size=32
     # lets the same weights run up to 256 px.
     transformer = SD3Transformer2DModel(
@@ -226,7 +178,12 @@ def _build_qwen_image():
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "qwen_image": _build_qwen_image, "z_image": build_z_image_pipeline}
+_BUILDERS = {
+    "sd3": _build_sd3,
+    "qwen_image": _build_qwen_image,
+    "flux": build_tiny_flux,
+    "z_image": build_z_image_pipeline,
+}
 
 
 def build_tiny_pipeline(kind: str, seed: int = 0):

@@ -12,6 +12,7 @@ chat template that lays a prompt out as Qwen3's template does for ZImagePipeline
 
 from __future__ import annotations
 
+from flowrl.models.tiny_modules import tiny_kl_vae
 from flowrl.models.tiny_tokenizers import QWEN_MAX_LENGTH, build_qwen2_tokenizer
 
 # Qwen3's chat template, reduced to what a text-to-image prompt uses (messages without tools):
@@ -29,6 +30,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 THINK_TOKENS = ("<think>", "</think>")
+# Z-Image's scheduler_config.json (fixed shift 6, no dynamic shifting).
+Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
 TEXT_HIDDEN = 32
 
 
@@ -44,8 +47,6 @@ def build_z_image_pipeline():
     """A tiny ZImagePipeline with random weights from torch's current RNG (float32, CPU)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
-
-    from flowrl.models.tiny import tiny_kl_vae  # here: flowrl.models.tiny imports this module
 
     tokenizer = build_z_image_tokenizer()
     token_id = tokenizer.convert_tokens_to_ids
@@ -83,7 +84,7 @@ def build_z_image_pipeline():
         axes_lens=[1024, 64, 64],
     )
     vae = tiny_kl_vae(scaling_factor=0.3611, shift_factor=0.1159)
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )

@@ -9,7 +9,7 @@ Equality of the two paths rests on seeds: row i gets seed base + global row inde
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
 flowrl.engine.output.TransitionSpec as non-tensor columns: height, width, num_inference_steps,
-noise_level, sde_type, guidance_scale), per-row `sampling_overrides` included. The loop knows
+noise_level, sde_type, guidance_scale, true_cfg_scale), per-row `sampling_overrides` included. The loop knows
 nothing about rewards or training; `on_sample_done(row, output)` lets a caller (async reward
 scoring) see each sample as soon as it finishes.
 """

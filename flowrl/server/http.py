@@ -5,7 +5,9 @@
 - `drain(request)`: read and drop a body (answering before the body is read makes some clients
   fail with a broken pipe instead of reading the answer);
 - `has_bearer_token(request, token)`: the `Authorization: Bearer` check, in constant time;
-- `serve_in_background(app, ...)`: uvicorn in a daemon thread, its URL yielded, stopped on exit.
+- `serve_in_background(app, ...)`: uvicorn in a daemon thread, its URL yielded, stopped on exit;
+- `serve_until_signal(app, ...)`: a command's main loop: serve until SIGINT / SIGTERM;
+- `warn_if_exposed(command, host, who)`: the warning a command prints when it binds beyond loopback.
 
 It knows HTTP and uvicorn, nothing about what the services do.
 """
@@ -14,12 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect, Request
 
 from flowrl.server.score_request import BadRequest
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 # Past this many bytes a refused body is no longer drained: the connection is closed instead.
 _DRAIN_LIMIT = 1 << 30
@@ -103,3 +110,23 @@ def serve_in_background(
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def warn_if_exposed(command: str, host: str, who: str) -> None:
+    """Warn on stderr when `host` is not loopback: `who` says what anyone reaching the port can do."""
+    if host not in LOOPBACK_HOSTS:
+        print(f"flowrl {command}: warning: --host {host} {who}", file=sys.stderr, flush=True)
+
+
+def serve_until_signal(app, banner: Callable[[str], str], on_stop: Callable[[], None] | None = None, **options) -> None:
+    """Serve `app` (serve_in_background's `options`) until SIGINT or SIGTERM; print `banner(url)` once
+    it listens; on the signal call `on_stop()` (if any), then stop the HTTP server. RuntimeError
+    when it cannot start."""
+    stop = threading.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda *_: stop.set())
+    with serve_in_background(app, log_level="info", **options) as url:
+        print(banner(url), flush=True)
+        stop.wait()
+        if on_stop is not None:
+            on_stop()

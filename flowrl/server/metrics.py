@@ -36,7 +36,7 @@ class _EngineCollector:
     def collect(self):
         stats = self.engine.stats()
         admission = self.admission
-        running = len(getattr(self.engine.scheduler, "running", ()))
+        running = len(self.engine.scheduler.running)
         queued = admission.num_waiting + max(0, admission.num_in_flight - running)
         yield GaugeMetricFamily(
             "flowrl_queue_depth", "Samples accepted and not yet running in the engine.", value=queued

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 
 from flowrl.rewards.cli import add_reward_arguments, reward_from_args
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from PIL import Image
 
     from flowrl.rewards.http_client import TOKEN_ENV
-    from flowrl.server.http import serve_in_background
+    from flowrl.server.http import serve_until_signal, warn_if_exposed
     from flowrl.server.reward_app import create_reward_app
     from flowrl.server.score_request import ServerLimits
 
@@ -97,22 +93,21 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(error))
     # PIL's own decompression-bomb bound, behind the server's header check of every image.
     Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
-    if not token and args.host not in _LOOPBACK:
-        print(
-            f"flowrl reward-server: warning: --host {args.host} serves without authentication to anyone who reaches "
-            f"the port; set {TOKEN_ENV} (or --token)",
-            file=sys.stderr,
-            flush=True,
+    if not token:
+        warn_if_exposed(
+            "reward-server",
+            args.host,
+            f"serves without authentication to anyone who reaches the port; set {TOKEN_ENV} (or --token)",
         )
-    stop = threading.Event()
-    for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda *_: stop.set())
     try:
-        with serve_in_background(
-            app, host=args.host, port=args.port, log_level="info", max_connections=args.max_connections
-        ) as url:
-            print(f"serving reward {reward.name} at {url}" + (" (token required)" if token else ""), flush=True)
-            stop.wait()
+        serve_until_signal(
+            app,
+            lambda url: f"serving reward {reward.name} at {url}" + (" (token required)" if token else ""),
+            host=args.host,
+            port=args.port,
+            max_connections=args.max_connections,
+            name="flowrl reward-server",
+        )
     except RuntimeError as error:
         return _fail(str(error), 1)
     return 0

@@ -61,6 +61,14 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class GenerationFailed(Exception):
+    """The engine failed a request's samples (500), or no longer serves (503)."""
+
+    def __init__(self, message: str, status_code: int = 500):
+        super().__init__(message)
+        self.status_code = status_code
+
+
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
@@ -110,34 +118,39 @@ class RolloutService:
 
     # --- generation ----------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> list[DiffusionOutput]:
-        """All samples of the request (seeds as GenerationRequest says), or BadRequest."""
+        """All samples of the request (seeds as GenerationRequest says); BadRequest or GenerationFailed."""
         n, params = request.num_outputs_per_prompt, request.params
         if params.seed is None and len(request.prompts) > 1:  # one base seed, so the seeds are consecutive
             params = params.replace(seed=secrets.randbits(62))
         async with self.admission.admit(request.num_samples):
             futures = []
             try:
-                for i, prompt in enumerate(request.prompts):
-                    # Prompt 0 carries the request's own seed, so the engine checks it before any sum.
-                    prompt_params = params if i == 0 else params.replace(seed=params.seed + i * n)
-                    futures += self._submit(prompt, n, prompt_params)
+                if n == 1 and len(request.prompts) > 1:  # engine.generate([...])'s path: queued at once
+                    futures = self._submit(self.engine.submit_many, request.prompts, params)
+                else:
+                    for i, prompt in enumerate(request.prompts):
+                        # Prompt 0 carries the request's own seed, so the engine checks it before any sum.
+                        prompt_params = params if i == 0 else params.replace(seed=params.seed + i * n)
+                        futures += self._submit(self.engine.submit_batched, prompt, n, prompt_params)
                 return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
             except BaseException as error:
                 for future in futures:
                     future.cancel()
-                if isinstance(error, (BadRequest, asyncio.CancelledError)):
+                if isinstance(error, (BadRequest, GenerationFailed, asyncio.CancelledError)):
                     raise
                 if self.is_stopping:
-                    raise BadRequest(f"the server is shutting down ({error})", 503) from None
-                raise BadRequest(f"generation failed: {type(error).__name__}: {error}", 500) from None
+                    raise GenerationFailed(f"the server is shutting down ({error})", 503) from None
+                raise GenerationFailed(f"generation failed: {type(error).__name__}: {error}") from None
 
-    def _submit(self, prompt: str, n: int, params: SamplingParams):
+    @staticmethod
+    def _submit(submit, *args) -> list:
+        """`submit(*args)` of the engine: its refusals as BadRequest, a closed engine as GenerationFailed."""
         try:
-            return self.engine.submit_batched(prompt, n, params)
+            return submit(*args)
         except ValueError as error:  # SamplingParams.validate and the engine's own request checks
             raise BadRequest(str(error), param=field_of(error)) from None
         except RuntimeError as error:  # the engine no longer serves (shut down)
-            raise BadRequest(f"the engine is not serving: {error}", 503) from None
+            raise GenerationFailed(f"the engine is not serving: {error}", 503) from None
 
     # --- admin -----------------------------------------------------------------------------------
     async def check_admin(self, request: Request) -> None:
@@ -210,6 +223,10 @@ def create_rollout_app(
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
         return error_response(str(error), error.status_code, error.param)
+
+    @app.exception_handler(GenerationFailed)
+    async def generation_failed(request: Request, error: GenerationFailed):
+        return error_response(str(error), error.status_code)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):  # unknown paths and methods

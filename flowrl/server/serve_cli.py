@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 
 from flowrl.cli import positive_int
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _DEFAULT_PORT = 8000
 
 
@@ -107,7 +104,7 @@ def _open(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowrl.server.http import serve_in_background
+    from flowrl.server.http import serve_until_signal, warn_if_exposed
     from flowrl.server.rollout_app import create_rollout_app
     from flowrl.server.wire import ADMIN_TOKEN_ENV
 
@@ -120,31 +117,29 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return _fail(str(error))
     app = create_rollout_app(engine, name, defaults, limits, admin_token=token or None)
-    if args.host not in _LOOPBACK:
-        print(
-            f"flowrl serve: warning: --host {args.host} serves image generation to anyone who reaches the port "
-            "(only weight updates and pause/resume need the admin token)",
-            file=sys.stderr,
-            flush=True,
-        )
-    stop = threading.Event()
-    for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda *_: stop.set())
+    warn_if_exposed(
+        "serve",
+        args.host,
+        "serves image generation to anyone who reaches the port (the admin token guards only "
+        "weight updates and pause/resume)",
+    )
+
+    def stop() -> None:
+        app.state.service.is_stopping = True
+        engine.shutdown()  # requests in flight fail (503) before the HTTP server stops
+
+    admin = " (weight updates on)" if token else ""
     try:
-        with serve_in_background(
+        serve_until_signal(
             app,
+            lambda url: f"serving {name} at {url}{admin}",
+            stop,
             host=args.host,
             port=args.port,
-            log_level="info",
             max_connections=args.max_connections,
             name="flowrl serve",
             graceful_timeout_s=10.0,
-        ) as url:
-            admin = " (weight updates on)" if token else ""
-            print(f"serving {name} at {url}{admin}", flush=True)
-            stop.wait()
-            app.state.service.is_stopping = True
-            engine.shutdown()  # requests in flight fail (503) before the HTTP server stops
+        )
     except RuntimeError as error:
         return _fail(str(error), 1)
     finally:

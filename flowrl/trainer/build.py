@@ -1,14 +1,16 @@
 """Everything the trainer checks and builds before training, cheapest and most error-prone first.
 
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
-a group advantage with n=1, unknown reward, a KL reference without LoRA) before any model is
-loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
+a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the model family cannot honour, a GPU device on a machine
+without one, a schedule with no step to train, an output folder that cannot be written) before any
+model is loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
 model when `model.path` is unset.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,11 @@ def check_model_path(model_cfg) -> Path | None:
     from flowrl.models.registry import read_model_family
 
     if model_cfg.path is None:
+        if model_cfg.family not in ("auto", "sd3"):
+            raise ValueError(
+                f"model.family={model_cfg.family!r} but model.path is unset, which means the embedded tiny "
+                "SD3 model; set model.path to a local diffusers folder of that family, or model.family=auto"
+            )
         return None
     path = Path(model_cfg.path)
     if not path.exists():
@@ -50,6 +57,38 @@ def resolve_model_path(model_cfg) -> Path:
     from flowrl.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
+
+
+def check_device(model_cfg) -> None:
+    """A `cuda` device must exist on this machine."""
+    if not model_cfg.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"model.device={model_cfg.device!r} but no CUDA GPU is visible (torch.cuda.is_available() is "
+            "False); use model.device=cpu or auto, or run where a GPU is visible"
+        )
+    count = torch.cuda.device_count()
+    index = int(model_cfg.device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(
+            f"model.device={model_cfg.device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}"
+        )
+
+
+def check_output_dir(output_dir: str) -> None:
+    """trainer.output_dir exists (created here) and accepts a file."""
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"trainer.output_dir={output_dir!r} is not writable ({error.strerror or error}); "
+            "choose a folder you can write to"
+        ) from None
 
 
 @dataclass
@@ -83,6 +122,13 @@ def check_before_loading(cfg, reward=None) -> Prepared:
             f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
             "stochastic (SDE) rollouts; use e.g. 0.7"
         )
+    if cfg.rollout.sampling.num_inference_steps < 2:
+        raise ValueError(
+            f"rollout.sampling.num_inference_steps={cfg.rollout.sampling.num_inference_steps} leaves no "
+            "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
+        )
+    check_device(cfg.model)
+    check_output_dir(cfg.trainer.output_dir)
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
     if data.val_path is not None:
@@ -94,5 +140,21 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         from flowrl.rewards import build_reward_from_config
 
         reward = build_reward_from_config(cfg.reward)
-    check_model_path(cfg.model)
+    check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
     return Prepared(train_rows, val_rows, reward)
+
+
+def check_guidance_settings(model_path: Path | None, rollout_cfg) -> None:
+    """rollout.sampling and rollout.val_sampling against the guidance rule of the model's family
+    (flowrl.models.base.check_guidance: e.g. true_cfg_scale on a classifier-free-guidance model),
+    before the model loads. model_path None is the embedded tiny SD3 model."""
+    from flowrl.models.base import check_guidance
+    from flowrl.models.registry import FAMILIES, read_model_family
+
+    family = "sd3" if model_path is None else read_model_family(model_path)
+    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    for name in ("sampling", "val_sampling"):
+        try:
+            check_guidance(kind, getattr(rollout_cfg, name))
+        except ValueError as error:
+            raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None

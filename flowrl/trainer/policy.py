@@ -93,7 +93,9 @@ class _StepInputs:
     sigma_values: list[float]
     cond: list[PromptEncoding]
     uncond: list[PromptEncoding | None]
-    # Per-row settings (B,): what the engine's step used for each row.
+    # Per-row settings (B,): what the engine's step used for each row. cfg_scale: the CFG weight
+    # (adapter.cfg_scale); guidance: SamplingParams.guidance_scale, for a guidance embedding.
+    cfg_scale: torch.Tensor
     guidance: torch.Tensor
     noise_level: torch.Tensor
     sigma_first: torch.Tensor
@@ -131,14 +133,22 @@ def _step_inputs(
     cond = _encodings(tensors, "", device)
     uncond = [None] * len(cond)
     if "negative_prompt_embeds" in tensors:
+        # The engine's rule for an uncond row (adapter.rows_per_sample), row by row, on the
+        # stored negative embeddings.
         negative = _encodings(tensors, "negative_", device)
-        uncond = [neg if spec.guidance_scale > 1.0 else None for neg, spec in zip(negative, specs)]
+        uncond = [neg if adapter.rows_per_sample(spec) > 1 else None for neg, spec in zip(negative, specs)]
     # sigma_1 of each row's own schedule (cached by the adapter), as the engine's step used it.
     first = [_sigma_first(adapter.sigmas(s.num_inference_steps, s.height, s.width)) for s in specs]
     per_row = torch.tensor(
-        [[s.guidance_scale for s in specs], [s.noise_level for s in specs], first], dtype=torch.float32
+        [
+            [adapter.cfg_scale(s) for s in specs],
+            [s.guidance_scale for s in specs],
+            [s.noise_level for s in specs],
+            first,
+        ],
+        dtype=torch.float32,
     ).to(device)
-    guidance, noise_level, sigma_first = per_row.unbind(0)
+    cfg_scale, guidance, noise_level, sigma_first = per_row.unbind(0)
     height, width, sde_type = keys.pop()
     return _StepInputs(
         latents,
@@ -148,6 +158,7 @@ def _step_inputs(
         sigma_values,
         cond,
         uncond,
+        cfg_scale,
         guidance,
         noise_level,
         sigma_first,
@@ -227,10 +238,11 @@ def _score(adapter: FlowModelAdapter, inputs: _StepInputs, autocast_dtype: torch
             inputs.sigma,
             inputs.cond,
             inputs.uncond,
-            inputs.guidance,
+            inputs.cfg_scale,
             inputs.height,
             inputs.width,
             sigma_values=inputs.sigma_values,
+            **adapter.guidance_embedding_kwargs(inputs.guidance),
         )
     return sampler.sde_step(
         inputs.latents,

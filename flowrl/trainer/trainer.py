@@ -84,6 +84,8 @@ class FlowGRPOTrainer:
                 max_batch_rows=cfg.engine.max_batch_rows,
                 decode_chunk_size=cfg.engine.decode_chunk_size,
                 **cfg.model.adapter_options(),
+                prompt_cache_mb=cfg.engine.prompt_cache_mb,
+                prompt_cache_device=cfg.engine.prompt_cache_device,
             )
         self.engine = engine
         self.adapter = engine.adapter

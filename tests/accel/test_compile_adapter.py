@@ -42,6 +42,16 @@ def test_regions_and_idempotence(sd3):
         compile_adapter(sd3, "aot_eager")
 
 
+def test_flux_compiles_its_double_and_single_stream_blocks():
+    adapter = build_bench_model("tiny-flux", "cpu", torch.float32).adapter
+    transformer = adapter.transformer
+    expected = [f"transformer.transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
+    expected += [
+        f"transformer.single_transformer_blocks.{i}" for i in range(len(transformer.single_transformer_blocks))
+    ]
+    assert compile_adapter(adapter, "eager") == expected and len(expected) == 4
+
+
 def test_qwen_layout_is_fixed_by_the_first_call():
     adapter = build_bench_model("tiny-qwen", "cpu", torch.float32).adapter
     compile_adapter(adapter, "eager", sequence_major=False)

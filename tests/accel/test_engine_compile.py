@@ -28,7 +28,7 @@ def _staggered_run(engine, guidance):
     return [f.result() for f in futures]
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-z-image"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 def test_compiled_engine_matches_eager(name):
     torch._dynamo.reset()
     eager_model = build_bench_model(name, "cpu", torch.float32)
@@ -65,7 +65,7 @@ def test_compile_option_rejects_unknown_values(bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-z-image"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
@@ -78,10 +78,11 @@ def test_step_loop_never_syncs_with_the_host(name, compile, guidance):
     executor = Executor(bench.adapter)
     params = PARAMS.replace(num_inference_steps=6, guidance_scale=guidance)
     cond, uncond = bench.adapter.encode_prompts(["a cat", ""])
+    num_rows = bench.adapter.rows_per_sample(params)  # a guidance-distilled sample takes one row
     samples = []
     for i in range(3):
-        s = SampleState(prompt="a cat", params=params, seed=i, sde_window=(0, 5), future=Future())
-        s.cond, s.uncond = cond, (uncond if guidance > 1 else None)
+        s = SampleState(prompt="a cat", params=params, seed=i, sde_window=(0, 5), future=Future(), num_rows=num_rows)
+        s.cond, s.uncond = cond, (uncond if num_rows > 1 else None)
         executor.prepare(s)
         samples.append(s)
     executor.step(samples)  # first step: one-time caches (RoPE tables, compilation)

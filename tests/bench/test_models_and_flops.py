@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from flowrl.bench import flops
-from flowrl.bench.models import (
+from flowrl.bench.architectures import (
+    FLUX_DEV_TRANSFORMER,
     QWEN_IMAGE_TRANSFORMER,
+    SD35_LARGE_TRANSFORMER,
     SD35_MEDIUM_TRANSFORMER,
     Z_IMAGE_TRANSFORMER,
-    build_bench_model,
-    build_random_module,
 )
+from flowrl.bench.models import build_bench_model, build_random_module
 
 
 @pytest.mark.parametrize(
@@ -20,6 +21,8 @@ from flowrl.bench.models import (
     [
         ("SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, 2.24),  # stable-diffusion-3.5-medium
         ("QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER, 20.4),  # Qwen-Image
+        ("SD3Transformer2DModel", SD35_LARGE_TRANSFORMER, 8.06),  # stable-diffusion-3.5-large
+        ("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER, 11.9),  # FLUX.1-dev
         ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, 6.15),  # Z-Image (-Turbo)
     ],
 )
@@ -51,16 +54,19 @@ def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
     assert bench.pipeline.transformer is bench.adapter.transformer and bench.pipeline.vae is bench.adapter.vae
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-z-image"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-qwen", "tiny-flux", "tiny-z-image"])
 def test_flops_count_attention_and_scale_with_rows(name):
     bench = build_bench_model(name, "cpu", torch.float32)
     adapter = bench.adapter
     per_row = flops.transformer_flops_per_row(adapter, 64, 64)
     enc = adapter.encode_prompts(["x", "y"])
     latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    guidance = adapter.guidance_embedding_kwargs(torch.full((2,), 3.5))
     with torch.no_grad():
         two_rows = flops.count_flops(
-            lambda: adapter.velocity(latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64)
+            lambda: adapter.velocity(
+                latents, torch.full((2,), 0.5), enc, [None, None], torch.ones(2), 64, 64, **guidance
+            )
         )
         q = torch.randn(1, 2, 128, 16)
         attention = flops.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))

@@ -23,6 +23,25 @@ from flowrl.engine import SamplingParams
         (lambda e, p: e.generate("a cat", p.replace(noise_level=0.0)), "logprobs"),
         (lambda e, p: e.generate("a cat", p.replace(noise_level=-1.0)), "noise_level"),
         (lambda e, p: e.generate("a cat", p.replace(sde_window_size=9)), "sde_window_size"),
+        (lambda e, p: e.generate("a cat", p.replace(guidance_scale=float("nan"))), "guidance_scale"),
+        (lambda e, p: e.generate("a cat", p.replace(guidance_scale=float("inf"))), "guidance_scale"),
+        (lambda e, p: e.generate("a cat", p.replace(noise_level=float("inf"))), "noise_level"),
+        (lambda e, p: e.generate("a cat", p.replace(seed=1.5)), "seed"),
+        (lambda e, p: e.generate("a cat", p.replace(seed="7")), "seed"),
+        (lambda e, p: e.generate("a cat", p.replace(seed=-1)), "seed"),
+        (lambda e, p: e.generate("a cat", p.replace(seed=2**63)), "seed"),
+        (lambda e, p: e.generate_batched("a cat", 3, p.replace(seed=2**63 - 2)), "seed"),
+        (
+            lambda e, p: e.generate("a cat", p.replace(negative_prompt=["blurry"], guidance_scale=3.0)),
+            "negative_prompt",
+        ),
+        (lambda e, p: e.generate("a cat", p.replace(height=100000, width=100000)), "height"),
+        (lambda e, p: e.generate("a cat", p.replace(num_inference_steps=10**9)), "num_inference_steps"),
+        # The tiny SD3's position grid (pos_embed_max_size=32 patches) takes at most 512 pixels a side.
+        (lambda e, p: e.generate("a cat", p.replace(height=1024, width=1024)), "height=1024 is above 512"),
+        (lambda e, p: e.generate("a cat", p.replace(sde_window="01")), "sde_window"),
+        (lambda e, p: e.generate("a cat", "64x64"), "sampling_params"),
+        (lambda e, p: e.generate(["a cat", 3], p), "prompt=3"),
     ],
 )
 def test_bad_input_names_the_field_and_engine_keeps_serving(sd3_engine, params, call, field):
@@ -67,6 +86,44 @@ def test_a_failing_step_fails_only_its_samples(tiny_sd3_path, params):
         assert engine.stats()["num_samples_failed"] == 1
     finally:
         engine.shutdown()
+
+
+def test_a_decode_failure_fails_only_the_samples_being_decoded(tiny_sd3_path, params):
+    from flowrl.engine import DiffusionEngine
+
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, decode_chunk_size=2)
+    decode, calls = engine.adapter.decode, []
+
+    def first_decode_fails(latents, *args):
+        calls.append(latents.shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("decode boom")
+        return decode(latents, *args)
+
+    engine.adapter.decode = first_decode_fails
+    try:
+        # Four samples finish together (two chunks of two); two more of the same size still denoise.
+        finishing = engine.submit_batched("a cat", 4, params)
+        denoising = engine.submit_batched("a cat", 2, params.replace(num_inference_steps=12, seed=30))
+        outcomes = [f.exception(timeout=60) for f in finishing]
+        assert [type(e) for e in outcomes] == [RuntimeError, RuntimeError, type(None), type(None)]
+        assert all(f.result(timeout=60).image.shape == (3, 64, 64) for f in denoising)
+        assert calls[:2] == [2, 2]
+        assert engine.wait_until_idle(30)
+        stats = engine.stats()
+        assert stats["num_samples_failed"] == 2 and stats["num_samples_finished"] == 4
+        assert engine.generate("a cat", params).image.shape == (3, 64, 64)
+    finally:
+        engine.shutdown()
+
+
+def test_model_size_limit_comes_from_the_transformer(sd3_engine, qwen_engine, params):
+    from flowrl.sampling_params import MAX_IMAGE_SIDE
+
+    config = sd3_engine.adapter.transformer.config
+    assert sd3_engine.adapter.max_image_side == config.pos_embed_max_size * config.patch_size * 8 == 512
+    assert sd3_engine.generate("a cat", params.replace(height=512, num_inference_steps=2)).image.shape == (3, 512, 64)
+    assert qwen_engine.adapter.max_image_side >= MAX_IMAGE_SIDE  # its RoPE table reaches further
 
 
 def test_degenerate_schedule_is_a_clear_error_before_queueing(qwen_engine, params):

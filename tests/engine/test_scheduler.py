@@ -27,7 +27,7 @@ def test_scheduler_invariants(requests, max_rows):
     samples = []
     for (h, w), cfg, steps, arrival in requests:
         params = SamplingParams(height=h, width=w, num_inference_steps=steps, guidance_scale=2.0 if cfg else 1.0)
-        samples.append((arrival, SampleState("p", params, 0, (0, 0), Future())))
+        samples.append((arrival, SampleState("p", params, 0, (0, 0), Future(), num_rows=2 if cfg else 1)))
     admitted_order = []
     finished = []
     for iteration in range(200):

@@ -123,4 +123,26 @@ def test_registry_and_config_name_the_same_families():
         ModelConfig(family=family).validate()
     ModelConfig(family="auto").validate()
     with pytest.raises(ValueError, match="model.family"):
-        ModelConfig(family="flux").validate()
+        ModelConfig(family="sdxl").validate()
+
+
+def test_true_cfg_scale_on_a_classifier_free_guidance_family_is_refused(tiny_sd3_path, tmp_path):
+    """SD3's guidance_scale is CFG already: true_cfg_scale != 1 is an error naming the field and the
+    fix, from the engine and, before any model loads, from the trainer's checks."""
+    from flowrl.trainer.build import check_before_loading
+    from flowrl.trainer.cli import load_train_config
+
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path)
+    try:
+        params = SamplingParams(height=64, width=64, num_inference_steps=2, true_cfg_scale=4.0)
+        assert engine.adapter.rows_per_sample(params) == 1 and engine.adapter.guidance_kind == "cfg"
+        with pytest.raises(ValueError, match=r"SamplingParams.true_cfg_scale=4.0 .* set guidance_scale=4.0"):
+            engine.generate("a cat", params)
+        assert engine.adapter.rows_per_sample(params.replace(true_cfg_scale=1.0, guidance_scale=4.0)) == 2
+    finally:
+        engine.shutdown()
+    cfg = load_train_config(
+        None, [f"model.path={tiny_sd3_path}", f"trainer.output_dir={tmp_path}", "rollout.val_sampling.true_cfg_scale=2"]
+    )
+    with pytest.raises(ValueError, match=r"rollout.val_sampling.true_cfg_scale=2.0 applies to guidance-distilled"):
+        check_before_loading(cfg)

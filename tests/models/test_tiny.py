@@ -29,7 +29,7 @@ def _file_hashes(folder: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind", ["sd3", "qwen_image", "z_image"])
+@pytest.mark.parametrize("kind", ["sd3", "qwen_image", "flux", "z_image"])
 def test_same_seed_builds_are_byte_identical_and_other_seeds_differ(kind, tmp_path):
     first = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "a", seed=3))
     second = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "b", seed=3))
@@ -51,8 +51,8 @@ def test_existing_checkpoint_of_same_kind_is_reused(tiny_sd3_path, tmp_path):
 
 
 def test_unknown_kind_is_rejected_with_choices(tmp_path):
-    with pytest.raises(ValueError, match=r"kind='flux'.*sd3.*qwen_image"):
-        build_tiny_checkpoint("flux", tmp_path)
+    with pytest.raises(ValueError, match=r"kind='sdxl'.*sd3.*qwen_image.*flux"):
+        build_tiny_checkpoint("sdxl", tmp_path)
     assert not any(tmp_path.iterdir())
 
 

@@ -111,6 +111,16 @@ def test_ode_engine_matches_the_pipeline_step_by_step(engine, pipe, guidance):
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_guidance_is_classifier_free_guidance_rows_from_the_adapter(engine):
+    """Z-Image's guidance_scale is CFG (the adapter's rule decides rows per sample); true_cfg_scale,
+    for guidance-distilled models only, is refused naming the fix."""
+    adapter = engine.adapter
+    assert adapter.guidance_kind == "cfg"
+    assert [adapter.rows_per_sample(ODE.replace(guidance_scale=g)) for g in (1.0, 4.0)] == [1, 2]
+    with pytest.raises(ValueError, match=r"SamplingParams.true_cfg_scale=2.0 .* set guidance_scale=2.0"):
+        engine.generate(PROMPT, ODE.replace(true_cfg_scale=2.0))
+
+
 def test_cfg_normalization_and_truncation_are_the_pipelines(tiny_z_image_path, pipe):
     # Truncation 0.15 drops guidance where 1 - sigma > 0.15: the last two of the five steps
     # (sigmas 1, 0.96, 0.9, 0.8, 0.6 under the tiny checkpoint's shift of 6).

@@ -6,6 +6,7 @@ that goes away cancels its samples, and nothing listens beyond loopback."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -20,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
-from rollout_server_helpers import ADMIN, MODEL_NAME, SAMPLING
+from rollout_server_helpers import ADMIN, LIMITS, MODEL_NAME, SAMPLING, serving
 
 import flowrl.engine
 from flowrl.server import wire
@@ -293,3 +294,19 @@ def test_nothing_listens_beyond_loopback(served):
     loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1 in /proc's hex
     assert all(address.startswith(loopback) for address in addresses), addresses
     assert json.loads(json.dumps(served.url)).startswith("http://127.0.0.1:")
+
+
+def test_a_full_server_answers_503_and_serves_again(tiny_sd3_path):
+    limits = dataclasses.replace(LIMITS, max_queued_samples=3)
+    with serving(tiny_sd3_path, limits=limits) as server, server.client() as client:
+        assert client.post(wire.PAUSE_PATH, headers=ADMIN).status_code == 200
+        held = threading.Thread(target=lambda: _rollouts(server.client(), "held", 2, SAMPLING.replace(seed=1)))
+        held.start()
+        deadline = time.monotonic() + 30
+        while server.app.state.service.admission.num_waiting < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        response = client.post(wire.ROLLOUTS_PATH, json=wire.rollout_request("more", 2, SAMPLING.replace(seed=3)))
+        assert response.status_code == 503 and "--max-queued-samples" in response.json()["error"]["message"]
+        client.post(wire.RESUME_PATH, headers=ADMIN)
+        held.join(timeout=60)
+        assert len(_rollouts(client, "more", 2, SAMPLING.replace(seed=3))) == 2

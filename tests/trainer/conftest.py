@@ -96,3 +96,14 @@ def train_tiny_lora_run(model_path, out, *overrides):
 def tiny_lora_run(tiny_sd3_path, tmp_path_factory):
     """A finished tiny LoRA run on CPU (train_tiny_lora_run)."""
     return train_tiny_lora_run(tiny_sd3_path, tmp_path_factory.mktemp("tiny_lora_run"))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model fails the test: the error must come first."""
+    from flowrl.engine.engine import DiffusionEngine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(DiffusionEngine, "from_pretrained", classmethod(lambda cls, *a, **k: refuse()))

@@ -5,17 +5,6 @@ import pytest
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Any attempt to load a model fails the test: the error must come first."""
-    from flowrl.engine.engine import DiffusionEngine
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad input was reported")
-
-    monkeypatch.setattr(DiffusionEngine, "from_pretrained", classmethod(lambda cls, *a, **k: refuse()))
-
-
 def test_missing_model_path(make_cfg, tmp_path, no_model_loading):
     cfg = make_cfg(f"model.path={tmp_path / 'nowhere'}")
     with pytest.raises(ValueError, match="model.path=.*does not exist"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.bench.models import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
+from flowrl.bench.architectures import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
 from flowrl.config import load_config
 from flowrl.trainer.lora import apply_trainable
 
@@ -56,7 +56,12 @@ def test_recipe_lora_has_the_reference_size(recipe, architecture, rank, millions
 
 @pytest.mark.parametrize(
     "recipe, text_length, ema",
-    [("sd35_medium_ocr_lora", 128, True), ("qwen_image_ocr_lora", 256, False)],
+    [
+        ("sd35_medium_ocr_lora", 128, True),
+        ("qwen_image_ocr_lora", 256, False),
+        ("sd35_large_ocr_lora", 128, True),
+        ("flux_dev_pickscore_lora", 128, True),
+    ],
 )
 def test_recipe_takes_the_reference_settings_and_says_where_it_differs(recipe, text_length, ema):
     cfg = load_config(str(RECIPES / f"{recipe}.yaml"))

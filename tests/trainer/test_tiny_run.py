@@ -59,11 +59,18 @@ def test_tiny_recipe_is_the_embedded_default():
     )
 
 
-def test_real_recipes_load_with_group_size_16():
-    for name in ("sd35_medium_ocr_lora", "qwen_image_ocr_lora", "z_image_ocr_lora"):
+def test_real_recipes_load_with_their_group_sizes():
+    recipes = {
+        "sd35_medium_ocr_lora": (16, "ocr"),
+        "sd35_large_ocr_lora": (16, "ocr"),
+        "qwen_image_ocr_lora": (16, "ocr"),
+        "z_image_ocr_lora": (16, "ocr"),
+        "flux_dev_pickscore_lora": (24, "pickscore"),  # Flow-GRPO's FLUX group size
+    }
+    for name, (group_size, reward) in recipes.items():
         cfg = load_config(str(REPO / "recipes" / f"{name}.yaml"))
-        assert cfg.rollout.n == 16 and cfg.rollout.enable_batched_diffusion
-        assert cfg.trainer.lora.enabled and cfg.reward.name == "ocr"
+        assert cfg.rollout.n == group_size and cfg.rollout.enable_batched_diffusion
+        assert cfg.trainer.lora.enabled and cfg.reward.name == reward
         # Compiled: the trainer's log-prob values then come from the rollout's graph (docs/training.md).
         assert cfg.engine.compile and cfg.engine.compile_rounding == "eager"
 
