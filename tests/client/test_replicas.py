@@ -55,8 +55,8 @@ def test_sigterm_stops_the_trainer_and_its_replicas(tmp_path):
 
         replicas = FakeServe("unused", ["cpu", "cpu"], {str(tmp_path)!r})
         replicas.start()
-        print(" ".join(str(p.pid) for p in replicas.processes), flush=True)
-        try:
+        try:  # the pids are printed inside the try, so a SIGTERM right after them still runs the finally
+            print(" ".join(str(p.pid) for p in replicas.processes), flush=True)
             time.sleep(120)
         finally:
             print("clean-up ran", flush=True)
