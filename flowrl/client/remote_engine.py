@@ -12,9 +12,13 @@ Each request is one HTTP call on a background event loop (one thread per client,
 the server batches them into shared forwards. Connection failures and 502/503/504 answers are
 retried `max_attempts` times with exponential backoff, then raise `ServerUnavailableError`
 naming the server (a balancer then re-sends the request to another replica); a 4xx raises
-`RemoteRequestError` (a ValueError) with the server's message, at once. A request that takes longer
-than `timeout_s` counts as the server being unavailable. Cancelling every future of a request (or
-the coroutine of an async call) closes its connection, which cancels it on the server.
+`RemoteRequestError` (a ValueError) with the server's message, at once: the server's engine
+refuses what the in-process engine refuses, with the same message. The checks that need no model
+are the engine's own (`flowrl.engine.api`, `SamplingParams.validate`), made before anything is
+sent. A request that takes longer than `timeout_s` counts as the server being unavailable.
+Cancelling every future of a request (or the coroutine of an async call) closes its connection,
+which cancels it on the server. As with the engine's `shutdown()`, `close()` fails the requests in
+flight with `EngineClosedError` and refuses new ones with it.
 
 Weight updates (`load_weights`, `weights_info`) need the server's admin token: `admin_token`,
 or the FLOWRL_ADMIN_TOKEN environment variable.
@@ -30,7 +34,14 @@ from concurrent.futures import Future
 import httpx
 
 from flowrl.client.errors import RemoteEngineError, RemoteRequestError, ServerUnavailableError
-from flowrl.engine.api import EngineAPI
+from flowrl.engine.api import (
+    EngineAPI,
+    EngineClosedError,
+    check_num_outputs_per_prompt,
+    check_prompts,
+    request_params,
+    settle,
+)
 from flowrl.sampling_params import SamplingParams
 from flowrl.server import wire
 
@@ -74,30 +85,41 @@ class RemoteEngine(EngineAPI):
         self._thread.start()
         self._stats_base: dict | None = None
         self._is_closed = False
+        self._lock = threading.Lock()
 
     # --- the engine's API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
         """One sample per prompt, sample i with seed + i (the engine's rule), in one request."""
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")
+        check_prompts(prompts)
         for prompt in prompts:
-            params = _checked(prompt, 1, sampling_params)
+            params = request_params(prompt, sampling_params).validate(num_samples=len(prompts))
         return self._submit(wire.rollout_request(prompts, 1, params), len(prompts))
 
     def submit_batched(
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
     ) -> list[Future]:
         """Send one rollout request for N samples of `prompt`; one future per sample."""
-        params = _checked(prompt, num_outputs_per_prompt, sampling_params)
+        check_num_outputs_per_prompt(num_outputs_per_prompt)
+        params = request_params(prompt, sampling_params).validate(num_samples=num_outputs_per_prompt)
         return self._submit(wire.rollout_request(prompt, num_outputs_per_prompt, params), num_outputs_per_prompt)
 
     def _submit(self, body: dict, num_samples: int) -> list[Future]:
-        if self._is_closed:
-            raise RuntimeError(f"RemoteEngine({self.url}) is closed; create a new one")
-        request = asyncio.run_coroutine_threadsafe(self._rollout(body), self._loop)
+        with self._lock:  # close() cannot slip in between: every request it sees is cancelled
+            self._refuse_if_closed()
+            request = asyncio.run_coroutine_threadsafe(self._rollout(body), self._loop)
         futures = [Future() for _ in range(num_samples)]
-        _fan_out(self.url, request, futures)
+        _fan_out(self.url, request, futures, self._closed_error)
         return futures
+
+    def _refuse_if_closed(self) -> None:
+        if self._is_closed:
+            raise EngineClosedError(f"RemoteEngine({self.url}) is closed; create a new RemoteEngine to generate again")
+
+    def _closed_error(self) -> EngineClosedError | None:
+        """What a request cut off by close() fails with (None while the client is open: a cancel)."""
+        if not self._is_closed:
+            return None
+        return EngineClosedError(f"RemoteEngine({self.url}).close() was called while this request was in flight")
 
     def stats(self) -> dict:
         """The server engine's batching counters since the last `reset_stats()` (the engine's keys:
@@ -132,11 +154,13 @@ class RemoteEngine(EngineAPI):
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel the requests in flight (their futures are cancelled), close the connections and
-        stop the client's thread."""
-        if self._is_closed:
-            return
-        self._is_closed = True
+        """Fail the requests in flight with EngineClosedError (their connections close, which cancels
+        them on the server), close the connections and stop the client's thread; new requests are
+        refused with EngineClosedError. Calling it again does nothing."""
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
         asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -219,7 +243,7 @@ class RemoteEngine(EngineAPI):
         """Run `coroutine` on the client's loop and wait for it (from any thread but that loop's)."""
         if self._is_closed:
             coroutine.close()
-            raise RuntimeError(f"RemoteEngine({self.url}) is closed; create a new one")
+            self._refuse_if_closed()
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
 
@@ -239,43 +263,25 @@ def _stats_since(current: dict, base: dict | None) -> dict:
     return stats
 
 
-def _checked(prompt, num_outputs_per_prompt, sampling_params: SamplingParams | None) -> SamplingParams:
-    """The checks the engine makes in the caller that need no model (the server makes the rest)."""
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt={prompt!r} must be a string")
-    if (
-        isinstance(num_outputs_per_prompt, bool)
-        or not isinstance(num_outputs_per_prompt, int)
-        or num_outputs_per_prompt < 1
-    ):
-        raise ValueError(
-            f"num_outputs_per_prompt={num_outputs_per_prompt!r} must be an integer >= 1 "
-            "(the number of samples to generate for this prompt)"
-        )
-    params = sampling_params if sampling_params is not None else SamplingParams()
-    return params.validate()
-
-
-def _fan_out(url: str, request: Future, futures: list[Future]) -> None:
+def _fan_out(url: str, request: Future, futures: list[Future], closed_error) -> None:
     """Resolve one future per sample from the request's future; cancelling every sample's future
-    cancels the request."""
+    cancels the request. A request cancelled by the client's close() fails with `closed_error()`."""
 
     def resolved(done: Future) -> None:
+        error = None
         if done.cancelled():
-            for f in futures:
-                f.cancel()
-            return
-        error = done.exception()
+            error = closed_error()
+            if error is None:
+                for f in futures:
+                    f.cancel()
+                return
+        else:
+            error = done.exception()
         outputs = None if error is not None else done.result()
         if error is None and len(outputs) != len(futures):
             error = RemoteEngineError(url, f"answered {len(outputs)} samples for {len(futures)} requested")
         for j, f in enumerate(futures):
-            if f.done():
-                continue
-            if error is not None:
-                f.set_exception(error)
-            else:
-                f.set_result(outputs[j])
+            settle(f, None if error is not None else outputs[j], error)
 
     def sample_cancelled(_: Future) -> None:
         if all(f.cancelled() for f in futures):

@@ -26,10 +26,15 @@ from concurrent.futures import Future
 import torch
 
 from flowrl import sampler
-from flowrl.engine.api import EngineAPI
+from flowrl.engine.api import (
+    EngineAPI,
+    EngineClosedError,
+    check_num_outputs_per_prompt,
+    check_prompts,
+    request_params,
+)
 from flowrl.engine.executor import Executor
-from flowrl.engine.loop import EngineClosedError, EngineLoop
-from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.loop import EngineLoop
 from flowrl.engine.prompt_cache import PromptCache
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
@@ -136,8 +141,7 @@ class DiffusionEngine(EngineAPI):
     # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
         """One sample per prompt, sample i with seed + i; every prompt is checked before any is queued."""
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")
+        check_prompts(prompts)
         for p in prompts:
             params = self._validated(p, sampling_params, len(prompts))
         base = params.seed if params.seed is not None else secrets.randbits(62)
@@ -149,15 +153,7 @@ class DiffusionEngine(EngineAPI):
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
     ) -> list[Future]:
         """Queue N samples of `prompt` (one SDE window drawn for all of them); return futures."""
-        if (
-            isinstance(num_outputs_per_prompt, bool)
-            or not isinstance(num_outputs_per_prompt, int)
-            or num_outputs_per_prompt < 1
-        ):
-            raise ValueError(
-                f"num_outputs_per_prompt={num_outputs_per_prompt!r} must be an integer >= 1 "
-                "(the number of samples to generate for this prompt)"
-            )
+        check_num_outputs_per_prompt(num_outputs_per_prompt)
         params = self._validated(prompt, sampling_params, num_outputs_per_prompt)
         samples = self._request(prompt, num_outputs_per_prompt, params)
         self._enqueue([samples])
@@ -215,11 +211,7 @@ class DiffusionEngine(EngineAPI):
 
     # --- caller side helpers -----------------------------------------------------------------------
     def _validated(self, prompt, sampling_params: SamplingParams | None, num_samples: int = 1) -> SamplingParams:
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt={prompt!r} must be a string")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} must be a flowrl SamplingParams (or None for the defaults)")
+        params = request_params(prompt, sampling_params)
         params.validate(self.adapter.size_multiple, self.adapter.max_image_side, num_samples)
         self.adapter.check_guidance(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.
