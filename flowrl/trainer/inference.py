@@ -181,6 +181,8 @@ def open_engine(setup: Setup, sources: list[WeightSource]):
         decode_chunk_size=engine_cfg.decode_chunk_size,
         compile=setup.compile,
         compile_rounding=engine_cfg.compile_rounding if setup.compile else "eager",
+        prompt_cache_mb=engine_cfg.prompt_cache_mb,
+        prompt_cache_device=engine_cfg.prompt_cache_device,
     )
     engine.set_mixed_precision(MIXED_PRECISION_DTYPES[setup.cfg.trainer.mixed_precision])
     return engine, loader

@@ -190,11 +190,11 @@ def open_rollout_backend(cfg, output_dir: str | Path):
 def replica_serve_args(cfg) -> list[str]:
     """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
     the model's dtype and text length, the trainer's mixed precision (the engine's autocast), the
-    engine's batch limits (as KEY=VALUE overrides of the server's config)."""
+    engine's batch limits and prompt cache (as KEY=VALUE overrides of the server's config)."""
     args = ["--dtype", cfg.model.dtype, f"trainer.mixed_precision={cfg.trainer.mixed_precision}"]
     args += [
-        f"engine.max_batch_rows={cfg.engine.max_batch_rows}",
-        f"engine.decode_chunk_size={cfg.engine.decode_chunk_size}",
+        f"engine.{name}={getattr(cfg.engine, name)}"
+        for name in ("max_batch_rows", "decode_chunk_size", "prompt_cache_mb", "prompt_cache_device")
     ]
     if cfg.model.max_sequence_length is not None:
         args.append(f"model.max_sequence_length={cfg.model.max_sequence_length}")
