@@ -2,8 +2,9 @@
 and saves in time.
 
 Trains the same run three ways and prints, per mode, the mean reward of the first and last five
-steps, its gain, and the mean seconds per step (and of it, the seconds the step waited for its
-rollout):
+steps, its gain, and the median seconds per step after the first (and of it, the seconds the step
+waited for its rollout, and the seconds the rollout itself took); medians, so that a few steps
+slowed by other work on the machine do not decide the comparison:
 - colocated: the trainer's own engine (the reference);
 - sync: rollouts on `--replicas` started `flowrl serve` replicas, weights pushed after each update;
 - async: the same replicas with trainer.async_rollout=true (step k+1 rolls out while step k trains).
@@ -62,8 +63,9 @@ def run_mode(mode: str, args, out_dir: str) -> dict:
     return {
         "first5": float(np.mean(rewards[:5])),
         "last5": float(np.mean(rewards[-5:])),
-        "step_s": float(np.mean([m["timing/step_s"] for m in timed])),
-        "wait_s": float(np.mean([m["timing/rollout_wait_s"] for m in timed])),
+        "step_s": float(np.median([m["timing/step_s"] for m in timed])),
+        "wait_s": float(np.median([m["timing/rollout_wait_s"] for m in timed])),
+        "rollout_s": float(np.median([m["timing/rollout_s"] for m in timed])),
         "staleness": float(np.mean([m["rollout/staleness_mean"] for m in steps])),
     }
 
@@ -85,7 +87,8 @@ def main() -> None:
             r = results[mode]
             print(
                 f"{mode:<10} reward first5 {r['first5']:.4f}  last5 {r['last5']:.4f}  gain {r['last5'] - r['first5']:+.4f}  "
-                f"step {r['step_s']:.2f} s (rollout wait {r['wait_s']:.2f} s)  mean staleness {r['staleness']:.2f}",
+                f"step {r['step_s']:.2f} s (rollout wait {r['wait_s']:.2f} s of a {r['rollout_s']:.2f} s rollout)  "
+                f"mean staleness {r['staleness']:.2f}",
                 flush=True,
             )
 
