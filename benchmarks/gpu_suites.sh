@@ -43,6 +43,12 @@
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
+#   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
+#             on random weights, jpeg_compressibility reward, embedded prompts: the Qwen-Image
+#             recipe at 2 prompts x 16 samples, compiled as the recipe runs (~5 min), then the
+#             SD3.5-medium recipe at 1 prompt x 16 with engine.compile=false (~1.5 min: its VAE
+#             decoder compile alone takes 196-250 s, which train-step-sd35 spends)              ~7 min
+#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~5 / ~7 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -81,6 +87,12 @@
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
 #                      --compile-rounding fused                                              ~3 min each
 #   sd35-quick / qwen-quick   eager modes only, fewer samples (a first look, ~2 min each)
+#   dist-1gpu `torchrun --nproc-per-node 1 -m flowrl train` through NCCL, 2 training steps each of
+#             random-weight models at real size (model.path=random:<arch>): SD3.5-medium LoRA,
+#             SD3.5-medium full fine-tuning (FSDP2, a sharded checkpoint), Qwen-Image LoRA; the
+#             step timings and peak memory from each run's metrics.jsonl (NPROC=K: K ranks, the
+#             same per-GPU batch)                                                          ~5-7 min
+#   dist-cpu-smoke  dist-1gpu's runs on the tiny SD3 model, 2 gloo ranks on the CPU
 #   z-image   Z-Image rollout: 16 samples, 50 steps (ZImagePipeline's default), CFG 5.0 (the
 #             pipeline's guidance 4.0, as the Z-Image recipe), eager + compiled, 1 repeat    ~7-9 min
 #   z-image-compiled   the z-image rollout, compiled engine modes only, 3 repeats, a profile ~5-6 min
@@ -124,12 +136,12 @@ within_budget() {
   if (( LIMIT < 30 )); then echo "[gpu_suites] skip $1: ${left}s left in the budget" | tee -a "$3"; return 1; fi
 }
 
-# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json`, within the budget.
+# run NAME CAP_SECONDS LOG ARGS...: `flowrl bench ARGS --json $OUT/NAME.json` (replaced on a rerun), within the budget.
 run() {
   local name=$1 cap=$2 log=$3; shift 3
   within_budget "$name" "$cap" "$log" || return 0
   echo "[gpu_suites] $name (limit ${LIMIT}s): flowrl bench $*" | tee -a "$log"
-  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" >>"$log" 2>&1
+  timeout -k 10 "$LIMIT" python3 -m flowrl.cli bench "$@" --json "$OUT/$name.json" --overwrite >>"$log" 2>&1
   echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
 }
 
@@ -140,6 +152,46 @@ script() {
   echo "[gpu_suites] python3 $* (limit ${LIMIT}s)" | tee -a "$log"
   timeout -k 10 "$LIMIT" python3 "$@" 2>&1 | grep -v USDT >>"$log"
   echo "[gpu_suites] $name exit ${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+# `flowrl bench train` on random weights: a weight-free reward and the embedded prompts in place of
+# the recipes' OCR reward and prompt files.
+RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
+
+# dist_train NAME CAP LOG MODEL SIZE OVERRIDES...: 2 training steps of `torchrun --nproc-per-node
+# ${NPROC:-1} -m flowrl train` (NCCL on GPUs, gloo on the CPU; 2 prompts x 4 samples per rank) into
+# $OUT/NAME, within the budget, then one [bench] line per step from its metrics.jsonl.
+dist_train() {
+  local name=$1 cap=$2 log=$3 model=$4 size=$5 nproc=${NPROC:-1}; shift 5
+  within_budget "$name" "$cap" "$log" || return 0
+  echo "[gpu_suites] $name (limit ${LIMIT}s): torchrun --nproc-per-node $nproc -m flowrl train model.path=$model $*" | tee -a "$log"
+  timeout -k 10 "$LIMIT" python3 -m torch.distributed.run --nproc-per-node "$nproc" --master-addr 127.0.0.1 \
+    --master-port $(( 29500 + RANDOM % 2000 )) --local-addr 127.0.0.1 -m flowrl train model.path="$model" \
+    trainer.output_dir="$OUT/$name" trainer.overwrite=true trainer.total_steps=2 trainer.prompts_per_step=$(( 2 * nproc )) \
+    rollout.n=4 rollout.sampling.height="$size" rollout.sampling.width="$size" rollout.sampling.sde_window_size=2 \
+    trainer.val_every=0 trainer.save_every=2 reward.name=jpeg_compressibility logging.tensorboard=false \
+    logging.progress_bar=false "$@" >>"$log" 2>&1
+  echo "[gpu_suites] $name exit $? after $(( SECONDS - START ))s" | tee -a "$log"
+  python3 - "$name" "$OUT/$name/metrics.jsonl" <<'PY' | tee -a "$log"
+import json, sys
+from pathlib import Path
+
+name, path = sys.argv[1], Path(sys.argv[2])
+for r in (json.loads(line) for line in path.read_text().splitlines()) if path.is_file() else []:
+    print(f"[bench] {name} step {r['step']}: {r['timing/step_s']:.1f} s (rollout {r['timing/rollout_s']:.1f} s, "
+          f"update {r.get('timing/update_s', 0):.1f} s), peak {r.get('memory/peak_gb', 0):.1f} GB, reward {r['reward/mean']:.4f}")
+PY
+}
+
+# dist_suite MODEL_SD35 MODEL_QWEN SIZE STEPS LOG OVERRIDES...: dist-1gpu's three runs.
+dist_suite() {
+  local sd35=$1 qwen=$2 size=$3 steps=$4 log=$5; shift 5
+  dist_train dist-sd35-lora 150 "$log" "$sd35" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=true trainer.lora.rank=32 trainer.micro_batch_size=4 "$@"
+  dist_train dist-sd35-full 180 "$log" "$sd35" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=false trainer.micro_batch_size=4 trainer.lr=1e-5 "$@"
+  dist_train dist-qwen-lora 200 "$log" "$qwen" "$size" rollout.sampling.num_inference_steps="$steps" \
+    trainer.lora.enabled=true trainer.lora.rank=64 trainer.micro_batch_size=2 trainer.gradient_checkpointing=true "$@"
 }
 
 suite() {
@@ -210,6 +262,17 @@ suite() {
       # shellcheck disable=SC2086  # $compiled is a list of flags
       run $s 520 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
         --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 $compiled ;;
+    train-step)
+      suite "$log" train-step-qwen
+      suite "$log" train-step-sd35-eager ;;
+    train-step-qwen)
+      run train-step-qwen 420 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
+        $RANDOM_RUN trainer.prompts_per_step=2 --steps 1 --peer-steps 1 ;;
+    train-step-sd35|train-step-sd35-eager)
+      local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"
+      # shellcheck disable=SC2086  # $RANDOM_RUN and $eager are lists of overrides
+      run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
+        $RANDOM_RUN trainer.prompts_per_step=1 $eager --steps 1 --peer-steps 1 ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \
@@ -287,11 +350,21 @@ suite() {
       run sd35-quick-rollout 150 "$log" rollout --model sd35-medium -n 8 --steps 10 --size 512 --serial-samples 4 ;;
     qwen-quick)
       run qwen-quick-rollout 200 "$log" rollout --model qwen-image -n 8 --steps 20 --size 512 --serial-samples 1 ;;
+    dist-1gpu)
+      dist_suite random:sd35-medium random:qwen-image 512 10 "$log" model.dtype=bfloat16 trainer.mixed_precision=bf16 ;;
+    dist-cpu-smoke)  # dist-1gpu's runs on the tiny SD3 and Qwen-Image models, 2 gloo ranks on the CPU
+      python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" >>"$log" 2>&1
+      python3 -m flowrl.cli make-tiny --kind qwen_image "$OUT/tiny-qwen" >>"$log" 2>&1
+      NPROC=2 GLOO_SOCKET_IFNAME=lo dist_suite "$OUT/tiny-sd3" "$OUT/tiny-qwen" 64 4 "$log" ;;
     cpu-smoke)  # checks this script itself anywhere (tiny models, seconds)
       run smoke-rollout 120 "$log" rollout --model tiny-sd3 -n 3 --steps 3 --size 64 --compile --compile-backend aot_eager \
         --peak-seconds 0.1 --profile pipeline-batched --profile-steps 1
       run smoke-logprob 120 "$log" logprob --model tiny-qwen -n 4 --steps 3 --size 64 --micro-batches 1,4 --peak-seconds 0.1 \
         --gradient-checkpointing --profile
+      # shellcheck disable=SC2086  # $RANDOM_RUN is a list of overrides
+      run smoke-train 120 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:tiny-qwen $RANDOM_RUN \
+        trainer.prompts_per_step=2 rollout.n=2 rollout.sampling.height=64 rollout.sampling.width=64 \
+        rollout.sampling.num_inference_steps=6 engine.compile=false model.max_sequence_length=16 --steps 1 --peak-seconds 0.1
       script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
         --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json"
       run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \
@@ -323,4 +396,4 @@ else
 fi
 echo
 echo "== summary ($(( SECONDS - START ))s)"
-python3 -m flowrl.bench.summary "$OUT"/*.json | tee "$OUT/summary.md"
+if compgen -G "$OUT/*.json" >/dev/null; then python3 -m flowrl.bench.summary "$OUT"/*.json | tee "$OUT/summary.md"; fi

@@ -19,10 +19,10 @@ import torch
 from timing import sustained_seconds
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowrl.bench.architectures import QWEN_IMAGE_VAE
-from flowrl.bench.models import build_random_module
+from flowrl.models.architectures import QWEN_IMAGE_VAE
 from flowrl.models.base import to_uint8
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
+from flowrl.models.random_weights import build_random_module
 
 
 def main(argv=None) -> dict:

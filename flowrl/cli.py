@@ -2,11 +2,15 @@
 
 Each module named in COMMANDS exposes `build_parser(parser)` (adds its arguments to an argparse
 parser) and `run(args) -> int` (the exit code). Only the module of the chosen subcommand is
-imported, so `flowrl --help` and light commands stay fast.
+imported, so `flowrl --help` and light commands stay fast. Before the command runs, known-harmless
+third-party notices and nested progress bars are silenced (`flowrl.console.quiet_third_party`).
 
 Every command's parser is a `CommandParser`: bad arguments print one line (`flowrl CMD: error:
-...`) and exit 2, and each flag's help ends with its default (`HelpWithDefaults`). The argument
-types shared by the commands live here too (`positive_int`).
+...`) and exit 2, and each flag's help ends with its default (`HelpWithDefaults`). Options and
+positional arguments may come in any order (`flowrl train key=v --config F key2=v2`), except in
+commands with their own sub-commands (`flowrl data ocr`, `flowrl bench rollout`), where argparse
+cannot intermix them (`parse_any_order`). The argument types shared by the commands live here too
+(`positive_int`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("flowrl.server.serve_cli", "serve a model over HTTP: OpenAI Images API, RL rollouts, weight updates"),
     "reward-server": ("flowrl.server.reward_cli", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.data.cli", "write prompt datasets (for example OCR prompts)"),
-    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput and log-prob parity"),
+    "bench": ("flowrl.bench.cli", "benchmarks: rollout throughput, log-prob parity, the whole training step"),
 }
 
 
@@ -97,12 +101,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
         parser.print_help()
         return 0
+    from flowrl.console import quiet_third_party
+
+    quiet_third_party()  # before the command's module imports transformers / huggingface_hub
     parser = command_parser(argv[0])
-    # Options and KEY=VALUE overrides in any order; argparse can intermix them only in a parser
-    # without sub-commands.
-    has_subcommands = any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
-    args = parser.parse_args(argv[1:]) if has_subcommands else parser.parse_intermixed_args(argv[1:])
+    args = parse_any_order(parser, argv[1:])
     return int(importlib.import_module(COMMANDS[argv[0]][0]).run(args) or 0)
+
+
+def parse_any_order(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse with options and positionals intermixed (`key=v --config F key2=v2`).
+
+    Plain `parse_args` stops collecting a `nargs="*"` positional at the first option, so overrides
+    after an option fail as "unrecognized arguments". argparse can intermix only in a parser
+    without sub-commands; one with sub-commands keeps the plain parse.
+    """
+    has_subcommands = any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)
+    return parser.parse_args(argv) if has_subcommands else parser.parse_intermixed_args(argv)
 
 
 if __name__ == "__main__":

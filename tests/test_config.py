@@ -177,7 +177,17 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_slices_are_independent_dataclasses():
     cfg = load_config(None, [])
     sections = {f.name for f in dataclasses.fields(cfg)}
-    assert sections == {"model", "engine", "rollout", "algorithm", "trainer", "reward", "data", "logging"}
+    assert sections == {
+        "model",
+        "engine",
+        "rollout",
+        "algorithm",
+        "trainer",
+        "reward",
+        "data",
+        "logging",
+        "distributed",
+    }
     # A component validates its own slice without the root.
     assert cfg.rollout.validate() is cfg.rollout
     assert cfg.trainer.updates_per_step >= 1 and cfg.trainer.ema.validate() is cfg.trainer.ema

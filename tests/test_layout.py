@@ -5,7 +5,8 @@
 - the core (config, sampler, models, engine, rollout, trainer) reaches the fast paths only through
   flowrl.accel's entry (`from flowrl.accel import compile_adapter, is_compiled`), and the model
   adapters not at all: flowrl/models holds no kernels and no compile machinery;
-- config imports nothing of models, engine or accel (it only describes and checks settings).
+- config imports nothing of models, engine or accel (it only describes and checks settings);
+- the core never imports flowrl.bench.
 """
 
 from __future__ import annotations
@@ -133,4 +134,16 @@ def test_config_imports_nothing_of_models_engine_or_accel():
             for target in _targets(imported, names) or {imported}:
                 if any(_within(target, p) for p in ("flowrl.models", "flowrl.engine", "flowrl.accel")):
                     bad.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_core_never_imports_the_benchmarks():
+    """flowrl.bench builds on the core (random weights live in flowrl.models.random_weights so that
+    the trainer can take them); the core never reaches back into the benchmarks."""
+    bad = []
+    for module in MODULES:
+        if any(_within(module, core) for core in CORE):
+            for imported, names, line in _imports(module, module_level_only=False):
+                if any(_within(target, "flowrl.bench") for target in _targets(imported, names) or {imported}):
+                    bad.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {imported}")
     assert not bad, "\n".join(bad)

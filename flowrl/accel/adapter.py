@@ -20,6 +20,7 @@ from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
 from flowrl.accel.options import AccelOptions, check_backend, check_compile_rounding
 from flowrl.accel.regional_compile import compile_in_place, compiled_settings, take_checkpoints_inside
+from flowrl.console import allow_tracing_cached_checks
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
                 f"module is compiled already with (backend, rounding)={compiled_with}; "
                 f"it cannot be recompiled with {(backend, rounding)} in this process"
             )
+    allow_tracing_cached_checks()  # diffusers' cached version checks trace exactly: no Dynamo warning
     family = FAMILIES.get(adapter.family, FamilyFastPath())
     if family.install is not None:
         family.install(adapter, options)

@@ -1,10 +1,11 @@
-"""`flowrl bench rollout|logprob ...` (see flowrl.bench.rollout / .logprob).
+"""`flowrl bench rollout|logprob|train ...` (see flowrl.bench.rollout / .logprob / .train).
 
---model takes a local diffusers folder or a named architecture with random weights:
-sd35-medium, sd35-large, qwen-image, flux-dev, z-image (published sizes, built on the device in the
-model dtype), tiny-sd3, tiny-qwen, tiny-flux, tiny-z-image (CPU smoke tests). The experiments in benchmarks/ reuse
-the common options
-(`add_common_arguments`, `add_compile_arguments`).
+--model takes a local diffusers folder or a named architecture with random weights (the names of
+flowrl.models.architectures: published sizes, built on the device in the model dtype, and the
+`tiny-*` ones for CPU smoke tests). `train` takes a recipe
+and its overrides instead, as `flowrl train` does (`model.path=random:NAME` for those
+architectures). The experiments in benchmarks/ reuse the common options (`add_common_arguments`,
+`add_compile_arguments`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from typing import get_args
 
 from flowrl.cli import positive_int
 from flowrl.config.sections import CompileRounding
+from flowrl.models.architectures import ARCHITECTURES
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="local diffusers folder, or sd35-medium | sd35-large | qwen-image | flux-dev | z-image | tiny-sd3 "
-        "| tiny-qwen | tiny-flux | tiny-z-image (random weights)",
+        help=f"local diffusers folder, or {' | '.join(ARCHITECTURES)} (random weights)",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
     parser.add_argument("--size", type=positive_int, default=512, help="image height = width in pixels (default 512)")
@@ -53,6 +54,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) -> None:
@@ -69,7 +71,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) ->
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob,train}", required=True)
     rollout = sub.add_parser(
         "rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)"
     )
@@ -173,6 +175,31 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "as the trainer does before a step's first update without a KL term",
     )
 
+    train = sub.add_parser(
+        "train",
+        help="a recipe's whole training step: phases against their FLOP limits, a peer's loop, a projection",
+    )
+    train.add_argument("--config", required=True, metavar="F", help="YAML recipe (see recipes/)")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, as `flowrl train` takes them, e.g. model.path=random:qwen-image "
+        "reward.name=jpeg_compressibility data.train_path=null trainer.prompts_per_step=2",
+    )
+    train.add_argument(
+        "--steps", type=positive_int, default=3, help="timed training steps after the warm-up step (default 3)"
+    )
+    train.add_argument(
+        "--peer-steps", type=int, default=1, help="timed steps of the peer's loop after its warm-up (0: no peer)"
+    )
+    train.add_argument(
+        "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"
+    )
+    train.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
+    train.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
+
 
 def _check_rounding_is_used(args) -> None:
     """--compile-rounding other than the default with nothing compiled would be ignored: refuse."""
@@ -192,6 +219,20 @@ def _check_rounding_is_used(args) -> None:
 
 
 def run(args) -> int:
+    import sys
+
+    from flowrl.output_paths import OutputExistsError, check_output_file
+
+    try:
+        if args.json:
+            check_output_file(args.json, args.overwrite)
+    except OutputExistsError as error:
+        print(f"flowrl bench {args.bench_command}: error: {error}", file=sys.stderr)
+        return 2
+    if args.bench_command == "train":
+        from flowrl.bench.train import run_train
+
+        return run_train(args)
     _check_rounding_is_used(args)
     if args.bench_command == "rollout":
         from flowrl.bench.rollout import run_rollout

@@ -122,11 +122,14 @@ def time_training_step(
     device,
     profile: bool = False,
     old_log_prob_mode: str = "rollout",
+    on_timed=None,
 ) -> dict:
     """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA);
     with `profile`, also one profiled step (see the module docstring). old_log_prob_mode as
     algorithm.old_log_prob: with "recompute" on a compiled model the step reuses the recompute's
-    values instead of its own no-grad pass (flowrl.trainer.update)."""
+    values instead of its own no-grad pass (flowrl.trainer.update). `on_timed(result)` gets the
+    timings as soon as they are measured, before the FLOP count, so a count that fails (it runs the
+    step eagerly under a dispatch mode) cannot take the timings with it."""
     from flowrl.trainer.policy import score_transitions, with_values
 
     rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
@@ -177,6 +180,15 @@ def time_training_step(
         train_step()  # warm-up
         reset_peak_memory(device)
         seconds = time_runs(train_step, device, repeats)
+        result = {
+            "micro_batch": int(rows.shape[0]),
+            "seconds": seconds,
+            "seconds_median": median(seconds),
+            "optimizer_step_included": optimizer is not None,
+            "peak_memory_gb": peak_memory_gb(device),
+        }
+        if on_timed is not None:
+            on_timed(dict(result))
         # The FLOPs are counted eagerly (flop_count), which can need more memory than the compiled
         # step; every row has the same shapes, so one sample's count times the rows is exact.
         fwd_bwd_flops, counted_rows = None, None
@@ -196,15 +208,8 @@ def time_training_step(
                     break
         for p in params:
             p.grad = None
-        result = {
-            "micro_batch": int(rows.shape[0]),
-            "seconds": seconds,
-            "seconds_median": median(seconds),
-            "flops_forward_backward": fwd_bwd_flops,
-            "flops_counted_at_micro_batch": counted_rows,
-            "optimizer_step_included": optimizer is not None,
-            "peak_memory_gb": peak_memory_gb(device),
-        }
+        result["flops_forward_backward"] = fwd_bwd_flops
+        result["flops_counted_at_micro_batch"] = counted_rows
         if profile:
             result["profile"] = profile_summary(train_step, device)
             if device.type == "cuda":
@@ -320,8 +325,15 @@ def run_logprob(args) -> int:
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
     report.data["training_steps"] = []
     for train_mb in train_sizes or [max(fitting) if fitting else 1]:
+        train = {"micro_batch": train_mb}
+        report.data["training_steps"].append(train)
+
+        def keep_timings(timed: dict, train: dict = train) -> None:
+            train.update(timed)
+            report.save()
+
         try:
-            train = time_training_step(
+            timed = time_training_step(
                 adapter,
                 params,
                 tensors,
@@ -332,20 +344,19 @@ def run_logprob(args) -> int:
                 device,
                 profile=args.profile,
                 old_log_prob_mode=args.old_log_prob,
+                on_timed=keep_timings,
             )
+            train.update(timed)
             # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
             flops = train["flops_forward_backward"]
             train["mfu"] = flops / train["seconds_median"] / peak["sustained_flops"] if flops else None
         except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
             if not _is_oom(exc):
                 traceback.print_exc()
-            train = {
-                "micro_batch": train_mb,
-                "error": "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}",
-            }
+            train["error"] = "out of memory" if _is_oom(exc) else f"{type(exc).__name__}: {exc}"
+            report.save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        report.data["training_steps"].append(train)
         report.save()
     _print_summary(report.data)
     ok = all("error" not in r for r in report.data["gaps"] + report.data["training_steps"])
@@ -401,9 +412,11 @@ def _print_summary(data: dict) -> None:
         )
     )
     for t in data.get("training_steps", []):
-        if "error" in t:
+        if "error" in t and "seconds_median" not in t:
             print(f"   training step (micro-batch {t['micro_batch']}): {t['error']}")
             continue
+        if "error" in t:
+            print(f"   training step (micro-batch {t['micro_batch']}): timed, then failed: {t['error']}")
         print(
             f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
             f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "

@@ -3,7 +3,8 @@
     python -m flowrl.bench.summary OUT/*.json
 
 Prints, per rollout file, one row per mode (img/s, MFU, s/run, rows per forward, peak memory) with
-the limit and ratios; per logprob file the gap per micro-batch and the training step. Missing or
+the limit and ratios; per logprob file the gap per micro-batch and the training step; per train
+file the phases of the whole step against their limits, flowrl's and the peer's. Missing or
 partial files (a run cut short) are summarized as far as they go; a file another script wrote
 (benchmarks/) is named and left to that script's own printout.
 """
@@ -133,7 +134,7 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
                 f"| {g['max_abs_diff']:.2e} | {passes} |"
             )
     for t in data.get("training_steps", []):
-        if "error" in t:
+        if "error" in t and "seconds_median" not in t:
             lines.append(f"- training step, micro-batch {t['micro_batch']}: {t['error']}")
             continue
         flops, counted = t.get("flops_forward_backward"), t.get("flops_counted_at_micro_batch")
@@ -146,10 +147,107 @@ def logprob_markdown(name: str, data: dict) -> list[str]:
             f"(runs: {ms_list(t.get('seconds', []))}), {work}, peak {t['peak_memory_gb'] or 0:.0f} GB"
             f"{', gradient checkpointing' if s.get('gradient_checkpointing') else ''}"
             f"{', old_log_prob recompute' if s.get('old_log_prob') == 'recompute' else ''}"
+            f"{'; then failed: ' + t['error'] if 'error' in t else ''}"
         )
         profile = t.get("profile")
         if profile and profile.get("share_by_category"):
             lines += _profile_markdown(profile, f"the training step (micro-batch {t['micro_batch']})", top=8)
+    return lines + [""]
+
+
+# phase -> its row label in the train table (flowrl.bench.train.PHASE_METRICS's order)
+_PHASE_LABELS = {
+    "rollout": "rollout (decode included)",
+    "reward_wait": "reward, not hidden behind the rollout",
+    "old_log_prob": "old log-prob (recompute)",
+    "update": "update",
+    "weight_sync": "weight version bump",
+    "validation": "validation",
+}
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def train_markdown(name: str, data: dict) -> list[str]:
+    """A `flowrl bench train` result: the phases of flowrl's and the peer's step against their
+    FLOP limits, the whole step, memory and the projection."""
+    s = data.get("settings", {})
+    weights = f"random weights ({s['random_weights']})" if s.get("random_weights") else s.get("model")
+    lines = [
+        f"### {name}: {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
+        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {s.get('size')}px, guidance "
+        f"{s.get('guidance_scale')}, {s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank "
+        f"{s.get('lora_rank')}, micro-batch {s.get('micro_batch_size')}, {'compiled' if s.get('compile') else 'eager'}, "
+        f"{_gpu(data)}",
+        "",
+    ]
+    peak, units = data.get("peak"), data.get("flops")
+    if peak and units:
+        lines += [
+            f"Matmul peak {peak['sustained_flops'] / 1e12:.0f} TFLOP/s sustained; {units['forward_per_row'] / 1e12:.3f} "
+            f"TFLOP per row-forward, {units['decode_per_image'] / 1e12:.3f} per decode, "
+            f"{units['train_per_sample_step'] / 1e12:.3f} per sample-step of forward + backward.",
+            "",
+        ]
+    flowrl, peer = data.get("flowrl", {}), data.get("peer", {})
+    if not flowrl.get("phases") and not peer.get("phases"):
+        return lines + ["(no timed step finished)", ""]
+    lines += ["| phase | flowrl s | limit s | flowrl MFU | peer s | peer MFU |", "|---|---|---|---|---|---|"]
+    for phase, label in _PHASE_LABELS.items():
+        mine, theirs = flowrl.get("phases", {}).get(phase), peer.get("phases", {}).get(phase)
+        if mine is None and theirs is None:
+            continue
+        ref = mine or theirs
+        lines.append(
+            f"| {label} | {_cell(mine and mine['seconds'], '.2f')} | {ref['limit_seconds']:.2f} "
+            f"| {_cell(mine and mine['mfu'], '.1%')} | {_cell(theirs and theirs['seconds'], '.2f')} "
+            f"| {_cell(theirs and theirs['mfu'], '.1%')} |"
+        )
+    lines.append(
+        f"| other (advantages, host work) | {_cell(flowrl.get('other_seconds'), '.2f')} | | "
+        f"| {_cell(peer.get('other_seconds'), '.2f')} | |"
+    )
+    ref = flowrl if flowrl.get("phases") else peer
+    lines.append(
+        f"| **training step** (validation apart) | {_cell(flowrl.get('step_seconds'), '.2f')} | {ref['limit_seconds']:.2f} "
+        f"| {_cell(flowrl.get('mfu'), '.1%')} | {_cell(peer.get('step_seconds'), '.2f')} | {_cell(peer.get('mfu'), '.1%')} |"
+    )
+    lines.append("")
+    if flowrl.get("phases"):
+        lines.append(
+            f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
+            f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
+        )
+    if peer.get("phases"):
+        lines.append(
+            f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "
+            f"{peer['images_per_second']:.3f} img/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
+            f"{_cell(peer.get('peak_memory_gb'), '.1f')} GB"
+        )
+    if data.get("peer_over_flowrl"):
+        lines.append(f"- the peer's training step takes {data['peer_over_flowrl']:.2f} x flowrl's")
+    p = data.get("projection")
+    if p:
+        val = "validation included" if p["validation_included"] else "validation not timed, left out"
+        lines.append(
+            f"- {p['total_steps']} steps of this recipe as run ({p['samples_per_step']} samples per step, {val}): about "
+            f"{p['hours']:.1f} h on this GPU"
+        )
+        if p["recipe_samples_per_step"] != p["samples_per_step"]:
+            lines.append(
+                f"- at the recipe file's {p['recipe_samples_per_step']} samples per step (time scaled linearly in "
+                f"samples): about {p['hours_at_recipe_size']:.1f} h on this GPU"
+            )
+        lines.append(
+            f"- with {p['gpus']} GPUs about {p['hours_at_recipe_size_on_gpus']:.1f} h, if the step splits across them "
+            "without loss (not measured)"
+        )
+    if peer.get("error"):
+        lines.append(f"- the peer's loop failed: {peer['error']}")
+    if data.get("error"):
+        lines.append(f"- error: {data['error']}")
     return lines + [""]
 
 
@@ -161,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             print(f"### {path.name}: unreadable ({exc})\n")
             continue
-        markdown = {"rollout": rollout_markdown, "logprob": logprob_markdown}.get(data.get("benchmark"))
+        markdown = {"rollout": rollout_markdown, "logprob": logprob_markdown, "train": train_markdown}.get(
+            data.get("benchmark")
+        )
         if markdown is None:
             print(f"### {path.stem}: not a `flowrl bench` result (benchmark {data.get('benchmark')!r}); see its log\n")
             continue

@@ -8,6 +8,7 @@ from flowrl.config.sections import *  # noqa: F401,F403
 from flowrl.config.sections import (
     AlgorithmConfig,
     DataConfig,
+    DistributedConfig,
     EngineConfig,
     FlowRLConfig,
     LoggingConfig,
@@ -21,6 +22,7 @@ from flowrl.config.sections import (
 __all__ = [
     "AlgorithmConfig",
     "DataConfig",
+    "DistributedConfig",
     "EngineConfig",
     "FlowRLConfig",
     "LoggingConfig",

@@ -94,8 +94,10 @@ def check_finite(node, key: str = "") -> None:
 class ModelConfig:
     """Which checkpoint to load and how.
 
-    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`). None means
-        the embedded tiny SD3 model, which the trainer builds offline on first use.
+    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`), or
+        `random:NAME`: random weights at a published architecture (flowrl.models.random_weights;
+        speed and memory runs only). None means the embedded tiny SD3 model, which the trainer
+        builds offline on first use.
     family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
     dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
@@ -561,6 +563,54 @@ class LoggingConfig:
         return self
 
 
+# How the processes of a run are started (flowrl.distributed), and the collective backend.
+Launcher = Literal["auto", "torchrun", "ray", "none"]
+DistributedBackend = Literal["auto", "nccl", "gloo"]
+
+
+@dataclass
+class DistributedConfig:
+    """Data-parallel training over several processes (docs/distributed.md).
+
+    launcher: "auto": the ranks torchrun started when its environment (RANK, WORLD_SIZE) is set,
+        else one process; "torchrun": the same, but an error when not started by torchrun;
+        "ray": `num_workers` Ray Train workers started from this process; "none": one process.
+    num_workers: the world size of a Ray launch (one GPU each when the cluster has GPUs);
+        torchrun takes its world size from its own --nnodes / --nproc-per-node.
+    address: the Ray cluster to join ("auto", "HOST:6379", "ray://HOST:10001"); None starts a
+        local Ray on this machine, bound to 127.0.0.1.
+    backend: the torch.distributed backend: "auto" is nccl on CUDA devices and gloo on the CPU.
+    timeout_s: how long a collective waits for the other ranks before the job fails (a rank that
+        died or hangs ends the run then, not never); it must cover the longest stretch between two
+        collectives: a step's rollout, a validation, a checkpoint write.
+    max_restarts: Ray only: how many times a failed worker group restarts, resuming from the
+        latest checkpoint (torchrun takes its own --max-restarts).
+    """
+
+    launcher: Launcher = "auto"
+    num_workers: int = 1
+    address: str | None = None
+    backend: DistributedBackend = "auto"
+    timeout_s: float = 1800.0
+    max_restarts: int = 0
+
+    def validate(self) -> "DistributedConfig":
+        check_choices(self, "distributed")
+        _check_min("distributed.num_workers", self.num_workers, 1)
+        _check_min("distributed.timeout_s", self.timeout_s, 0.0, strict=True)
+        _check_min("distributed.max_restarts", self.max_restarts, 0)
+        if self.launcher != "ray":
+            for name, default in (("num_workers", 1), ("address", None), ("max_restarts", 0)):
+                if getattr(self, name) != default:
+                    _fail(
+                        f"distributed.{name}",
+                        getattr(self, name),
+                        f"it applies to distributed.launcher=ray only (launcher is {self.launcher!r}); set "
+                        "distributed.launcher=ray, or start the ranks with torchrun (docs/distributed.md)",
+                    )
+        return self
+
+
 @dataclass
 class FlowRLConfig:
     """The root: one slice per component. Build it with `load_config`."""
@@ -573,6 +623,7 @@ class FlowRLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> "FlowRLConfig":
         check_finite(self)

@@ -18,17 +18,24 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     ocr.add_argument("--num", type=int, required=True, help="number of rows to write")
     ocr.add_argument("--out", type=Path, required=True, help="output .jsonl file")
     ocr.add_argument("--seed", type=int, default=0, help="random seed (same seed, same rows)")
+    ocr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
     from flowrl.data.ocr_prompts import make_ocr_rows, write_jsonl
+    from flowrl.output_paths import OutputExistsError, check_output_file
 
     if args.dataset == "ocr":
+        try:
+            check_output_file(args.out, args.overwrite)
+        except OutputExistsError as error:
+            print(f"flowrl data ocr: error: {error}", file=sys.stderr)
+            return 2
         try:
             rows = make_ocr_rows(args.num, seed=args.seed)
         except ValueError as error:
             print(f"flowrl data ocr: error: {error} (pass --num N with N >= 1)", file=sys.stderr)
-            return 1
+            return 2
         write_jsonl(rows, args.out)
         print(f"wrote {len(rows)} rows to {args.out}")
         return 0

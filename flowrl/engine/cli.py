@@ -43,7 +43,15 @@ def build_parser(parser) -> None:
     parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several prompts)")
     parser.add_argument("--prompts", metavar="FILE", help="a prompt file (.txt, .jsonl, .parquet), after any --prompt")
     parser.add_argument("-n", "--num-outputs", type=positive_int, default=1, help="samples per prompt")
-    parser.add_argument("--out", required=True, help="output folder for the PNGs and stats.json")
+    parser.add_argument(
+        "--out", required=True, help="output folder for the PNGs and stats.json: new, empty, or one generate wrote"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out folder that flowrl generate did not write (same-named files are "
+        "replaced, nothing else is deleted)",
+    )
     sampling = [
         ("--height", positive_int, "image height in pixels", "512, or 64 for tiny models"),
         ("--width", positive_int, "image width in pixels", "512, or 64 for tiny models"),
@@ -111,9 +119,11 @@ def _rows(args, prompt_field: str) -> list[dict]:
 
 
 def run(args) -> int:
+    from flowrl.output_paths import check_output_folder, prepare_output_folder, write_marker
     from flowrl.trainer.inference import open_engine, resolve_setup, weight_sources
 
     try:
+        check_output_folder(args.out, "generate", args.overwrite)  # before anything is loaded
         sources = weight_sources(args, every_step=False)
         setup = resolve_setup(args, sources)
         rows = _rows(args, setup.cfg.data.prompt_field)
@@ -130,7 +140,8 @@ def run(args) -> int:
     weights = f"{sources[0].label} ({sources[0].path}) on " if sources else ""
     print(f"flowrl generate: {weights}{setup.model_path}; settings from {setup.origin}")
     try:
-        written, elapsed = _write_images(engine, rows, args.num_outputs, params, seed, Path(args.out))
+        out_dir = prepare_output_folder(args.out, "generate", args.overwrite)  # a previous generate's files go
+        written, elapsed = _write_images(engine, rows, args.num_outputs, params, seed, out_dir)
     finally:
         engine.shutdown()
     stats = engine.stats()
@@ -143,7 +154,8 @@ def run(args) -> int:
         **stats,
         "images": written,
     }
-    (Path(args.out) / "stats.json").write_text(json.dumps(info, indent=2))
+    (out_dir / "stats.json").write_text(json.dumps(info, indent=2))
+    write_marker(out_dir, "generate", [Path(name).name for name in written] + ["stats.json"])
     print(f"wrote {len(written)} images to {args.out} in {elapsed:.2f}s")
     print(
         f"forwards {stats['num_forwards']}, rows {stats['num_rows']}, mean rows/forward "

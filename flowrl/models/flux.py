@@ -74,7 +74,9 @@ class FluxAdapter(PackedLatentAdapter):
     ):
         from diffusers import FluxPipeline
 
-        pipeline = FluxPipeline.from_pretrained(str(path), dtype=dtype)
+        from flowrl.models.loading import load_pipeline
+
+        pipeline = load_pipeline(FluxPipeline, path, dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2):

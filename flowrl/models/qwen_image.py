@@ -58,7 +58,9 @@ class QwenImageAdapter(PackedLatentAdapter):
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 1024):
         from diffusers import QwenImagePipeline
 
-        pipeline = QwenImagePipeline.from_pretrained(str(path), dtype=dtype)
+        from flowrl.models.loading import load_pipeline
+
+        pipeline = load_pipeline(QwenImagePipeline, path, dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder):

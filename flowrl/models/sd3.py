@@ -56,7 +56,9 @@ class SD3Adapter(FlowModelAdapter):
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
         from diffusers import StableDiffusion3Pipeline
 
-        pipeline = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype)
+        from flowrl.models.loading import load_pipeline
+
+        pipeline = load_pipeline(StableDiffusion3Pipeline, path, dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in (

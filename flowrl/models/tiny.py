@@ -11,10 +11,13 @@ code written against the tiny models runs unchanged on the real ones.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
+from flowrl.models.architectures import QWEN_IMAGE_SCHEDULER
 from flowrl.models.tiny_flux import build_tiny_flux
 from flowrl.models.tiny_modules import clip_text_config, t5_text_encoder, tiny_kl_vae
 from flowrl.models.tiny_tokenizers import (
@@ -24,6 +27,16 @@ from flowrl.models.tiny_tokenizers import (
     build_t5_tokenizer,
 )
 from flowrl.models.tiny_z_image import build_z_image_pipeline
+from flowrl.output_paths import (
+    check_output_folder,
+    file_sizes,
+    is_foreign_folder,
+    read_marker,
+    remove_listed_files,
+    write_marker,
+)
+
+TINY_MARKER = "tiny"  # the folder's marker file: .flowrl-tiny
 
 # kind -> the pipeline class name that model_index.json records for it.
 TINY_KINDS: dict[str, str] = {
@@ -160,15 +173,7 @@ def _build_qwen_image():
         latents_mean=[0.0] * z_dim,
         latents_std=[1.0] * z_dim,
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_shift=0.5,
-        max_shift=0.9,
-        use_dynamic_shifting=True,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)  # Qwen-Image's own
     return QwenImagePipeline(
         transformer=transformer,
         scheduler=scheduler,
@@ -195,19 +200,40 @@ def build_tiny_pipeline(kind: str, seed: int = 0):
     return pipeline
 
 
-def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
     """Build a tiny random checkpoint of `kind` (a TINY_KINDS key) and save it to `path`.
 
-    Reuses `path` as it is when it already holds a checkpoint of the same kind (so demos can call
-    this on every run). Returns the path.
+    The folder follows flowrl.output_paths: a `.flowrl-tiny` marker records the kind, the seed and
+    the files written. A folder already holding this kind and seed is reused as it is (so demos can
+    call this on every run); flowrl's own earlier build of another kind or seed is replaced; a
+    non-empty folder without the marker is refused (OutputExistsError) unless `overwrite`, and even
+    then only same-named files are replaced: nothing flowrl did not write is deleted. Returns the path.
     """
     _check_kind(kind)
     path = Path(path)
-    if _existing_kind(path) == kind:
-        return path
-    pipeline = build_tiny_pipeline(kind, seed)
-    path.mkdir(parents=True, exist_ok=True)
-    pipeline.save_pretrained(path, safe_serialization=True)
+    previous = read_marker(path, TINY_MARKER)
+    if previous is not None and previous.get("kind") == kind and previous.get("seed") == seed:
+        if all((path / name).is_file() for name in previous.get("files", [])):
+            return path
+    is_foreign = is_foreign_folder(path, TINY_MARKER)
+    # An unmarked folder holding this kind may be an older tiny build: compared once built, below.
+    if not (is_foreign and not overwrite and _existing_kind(path) == kind):
+        check_output_folder(path, TINY_MARKER, overwrite)  # raises before anything is built
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".flowrl-tiny-", dir=path.parent) as staging:
+        staged = Path(staging)
+        build_tiny_pipeline(kind, seed).save_pretrained(staged, safe_serialization=True)
+        sizes = file_sizes(staged)
+        if is_foreign and not overwrite and file_sizes(path) != sizes:
+            # An unmarked folder is taken as flowrl's own only when it holds exactly the files
+            # (names and sizes) of a tiny build of this kind: one written before markers existed.
+            check_output_folder(path, TINY_MARKER, overwrite)
+        path.mkdir(exist_ok=True)
+        remove_listed_files(path, [name for name in (previous or {}).get("files", []) if name not in sizes])
+        for name in sizes:
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged / name, path / name)
+    write_marker(path, TINY_MARKER, list(sizes), kind=kind, seed=seed)
     return path
 
 
@@ -215,8 +241,14 @@ def parameter_counts(path: str | Path) -> dict[str, int]:
     """Parameters per model component of a saved checkpoint, read from its safetensors headers."""
     from safetensors import safe_open
 
+    path = Path(path)
+    marker = read_marker(path, TINY_MARKER)
+    if marker is not None:  # only what make-tiny wrote, whatever else the folder holds
+        files = sorted(path / name for name in marker.get("files", []) if name.endswith(".safetensors"))
+    else:
+        files = sorted(path.glob("*/*.safetensors"))
     counts: dict[str, int] = {}
-    for file in sorted(Path(path).glob("*/*.safetensors")):
+    for file in files:
         with safe_open(file, framework="pt") as handle:
             total = 0
             for name in handle.keys():

@@ -9,20 +9,10 @@ flowrl.models.tiny seeds the RNG and saves it.
 
 from __future__ import annotations
 
+from flowrl.models.architectures import FLUX_DEV_SCHEDULER
 from flowrl.models.flux import MAX_T5_TOKENS
 from flowrl.models.tiny_modules import clip_text_config, t5_text_encoder, tiny_kl_vae
 from flowrl.models.tiny_tokenizers import build_clip_tokenizer, build_t5_tokenizer
-
-# FLUX.1 [dev]'s scheduler_config.json.
-FLUX_DEV_SCHEDULER = dict(
-    base_image_seq_len=256,
-    base_shift=0.5,
-    max_image_seq_len=4096,
-    max_shift=1.15,
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-)
 
 
 def build_tiny_flux():

@@ -12,6 +12,7 @@ chat template that lays a prompt out as Qwen3's template does for ZImagePipeline
 
 from __future__ import annotations
 
+from flowrl.models.architectures import Z_IMAGE_SCHEDULER
 from flowrl.models.tiny_modules import tiny_kl_vae
 from flowrl.models.tiny_tokenizers import QWEN_MAX_LENGTH, build_qwen2_tokenizer
 
@@ -30,8 +31,6 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 THINK_TOKENS = ("<think>", "</think>")
-# Z-Image's scheduler_config.json (fixed shift 6, no dynamic shifting).
-Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
 TEXT_HIDDEN = 32
 
 

@@ -76,7 +76,9 @@ class ZImageAdapter(FlowModelAdapter):
     ):
         from diffusers import ZImagePipeline
 
-        pipeline = ZImagePipeline.from_pretrained(str(path), dtype=dtype)
+        from flowrl.models.loading import load_pipeline
+
+        pipeline = load_pipeline(ZImagePipeline, path, dtype)
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for module in (pipeline.transformer, pipeline.vae, pipeline.text_encoder):

@@ -160,9 +160,13 @@ class AsyncRewardScorer:
     def results(self, num_rows: int | None = None, timeout_s: float | None = None) -> np.ndarray:
         return self.results_with_components(num_rows, timeout_s)[0]
 
-    def close(self) -> None:
+    def close(self, drop_pending: bool = False) -> None:
+        """Stop the workers and join them: after scoring every pending row, or, with drop_pending
+        (a run being stopped), after the batches already being scored only."""
         with self._condition:
             self._is_closed = True
+            if drop_pending:
+                self._pending.clear()
             self._condition.notify_all()
         for worker in self._workers:
             worker.join()

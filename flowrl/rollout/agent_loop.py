@@ -124,12 +124,18 @@ class AgentLoop:
 
     # --- main entry --------------------------------------------------------------------------------
     def generate_sequences(
-        self, batch: RolloutBatch, validation: bool = False, on_sample_done: Callable[[int, object], None] | None = None
+        self,
+        batch: RolloutBatch,
+        validation: bool = False,
+        on_sample_done: Callable[[int, object], None] | None = None,
+        row_offset: int = 0,
     ) -> RolloutBatch:
         """Generate one sample per row; return the batch with the sample fields attached.
 
         validation=True uses rollout.val_sampling (ODE, no log-probs) and the fixed rollout.val_seed
         with row indices from 0, so validation images are comparable across training steps.
+        row_offset: where this batch starts among the rows of the whole step (or validation) when
+        it is one rank's share of it, so every row gets the seed it has in one process.
         """
         if len(batch) == 0:
             raise ValueError("generate_sequences got an empty batch; pass at least one row")
@@ -137,7 +143,7 @@ class AgentLoop:
         # 1. every row's prompt, seed and sampling params
         base_params = self.config.val_sampling if validation else self.config.sampling
         base_seed = self.config.val_seed if validation else self.config.seed
-        offset = 0 if validation else self.rows_generated
+        offset = (0 if validation else self.rows_generated) + row_offset
         seeds = self._seeds(batch, base_seed, offset)
         prompts = [str(p) for p in batch.non_tensor_batch["raw_prompt"]]
         params = [self._row_params(batch, i, base_params).replace(seed=seeds[i]) for i in range(len(batch))]

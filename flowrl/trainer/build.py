@@ -1,10 +1,14 @@
 """Everything the trainer checks and builds before training, cheapest and most error-prone first.
 
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
-a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the model family cannot honour, a GPU device on a machine
-without one, a schedule with no step to train, an output folder that cannot be written) before any
-model is loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3
-model when `model.path` is unset.
+a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the
+model family cannot honour, a GPU device on a machine without one, a schedule with no step to
+train, an output folder that cannot be written) before any model is loaded, so mistakes cost
+seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is
+unset; `model.path=random:NAME` is a published architecture with random weights
+(flowrl.models.random_weights), built when the engine loads. `build_engine` loads the model into
+the rollout engine as the trainer runs it, with `engine_options`, the config's engine settings
+that every engine flowrl opens takes (the trainer's, flowrl eval/generate's, flowrl serve's).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ def tiny_model_cache_dir() -> Path:
     return Path(os.environ.get("FLOWRL_CACHE", "outputs")) / TINY_MODEL_DIRNAME
 
 
-def check_model_path(model_cfg) -> Path | None:
-    """The model folder (None: the embedded tiny model); ValueError when it is unusable."""
+def check_model_path(model_cfg) -> Path | str | None:
+    """The model folder, or `random:NAME` as it is (None: the embedded tiny model); ValueError
+    when it is unusable."""
+    from flowrl.models.random_weights import is_random_path
     from flowrl.models.registry import read_model_family
 
     if model_cfg.path is None:
@@ -35,13 +41,14 @@ def check_model_path(model_cfg) -> Path | None:
                 "SD3 model; set model.path to a local diffusers folder of that family, or model.family=auto"
             )
         return None
-    path = Path(model_cfg.path)
-    if not path.exists():
+    path = model_cfg.path if is_random_path(model_cfg.path) else Path(model_cfg.path)
+    if not is_random_path(path) and not path.exists():
         raise ValueError(
             f"model.path={model_cfg.path!r} does not exist; pass a local diffusers folder (written by "
-            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), or leave model.path unset for the tiny model"
+            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), random:NAME for random weights at a "
+            "published architecture, or leave model.path unset for the tiny model"
         )
-    family = read_model_family(path)  # raises for a folder that is not a supported pipeline
+    family = read_model_family(path)  # raises for a folder that is not a supported pipeline, or an unknown NAME
     if model_cfg.family not in ("auto", family):
         raise ValueError(
             f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
@@ -49,14 +56,48 @@ def check_model_path(model_cfg) -> Path | None:
     return path
 
 
-def resolve_model_path(model_cfg) -> Path:
-    """model.path, or the embedded tiny SD3 model (built offline on first use)."""
+def resolve_model_path(model_cfg) -> Path | str:
+    """model.path (a folder or `random:NAME`), or the embedded tiny SD3 model (built offline on
+    first use)."""
     path = check_model_path(model_cfg)
     if path is not None:
         return path
     from flowrl.models.tiny import build_tiny_checkpoint
+    from flowrl.output_paths import OutputExistsError
 
-    return build_tiny_checkpoint("sd3", tiny_model_cache_dir(), seed=0)
+    folder = tiny_model_cache_dir()
+    try:
+        return build_tiny_checkpoint("sd3", folder, seed=0)
+    except OutputExistsError:
+        raise ValueError(
+            f"the embedded tiny model's folder {folder} holds files flowrl did not write; move them away, or set "
+            "FLOWRL_CACHE to another folder (the tiny model is built in $FLOWRL_CACHE/tiny-sd3)"
+        ) from None
+
+
+def engine_options(engine_cfg) -> dict:
+    """The DiffusionEngine settings of the config's `engine` section that every engine flowrl opens
+    takes (compiling is each caller's own: the trainer compiles after LoRA injection)."""
+    return dict(
+        max_batch_rows=engine_cfg.max_batch_rows,
+        decode_chunk_size=engine_cfg.decode_chunk_size,
+        prompt_cache_mb=engine_cfg.prompt_cache_mb,
+        prompt_cache_device=engine_cfg.prompt_cache_device,
+    )
+
+
+def build_engine(cfg, device: str | None = None):
+    """The rollout engine over `cfg.model` on `device` (None: model.device), with the engine
+    settings the trainer runs (`engine_options`)."""
+    from flowrl.engine.engine import DiffusionEngine
+
+    return DiffusionEngine.from_pretrained(
+        resolve_model_path(cfg.model),
+        device=device or cfg.model.resolve_device(),
+        dtype=cfg.model.torch_dtype,
+        **engine_options(cfg.engine),
+        **cfg.model.adapter_options(),
+    )
 
 
 def check_device(model_cfg) -> None:
@@ -144,7 +185,7 @@ def check_before_loading(cfg, reward=None) -> Prepared:
     return Prepared(train_rows, val_rows, reward)
 
 
-def check_guidance_settings(model_path: Path | None, rollout_cfg) -> None:
+def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:
     """rollout.sampling and rollout.val_sampling against the guidance rule of the model's family
     (flowrl.models.base.check_guidance: e.g. true_cfg_scale on a classifier-free-guidance model),
     before the model loads. model_path None is the embedded tiny SD3 model."""

@@ -7,6 +7,9 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 - `ema.safetensors`        with `trainer.ema`: the moving average of the trainable parameters, with
                            the keys of `trainable.safetensors` (its meta in state.json, "ema")
 - `lora/`                  the LoRA in diffusers format (`pipe.load_lora_weights(dir)`), when LoRA
+- `sharded/`               in place of the three tensor files above, when the weights are sharded
+                           over ranks (FSDP2 full fine-tuning): every rank's shards of the weights,
+                           optimizer state and EMA averages (flowrl.distributed.sharded_checkpoint)
 - `state.json`             step, policy version, data position, optimizer hyper-parameters, Python
                            and numpy RNG states, and the run's config.
 - `manifest.json`          every other file of the folder (any file: `ema.safetensors` and the like
@@ -20,6 +23,11 @@ hash) and raises `CheckpointError` naming the file; a folder written before mani
 loads with a warning that it cannot be verified. It knows parameters by name, the optimizer and
 the RNGs; what the trainer's own state means (the `state.json` entries it passes) it leaves to
 the trainer.
+
+At any world size: every rank calls `save_checkpoint` and `load_checkpoint`. Rank 0 writes the
+files (replicated weights are the same on every rank), every rank its shards of sharded ones, and
+a checkpoint written at one world size loads at any other, sharded or not: tensors are keyed by
+parameter name whatever the layout. The RNG states written are rank 0's.
 """
 
 from __future__ import annotations
@@ -37,7 +45,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowrl.trainer.lora import has_lora, load_trainable_state_dict, save_lora_for_diffusers, trainable_state_dict
+from flowrl.distributed import sharded_checkpoint
+from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.world import World
+from flowrl.trainer.lora import (
+    check_trainable_names,
+    has_lora,
+    load_trainable_state_dict,
+    save_lora_for_diffusers,
+    trainable_state_dict,
+)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -204,19 +221,32 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer, names: list[str]) -> t
     return tensors, {"param_groups": groups, "scalars": scalars, "param_names": names}
 
 
-def _optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict, names: list[str]) -> None:
+def _optimizer_state_by_name(tensors: dict, meta: dict, names: list[str]) -> dict:
+    """The saved optimizer state keyed by parameter name, in torch.distributed.checkpoint's layout:
+    {"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}."""
     if meta["param_names"] != names:
         raise ValueError(
             "the checkpoint's optimizer was built over different parameters; resume with the "
             "same trainer.lora settings the checkpoint was written with"
         )
-    index_of = {name: i for i, name in enumerate(names)}
-    state: dict[int, dict] = {}
+    state: dict[str, dict] = {}
     for source in (tensors, meta["scalars"]):
         for key, value in source.items():
             name, _, field = key.rpartition(".")
-            state.setdefault(index_of[name], {})[field] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            state.setdefault(name, {})[field] = value
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict, names: list[str]) -> None:
+    by_name = _optimizer_state_by_name(tensors, meta, names)
+    index_of = {name: i for i, name in enumerate(names)}
+    optimizer.load_state_dict(
+        {
+            "state": {index_of[name]: value for name, value in by_name["state"].items()},
+            "param_groups": meta["param_groups"],
+        }
+    )
 
 
 # --- RNG ---------------------------------------------------------------------------------------
@@ -258,33 +288,48 @@ def save_checkpoint(
     trainer_state: dict,
     config: dict | None = None,
     ema=None,
+    parallel: DataParallel | None = None,
 ) -> Path:
     """Write the checkpoint of `step` (see the module docstring); returns its folder.
-    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none)."""
+    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none). parallel: how
+    the weights are kept over ranks (None: one process); every rank calls this."""
+    world = parallel.world if parallel is not None else World.single()
+    sharded = parallel is not None and parallel.is_sharded
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    world.barrier()
     transformer = adapter.transformer
-    save_file(
-        {k: v.cpu().contiguous() for k, v in trainable_state_dict(transformer).items()},
-        str(tmp / "trainable.safetensors"),
-    )
-    opt_tensors, opt_meta = _optimizer_to_files(optimizer, param_names)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    rng_tensors, rng_meta = _rng_to_files()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    if has_lora(transformer) and hasattr(adapter, "pipeline"):
-        save_lora_for_diffusers(adapter, tmp / "lora")
-    state = {"step": step, "trainer": trainer_state, "optimizer": opt_meta, "rng": rng_meta, "config": config}
-    if ema is not None:
-        ema_tensors, state["ema"] = ema.state_dict()
-        save_file(ema_tensors, str(tmp / "ema.safetensors"))
-    (tmp / STATE).write_text(json.dumps(state, indent=1))
-    write_manifest(tmp)  # last: it covers every file written above
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    state = {"step": step, "trainer": trainer_state, "config": config}
+    if sharded:  # every rank writes its shards
+        named = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
+        sharded_checkpoint.save_sharded(tmp, transformer, optimizer, named, ema)
+        state["optimizer"] = {"param_names": param_names}
+        if ema is not None:
+            state["ema"] = ema.meta()
+    elif world.is_main:
+        save_file(
+            {k: v.cpu().contiguous() for k, v in trainable_state_dict(transformer).items()},
+            str(tmp / "trainable.safetensors"),
+        )
+        opt_tensors, state["optimizer"] = _optimizer_to_files(optimizer, param_names)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        if has_lora(transformer) and hasattr(adapter, "pipeline"):
+            save_lora_for_diffusers(adapter, tmp / "lora")
+        if ema is not None:
+            ema_tensors, state["ema"] = ema.state_dict()
+            save_file(ema_tensors, str(tmp / "ema.safetensors"))
+    if world.is_main:
+        rng_tensors, state["rng"] = _rng_to_files()
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        (tmp / STATE).write_text(json.dumps(state, indent=1))
+        write_manifest(tmp)  # last: it covers every file written above
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    world.barrier()
     return final
 
 
@@ -309,9 +354,12 @@ def load_checkpoint(
     param_names: list[str],
     verify: bool = True,
     ema=None,
+    parallel: DataParallel | None = None,
 ) -> dict:
     """Restore weights, optimizer and RNG (and `ema`'s averages, when given and saved) from `path`;
-    return {"step", "trainer", "config", "ema_restored"}.
+    return {"step", "trainer", "config", "ema_restored"}. parallel: how the weights are kept over
+    ranks (None: one process); every rank calls this, and the checkpoint may come from any world
+    size (module docstring).
 
     verify=True checks the folder against its manifest first (`verify_checkpoint`); pass False
     only for a folder that `find_resume_checkpoint` has just verified.
@@ -320,15 +368,29 @@ def load_checkpoint(
     if verify and not verify_checkpoint(path):
         _warn_unverified(path)
     state = read_checkpoint_state(path)
-    device = str(next(transformer.parameters()).device)
-    load_trainable_state_dict(transformer, _load_tensors(path, "trainable.safetensors", device))
-    _optimizer_from_files(
-        optimizer, _load_tensors(path, "optimizer.safetensors", device), state["optimizer"], param_names
-    )
-    _rng_from_files(_load_tensors(path, "rng.safetensors"), state["rng"])
+    named = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
     ema_restored = ema is not None and "ema" in state
-    if ema_restored:
-        ema.load_state_dict(_load_tensors(path, "ema.safetensors", device), state["ema"])
+    if sharded_checkpoint.is_sharded_checkpoint(path):
+        ema_restored = sharded_checkpoint.load_sharded(path, transformer, optimizer, named, ema)
+        if ema_restored:
+            ema.num_updates = int(state["ema"].get("num_updates", 0))
+    else:
+        device = str(next(transformer.parameters()).device)
+        weights = _load_tensors(path, "trainable.safetensors", device)
+        opt_tensors = _load_tensors(path, "optimizer.safetensors", device)
+        ema_tensors = _load_tensors(path, "ema.safetensors", device) if ema_restored else None
+        if parallel is not None and parallel.is_sharded:  # whole tensors into this rank's shards
+            check_trainable_names(transformer, weights)
+            sharded_checkpoint.load_full_into_sharded(
+                transformer, optimizer, weights, _optimizer_state_by_name(opt_tensors, state["optimizer"], param_names)
+            )
+            ema_tensors = ema_tensors and sharded_checkpoint.shard_like(ema_tensors, named)
+        else:
+            load_trainable_state_dict(transformer, weights)
+            _optimizer_from_files(optimizer, opt_tensors, state["optimizer"], param_names)
+        if ema_restored:
+            ema.load_state_dict(ema_tensors, state["ema"])
+    _rng_from_files(_load_tensors(path, "rng.safetensors"), state["rng"])
     return {
         "step": state["step"],
         "trainer": state["trainer"],

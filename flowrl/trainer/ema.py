@@ -71,7 +71,11 @@ class ParameterEMA:
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(averages by name on the CPU, meta)."""
         tensors = {name: t.cpu().contiguous() for name, t in self.averages.items()}
-        return tensors, {"decay": self.decay, "update_every": self.update_every, "num_updates": self.num_updates}
+        return tensors, self.meta()
+
+    def meta(self) -> dict:
+        """The JSON-ready settings and counter of the average (state_dict's second half)."""
+        return {"decay": self.decay, "update_every": self.update_every, "num_updates": self.num_updates}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore averages written by `state_dict`; names and shapes must match the parameters."""

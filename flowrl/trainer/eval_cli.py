@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
+import os
 import sys
-from pathlib import Path
 
 from flowrl.cli import positive_int
 from flowrl.trainer.inference import add_model_arguments
@@ -43,7 +42,16 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="an option of reward NAME; VALUE is parsed as JSON when it can be (repeatable)",
     )
     parser.add_argument("-n", "--samples-per-prompt", type=positive_int, default=1, help="seeds per prompt")
-    parser.add_argument("--out", default="outputs/eval", help="folder for the report, the grid and the images")
+    parser.add_argument(
+        "--out",
+        default="outputs/eval",
+        help="folder for the report, the grid and the images: new, empty, or one eval wrote (its files are replaced)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out folder that flowrl eval did not write (nothing of it is deleted)",
+    )
     parser.add_argument(
         "--grid-rows", type=int, default=8, help="(prompt, sample) rows of grid.png, from the first prompt; 0: none"
     )
@@ -66,20 +74,8 @@ def build_rewards(names: list[str], options: list[str], reward_cfg) -> dict:
     return {reward_cfg.name or "reward": build_reward_from_config(reward_cfg)}
 
 
-def _prepare_out(out: Path) -> Path:
-    """An empty or new folder, or one a previous eval wrote (its images are replaced)."""
-    from flowrl.trainer.eval_report import REPORT_FILE
-
-    if out.exists() and any(out.iterdir()) and not (out / REPORT_FILE).is_file():
-        raise ValueError(
-            f"--out {str(out)!r} is a non-empty folder that flowrl eval did not write; pass a new or empty folder"
-        )
-    shutil.rmtree(out / "images", ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
+    from flowrl.output_paths import check_output_folder, prepare_output_folder, write_marker
     from flowrl.rewards import RewardError
     from flowrl.trainer.data import load_prompt_rows
     from flowrl.trainer.eval import evaluate, summarize
@@ -88,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.trainer.trained_weights import BASE
 
     try:
+        check_output_folder(args.out, "eval", args.overwrite)  # before anything is loaded
         if args.grid_rows < 0:
             raise ValueError(f"--grid-rows {args.grid_rows} must be >= 0")
         sources = [BASE, *weight_sources(args, every_step=True)]
@@ -95,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
         field = args.prompt_field or setup.cfg.data.prompt_field
         rows = load_prompt_rows(args.prompts, field, args.max_prompts, "--prompts")
         rewards = build_rewards(args.reward, args.option, setup.cfg.reward)
-        out = _prepare_out(Path(args.out))
         params, seed = setup.cfg.rollout.val_sampling, setup.cfg.rollout.val_seed
         engine, loader = open_engine(setup, sources)
     except ValueError as error:
@@ -108,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
+        out = prepare_output_folder(args.out, "eval", args.overwrite)  # a previous eval's files go
         results = evaluate(
             engine,
             loader,
@@ -144,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     report = write_report(
         out, build_report({**settings, "grid": None if grid is None else str(grid)}, rows, results, summary)
     )
+    written = [os.path.relpath(path, out) for result in results for path in result.image_paths]
+    write_marker(out, "eval", [*written, report.name, *([] if grid is None else [grid.name])])
     print(format_table(summary))
     print(f"report: {report}" + (f"; grid: {grid}" if grid else "") + f"; images: {out / 'images'}")
     return 0

@@ -31,11 +31,16 @@ from flowrl.trainer.lora import has_lora, save_lora_for_diffusers
 
 RUN_INFO_FILE = "flowrl_run.json"
 TRANSFORMER_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' own names
+TRANSFORMER_SHARD_SIZE = "10GB"  # diffusers' default shard size
 
 
-def export_pipeline(adapter, directory: str | Path, step: int, config: dict | None) -> Path:
+def export_pipeline(
+    adapter, directory: str | Path, step: int, config: dict | None, transformer_state: dict | None = None
+) -> Path:
     """Write the pipeline folder of the adapter's current weights to `directory` (see the module
-    docstring; an existing folder is replaced). Returns the directory."""
+    docstring; an existing folder is replaced). Returns the directory. `transformer_state`: the
+    whole weights of a transformer whose module holds only its shard (sharded full fine-tuning
+    gathers them first); without it, the module's own weights."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -59,7 +64,7 @@ def export_pipeline(adapter, directory: str | Path, step: int, config: dict | No
         save_fused_transformer(transformer, tmp / "transformer")
         save_lora_for_diffusers(adapter, tmp / "lora")
     else:
-        transformer.save_pretrained(tmp / "transformer")
+        save_transformer(transformer, tmp / "transformer", transformer_state)
     info = {
         "step": step,
         "base_model": None if base is None else str(base),
@@ -127,12 +132,40 @@ def fused_transformer_state_dict(transformer: torch.nn.Module) -> dict[str, torc
 def save_fused_transformer(transformer: torch.nn.Module, directory: str | Path) -> Path:
     """A diffusers model folder (config.json + safetensors shards) of the fused transformer, which
     the model class loads with `from_pretrained`."""
+    return _save_state(transformer, fused_transformer_state_dict(transformer), directory)
+
+
+def save_transformer(transformer: torch.nn.Module, directory: str | Path, state: dict | None = None) -> Path:
+    """A diffusers model folder of the (plain) transformer: its own weights, or `state` when given
+    (the whole weights of a sharded module, whose own are only its shard)."""
+    if state is None:
+        transformer.save_pretrained(directory)
+        return Path(directory)
+    return _save_state(transformer, state, directory)
+
+
+def _save_state(transformer: torch.nn.Module, state: dict[str, torch.Tensor], directory: str | Path) -> Path:
     from huggingface_hub import save_torch_state_dict
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    transformer.save_config(directory)
+    _save_model_config(transformer, directory)
     save_torch_state_dict(
-        fused_transformer_state_dict(transformer), directory, filename_pattern=TRANSFORMER_WEIGHTS_PATTERN
+        state, directory, filename_pattern=TRANSFORMER_WEIGHTS_PATTERN, max_shard_size=TRANSFORMER_SHARD_SIZE
     )
     return directory
+
+
+def _save_model_config(transformer: torch.nn.Module, directory: Path) -> None:
+    """The model's config.json, naming the model's own class: FSDP2 (`fully_shard`) swaps a sharded
+    module's class for a subclass `FSDP<Class>`, which no diffusers loader knows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    transformer.save_config(directory)
+    if not isinstance(transformer, FSDPModule):
+        return
+    own = next(cls for cls in type(transformer).__mro__ if not issubclass(cls, FSDPModule))
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["_class_name"] = own.__name__
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # diffusers' own layout

@@ -8,7 +8,8 @@ settings, the engine with trained weights, and sampling prompt rows as validatio
   --model is a run's final/, else the defaults sized for the model; overrides last), the base
   model folder, device and dtype.
 - `open_engine(setup, sources)`: the adapter loaded, the LoRA the sources need injected, then
-  compiled when configured (as the trainer does), under the trainer's mixed precision.
+  compiled when configured (as the trainer does), under the trainer's mixed precision and engine
+  settings (flowrl.trainer.build.engine_options: batch limits, the prompt cache).
 - `sample_rows(engine, rows, ...)`: every row's images through the agent loop's validation path,
   with validation's seeds (row k of the prompt list gets the seed validation row k gets), so the
   images of a run's validation prompts are the run's validation images.
@@ -166,6 +167,7 @@ def open_engine(setup: Setup, sources: list[WeightSource]):
 
     from flowrl.engine.engine import DiffusionEngine
     from flowrl.models.registry import load_adapter
+    from flowrl.trainer.build import engine_options
     from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
     from flowrl.trainer.trained_weights import WeightLoader
 
@@ -174,15 +176,11 @@ def open_engine(setup: Setup, sources: list[WeightSource]):
     )
     loader = WeightLoader(adapter)
     loader.prepare(sources)
-    engine_cfg = setup.cfg.engine
     engine = DiffusionEngine(
         adapter,
-        max_batch_rows=engine_cfg.max_batch_rows,
-        decode_chunk_size=engine_cfg.decode_chunk_size,
+        **engine_options(setup.cfg.engine),
         compile=setup.compile,
-        compile_rounding=engine_cfg.compile_rounding if setup.compile else "eager",
-        prompt_cache_mb=engine_cfg.prompt_cache_mb,
-        prompt_cache_device=engine_cfg.prompt_cache_device,
+        compile_rounding=setup.cfg.engine.compile_rounding if setup.compile else "eager",
     )
     engine.set_mixed_precision(MIXED_PRECISION_DTYPES[setup.cfg.trainer.mixed_precision])
     return engine, loader

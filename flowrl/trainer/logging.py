@@ -7,7 +7,8 @@
 - tensorboard event files under `<output_dir>/tensorboard` (logging.tensorboard); on resume the
   events of steps after the checkpoint are removed from the existing files, so no step is shown
   twice whichever reader loads them. wandb when logging.wandb is on (imported only then).
-- `save_image_grid`: validation images with their rewards as captions (PNG).
+- `save_image_grid` / `grid_captions`: validation images captioned with prompt, target text and
+  reward (PNG).
 - `plot_reward_curve`: reward mean per step from metrics.jsonl (PNG), written at the end.
 
 It knows nothing about training itself: it writes the numbers and images it is given.
@@ -179,9 +180,34 @@ def drop_tensorboard_events_after(tb_dir: str | Path, step: int) -> None:
         os.replace(tmp, path)
 
 
-def save_image_grid(images, captions: list[str], path: str | Path, columns: int = 4, min_cell: int = 128) -> Path:
-    """images (B, 3, H, W) uint8 (numpy or torch) -> one PNG grid, each cell captioned below
-    (e.g. "r=0.42"). Small images are upscaled (nearest) to at least `min_cell` pixels wide."""
+def grid_captions(prompts: list[str], scores, targets=None) -> list[str]:
+    """One caption per image: its prompt, the target text when the row has one (`ground_truth`,
+    e.g. what OCR should read), and its reward; lines separated by newlines."""
+    captions = []
+    for index, (prompt, score) in enumerate(zip(prompts, scores)):
+        target = None if targets is None else targets[index]
+        lines = [str(prompt)]
+        if target not in (None, ""):
+            lines.append(f"target: {target!r}" if isinstance(target, str) else f"target: {target}")
+        lines.append(f"reward {float(score):.4g}")
+        captions.append("\n".join(lines))
+    return captions
+
+
+def _fit_line(draw, text: str, width: int) -> str:
+    """`text` cut (with "...") to fit `width` pixels."""
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def save_image_grid(images, captions: list[str], path: str | Path, columns: int = 4, min_cell: int = 192) -> Path:
+    """images (B, 3, H, W) uint8 (numpy or torch) -> one PNG grid, each cell captioned below.
+
+    A caption may hold several lines (see `grid_captions`); each line is cut to the cell's width.
+    Small images are upscaled (nearest) to at least `min_cell` pixels wide, so captions fit."""
     from PIL import Image, ImageDraw
 
     images = np.asarray(images.cpu() if hasattr(images, "cpu") else images)
@@ -189,7 +215,11 @@ def save_image_grid(images, captions: list[str], path: str | Path, columns: int 
         raise ValueError(f"images must be (B, 3, H, W) uint8, got {images.shape} {images.dtype}")
     count, _, height, width = images.shape
     scale = max(1, math.ceil(min_cell / width))
-    cell_w, cell_h, caption_h = width * scale, height * scale, 14
+    cell_w, cell_h = width * scale, height * scale
+    lines = [(captions[i] if i < len(captions) else "").split("\n") for i in range(count)]
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    line_h = measure.textbbox((0, 0), "Ag")[3] + 3
+    caption_h = line_h * max(len(cell) for cell in lines) + 2
     columns = max(1, min(columns, count))
     rows = math.ceil(count / columns)
     grid = Image.new("RGB", (columns * cell_w, rows * (cell_h + caption_h)), "white")
@@ -198,7 +228,8 @@ def save_image_grid(images, captions: list[str], path: str | Path, columns: int 
         tile = Image.fromarray(images[index].transpose(1, 2, 0)).resize((cell_w, cell_h), Image.NEAREST)
         x, y = (index % columns) * cell_w, (index // columns) * (cell_h + caption_h)
         grid.paste(tile, (x, y))
-        draw.text((x + 2, y + cell_h + 1), captions[index] if index < len(captions) else "", fill="black")
+        for number, line in enumerate(lines[index]):
+            draw.text((x + 2, y + cell_h + 1 + number * line_h), _fit_line(draw, line, cell_w - 4), fill="black")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)

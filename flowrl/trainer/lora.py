@@ -168,16 +168,21 @@ def trainable_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor
     return {name: p.detach() for name, p in transformer.named_parameters() if p.requires_grad}
 
 
-def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy saved trainable weights back; names and shapes must match exactly."""
-    params = dict(transformer.named_parameters())
-    expected = {name for name, p in params.items() if p.requires_grad}
+def check_trainable_names(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """ValueError unless `state` names exactly the parameters that train."""
+    expected = {name for name, p in transformer.named_parameters() if p.requires_grad}
     if set(state) != expected:
         missing, extra = sorted(expected - set(state))[:5], sorted(set(state) - expected)[:5]
         raise ValueError(
             f"checkpoint weights do not match the trainable parameters (missing {missing}, unexpected "
             f"{extra}); resume with the same trainer.lora settings the checkpoint was written with"
         )
+
+
+def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable weights back; names and shapes must match exactly."""
+    check_trainable_names(transformer, state)
+    params = dict(transformer.named_parameters())
     with torch.no_grad():
         for name, tensor in state.items():
             if params[name].shape != tensor.shape:

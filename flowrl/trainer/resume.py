@@ -8,6 +8,9 @@ what `trainer.output_dir` holds:
 - start fresh, in a folder that holds no other run's files (`RUN_FILES`), or after deleting
   exactly those files when `trainer.overwrite=true`; any other new run in a used folder is refused,
   so one folder never mixes the metrics, checkpoints and weights of two runs;
+- a run stopped by Ctrl-C / SIGTERM keeps a checkpoint of its last completed step (resumed as
+  above); one stopped before any step completed removes the files it wrote, so its folder is a
+  fresh start again (flowrl.trainer.trainer.FlowGRPOTrainer.fit);
 - do nothing when the run is already finished (its checkpoint is at `trainer.total_steps` or its
   epochs are done, or `final/` is written and metrics.jsonl reached `total_steps`).
 """
@@ -48,6 +51,7 @@ RESUME_RULES: tuple[tuple[str, str], ...] = (
     ("reward.", NEW),  # what is scored from now on
     ("data.", REFUSE),  # the dataset the saved position indexes
     ("logging.", NEW),
+    ("distributed.", NEW),  # how many processes train: any world size resumes any checkpoint
 )
 _SECRET_KEYS = ("token",)
 
@@ -120,7 +124,8 @@ def run_files(output_dir: str | Path) -> list[str]:
     return [name for name in RUN_FILES if (folder / name).exists()]
 
 
-def delete_run_files(output_dir: str | Path, names: list[str]) -> None:
+def delete_run_files(output_dir: str | Path, names: list[str], reason: str = "trainer.overwrite=true") -> None:
+    """Delete the RUN_FILES `names` from output_dir; one line on stderr says why (`reason`) and what."""
     folder = Path(output_dir)
     listed = _listing(folder, names)
     for name in names:
@@ -130,7 +135,7 @@ def delete_run_files(output_dir: str | Path, names: list[str]) -> None:
         elif path.exists():
             path.unlink()
     if names:
-        print(f"trainer.overwrite=true: deleted {listed} from {folder}", file=sys.stderr, flush=True)
+        print(f"{reason}: deleted {listed} from {folder}", file=sys.stderr, flush=True)
 
 
 def _listing(output_dir: Path, names: list[str]) -> str:

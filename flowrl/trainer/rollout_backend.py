@@ -67,10 +67,12 @@ class ColocatedRollouts:
         self.engine.set_policy_version(version)
 
     def reset_stats(self) -> None:
-        self.engine.reset_stats()
+        if hasattr(self.engine, "reset_stats"):
+            self.engine.reset_stats()
 
-    def stats(self) -> dict:
-        return self.engine.stats()
+    def stats(self) -> dict | None:
+        """The engine's batching counters (None: an engine that keeps none)."""
+        return self.engine.stats() if hasattr(self.engine, "stats") else None
 
     def close(self) -> None:
         pass
@@ -191,11 +193,10 @@ def replica_serve_args(cfg) -> list[str]:
     """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
     the model's dtype and text length, the trainer's mixed precision (the engine's autocast), the
     engine's batch limits and prompt cache (as KEY=VALUE overrides of the server's config)."""
+    from flowrl.trainer.build import engine_options
+
     args = ["--dtype", cfg.model.dtype, f"trainer.mixed_precision={cfg.trainer.mixed_precision}"]
-    args += [
-        f"engine.{name}={getattr(cfg.engine, name)}"
-        for name in ("max_batch_rows", "decode_chunk_size", "prompt_cache_mb", "prompt_cache_device")
-    ]
+    args += [f"engine.{name}={value}" for name, value in engine_options(cfg.engine).items()]
     if cfg.model.max_sequence_length is not None:
         args.append(f"model.max_sequence_length={cfg.model.max_sequence_length}")
     return args

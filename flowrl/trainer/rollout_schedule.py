@@ -31,13 +31,12 @@ import numpy as np
 
 @dataclass
 class CollectedRollout:
-    """One step's rollout as the update takes it: the batch, its rewards (and components), the
-    rollout engines' batching stats, and the seconds spent rolling out and then waiting for rewards."""
+    """One step's rollout as the update takes it: this rank's batch, the step's rows of every rank
+    with their rewards and engine counters (flowrl.trainer.step_rows.StepRows), and the seconds
+    spent rolling out and then waiting for rewards."""
 
     rollout: object
-    rewards: np.ndarray
-    components: dict
-    stats: dict
+    rows: object
     rollout_s: float
     reward_wait_s: float
 

@@ -18,6 +18,16 @@ One training step:
    step k trains (flowrl.trainer.rollout_schedule);
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
+
+Over several ranks (`world`, flowrl.distributed; docs/distributed.md) every rank draws the same
+prompts and rolls out its contiguous share of the step's groups, each row with the seed it has in
+one process; rewards, uids and row settings are all-gathered (flowrl.trainer.step_rows), so the
+advantages use the statistics of all rows exactly as one process computes them; the update is
+planned over every rank's rows and every rank takes the same optimizer step
+(flowrl.trainer.update). Validation prompts are split over the ranks and gathered. Metrics cover
+all rows (timings: the slowest rank); rank 0 alone writes logs, grids, the progress bar, the
+checkpoint's shared files and the exported weights. Rollout servers and async rollouts are for
+one process (flowrl.distributed.checks refuses them over several ranks).
 """
 
 from __future__ import annotations
@@ -30,19 +40,30 @@ import numpy as np
 import torch
 
 from flowrl import sampler
+from flowrl.console import note
+from flowrl.distributed.checks import check_world
+from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import check_before_loading, resolve_model_path
+from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.logging import MetricsLogger, plot_reward_curve, read_metrics, save_image_grid
+from flowrl.trainer.export import export_pipeline, save_transformer
+from flowrl.trainer.health import ZeroSpreadWatch
+from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
+from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.trainer.progress import NO_PROGRESS, StepProgress
 from flowrl.trainer.rollout_backend import open_rollout_backend
 from flowrl.trainer.rollout_schedule import CollectedRollout, VersionHistory, schedule_for
+from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
+# The engine counters gathered over ranks (flowrl.trainer.step_rows).
+_ENGINE_COUNTERS = ("num_rows", "num_forwards", "images_per_second")
 
 
 def _row_metadata(batch, row: int) -> dict:
@@ -53,21 +74,30 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
-    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here, before
-    the model loads.
+    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here (on rank
+    0), before the model loads. world: this process among the run's ranks (None: one process).
     """
 
-    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None):
+    # fit() installs these for its run; a step run outside fit() shows no bar and is not abortable.
+    _progress = NO_PROGRESS
+    _signals: StopSignals | None = None
+
+    def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None, world: World | None = None):
         from flowrl.config import config_to_dict
         from flowrl.rewards import AsyncRewardScorer
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
+        self.world = world or World.single(cfg.model.resolve_device())
         prepared = check_before_loading(cfg, reward)  # every cheap check before the model loads
+        if self.world.is_distributed:
+            check_world(cfg, self.world.size, self.world.local_size)
         self.config_dict = config_to_dict(cfg)
         # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
-        self.plan = plan or resume.plan_run(cfg, self.config_dict)
-        self.plan.start(cfg.trainer.output_dir)
+        self.plan = plan or self.world.on_main(lambda: resume.plan_run(cfg, self.config_dict))
+        if self.world.is_main:
+            self.plan.start(cfg.trainer.output_dir)
+        self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -75,26 +105,23 @@ class FlowGRPOTrainer:
         # Where training rollouts run; started replicas load their model while this one loads.
         self.rollout_backend = open_rollout_backend(cfg, self.output_dir)
         if engine is None:
-            from flowrl.engine.engine import DiffusionEngine
-
-            engine = DiffusionEngine.from_pretrained(
-                resolve_model_path(cfg.model),
-                device=cfg.model.resolve_device(),
-                dtype=cfg.model.torch_dtype,
-                max_batch_rows=cfg.engine.max_batch_rows,
-                decode_chunk_size=cfg.engine.decode_chunk_size,
-                **cfg.model.adapter_options(),
-                prompt_cache_mb=cfg.engine.prompt_cache_mb,
-                prompt_cache_device=cfg.engine.prompt_cache_device,
-            )
+            # The embedded tiny model is built once, by rank 0, before any rank reads it.
+            self.world.on_main(lambda: resolve_model_path(cfg.model))
+            engine = build_engine(cfg, device=self.world.device)
         self.engine = engine
         self.adapter = engine.adapter
+        # `model.path=random:NAME`: the architecture's name, said in every step's metrics and the summary.
+        self.random_weights = getattr(self.adapter, "random_weights", None)
         transformer = self.adapter.transformer
         with torch.random.fork_rng(devices=[]):  # LoRA init from trainer.seed: runs repeat exactly
             torch.manual_seed(tcfg.seed)
             params = apply_trainable(transformer, tcfg.lora)
         if tcfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        # Over ranks: replicated LoRA, or the full transformer sharded in place (new parameter objects).
+        self.parallel = DataParallel.wrap(transformer, self.world, full_fine_tuning=not tcfg.lora.enabled)
+        if self.parallel.is_sharded:
+            params = [p for p in transformer.parameters() if p.requires_grad]
         if cfg.engine.compile:
             # After LoRA injection, so the compiled blocks trace the modules that are trained; the
             # engine and the trainer share them (compilation is in place).
@@ -102,23 +129,23 @@ class FlowGRPOTrainer:
 
             self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
-            print(
+            self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
                 "rollout, validation and update take longer (on a GPU, Qwen-Image's rollout graphs take about "
-                "half a minute, SD3.5-medium's VAE decoder a few minutes)",
-                flush=True,
+                "half a minute, SD3.5-medium's VAE decoder a few minutes)"
             )
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         ema = tcfg.ema
         self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema)
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
-        self.rollout_backend.bind(engine)
+        self.rollout_backend.bind(self.engine)
         self.agent_loop = AgentLoop(self.rollout_backend.replicas, cfg.rollout)
         # Validation samples in this process, with the trainer's weights (or their EMA).
-        self.val_agent_loop = AgentLoop(engine, cfg.rollout) if self.rollout_backend.is_decoupled else self.agent_loop
+        decoupled = self.rollout_backend.is_decoupled
+        self.val_agent_loop = AgentLoop(self.engine, cfg.rollout) if decoupled else self.agent_loop
         self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
@@ -129,9 +156,15 @@ class FlowGRPOTrainer:
         self.rollouts = schedule_for(self)  # synchronous, or one step ahead (trainer.async_rollout)
         self.rollout_backend.publish(self.policy_version)  # rollout servers start from these weights
         log = cfg.logging
-        self.logger = MetricsLogger(
-            self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
-        )
+        self.logger = None  # rank 0 alone writes metrics
+        if self.world.is_main:
+            self.logger = MetricsLogger(
+                self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
+            )
+
+    def _print(self, line: str) -> None:
+        if self.world.is_main:
+            print(line, flush=True)
 
     # --- one step ---------------------------------------------------------------------------------
     def _sde_window(self, step: int) -> tuple[int, int] | None:
@@ -145,19 +178,19 @@ class FlowGRPOTrainer:
         return sampler.draw_sde_window(s.num_inference_steps, s.sde_window_size, s.sde_window_range, gen)
 
     def train_step(self) -> dict:
-        """Run training step self.step + 1; returns its metrics."""
+        """Run training step self.step + 1; returns its metrics (the same on every rank)."""
         t0 = time.perf_counter()
         step = self.step + 1
         # 1. the step's rollout and rewards (self._roll_out, now or started during the last step)
         collected = self.rollouts.collect(step)
-        rollout, rewards = collected.rollout, collected.rewards
+        rollout, everyone = collected.rollout, collected.rows
         t_rollout = time.perf_counter()
 
-        # 2. advantages
+        # 2. advantages, over the rows of every rank
         algo = self.cfg.algorithm
         adv = compute_group_advantages(
-            rewards,
-            list(rollout.non_tensor_batch["uid"]),
+            everyone.rewards,
+            everyone.uids,
             algo.std_mode,
             algo.std_eps,
             algo.adv_clip_max,
@@ -166,107 +199,140 @@ class FlowGRPOTrainer:
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
-        metrics = self._rollout_metrics(collected, adv, keep)
+        metrics = everyone.metrics(adv, keep, self.policy_version)
+        metrics.update(self._staleness_metrics(collected))
 
-        # 3. update (the trainer's engine is idle: generate_sequences returned every sample)
+        # 3. update (the trainer's engine is idle: generate_sequences returned every sample);
+        # planned over the kept rows of every rank, each rank running its own
+        self._progress.phase("update")
         if keep.any():
-            rows_kept = np.flatnonzero(keep)
-            tensors = {k: v[rows_kept] for k, v in rollout.batch.items() if k != "images"}
+            tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
             specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
-            advantages = torch.from_numpy(adv.values[rows_kept])
+            advantages = torch.from_numpy(adv.values[everyone.mine])
             metrics.update(
                 self.updater.update(
-                    tensors, [specs[i] for i in rows_kept], advantages, torch.ones(len(rows_kept)), step
+                    tensors, specs, advantages, torch.ones(len(specs)), step, trained=everyone.trained(keep)
                 )
             )
             self.policy_version = self.updater.num_optimizer_steps
+        # 4. the new version goes live (with trainer.async_rollout: once the early rollout returns)
+        t_sync = time.perf_counter()
         self.rollouts.after_update(self.policy_version)
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t_sync
         self.versions.record(step, self.policy_version)
+        if self.random_weights:
+            metrics["model/random_weights"] = 1.0
         metrics["timing/rollout_s"] = collected.rollout_s
         metrics["timing/rollout_wait_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = collected.reward_wait_s
         metrics["timing/step_s"] = time.perf_counter() - t0
+        if self.world.device.type == "cuda":
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
         self.step = step
-        return metrics
+        return self._max_over_ranks(metrics)
 
     def _roll_out(self, step: int) -> CollectedRollout:
-        """Step `step`'s rows rolled out and scored (a schedule decides when this runs)."""
+        """Step `step`'s rows rolled out and scored, this rank's share, then gathered from every
+        rank (a schedule decides when this runs: with trainer.async_rollout, on a thread of its own
+        while the previous step trains, so it shows no progress and is never abortable)."""
         from flowrl.rollout.batch import RolloutBatch
 
         t0 = time.perf_counter()
-        rows = self.prompts.next_rows()
+        rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
         window = self._sde_window(step)
         for i, row in enumerate(rows):
             row["uid"] = f"step{step}-prompt{i}"
             if window is not None:
                 row["sampling_overrides"] = {"sde_window": window}
-        batch = RolloutBatch.from_rows(rows).repeat(self.cfg.rollout.n)
+        n = self.cfg.rollout.n
+        first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
+        batch = RolloutBatch.from_rows(my_rows).repeat(n)
+        first_row = self.agent_loop.rows_generated
         self.rollout_backend.reset_stats()
+        progress = NO_PROGRESS if self.rollouts.is_async else self._progress
 
         # each sample scored as soon as it is done (generate_sequences returns after every
-        # on_sample_done call has returned, so every row has been submitted)
+        # on_sample_done call has returned, so every row has been submitted); each row gets the
+        # seed of its index among all ranks' rows
         def submit(row: int, output) -> None:
             self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
+            progress.advance()
 
-        rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit)
-        t_rollout = time.perf_counter()
-        stats = self.rollout_backend.stats()
-        rewards, components = self.scorer.results_with_components(len(rollout))
-        return CollectedRollout(rollout, rewards, components, stats, t_rollout - t0, time.perf_counter() - t_rollout)
+        progress.phase("rollout", len(batch))
+        with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
+            with self.parallel.rollout_weights():
+                rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
+            self.agent_loop.rows_generated = first_row + len(rows) * n
+            t_rollout = time.perf_counter()
+            stats = self.rollout_backend.stats()
+            rewards, components = self.scorer.results_with_components(len(rollout))
+            t_reward = time.perf_counter()
+        counters = {} if stats is None else {name: stats.get(name, 0) for name in _ENGINE_COUNTERS}
+        everyone = gather_step_rows(self.world, rollout, rewards, components, counters)
+        return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_rollout)
 
-    def _rollout_metrics(self, collected: CollectedRollout, adv, keep) -> dict:
-        rollout, rewards, components = collected.rollout, collected.rewards, collected.components
-        finite = rewards[np.isfinite(rewards)]
-        versions = np.asarray(rollout.non_tensor_batch["policy_version"], dtype=np.int64)
-        # How many training steps the weights being trained are ahead of those that drew each row.
-        staleness = self.versions.staleness(versions, self.step)
-        rollout.add_non_tensors({"staleness": staleness.tolist()})
-        metrics = {
-            "reward/mean": float(finite.mean()) if finite.size else float("nan"),
-            "reward/std": float(finite.std()) if finite.size else float("nan"),
-            "reward/nan_ratio": float(1.0 - finite.size / max(len(rewards), 1)),
-            "adv/zero_std_ratio": adv.zero_std_ratio,
-            "adv/mean_group_std": adv.mean_group_std,
-            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
-            "adv/num_rows_trained": int(keep.sum()),
-            "rollout/policy_version": int(versions.min()),
-            "rollout/policy_lag": int(self.policy_version - versions.min()),
-            "rollout/staleness_mean": float(staleness.mean()),
-            "rollout/staleness_max": int(staleness.max()),
-        }
-        for name, scores in components.items():
-            if len(components) > 1:
-                metrics[f"reward/{name}/mean"] = float(np.nanmean(scores))
-        metrics["rollout/mean_rows_per_forward"] = collected.stats.get("mean_rows_per_forward", 0.0)
-        metrics["rollout/images_per_second"] = collected.stats.get("images_per_second", 0.0)
-        metrics["rollout/num_batched_groups"] = rollout.meta_info.get("num_batched_groups", 0)
-        return metrics
+    def _staleness_metrics(self, collected: CollectedRollout) -> dict:
+        """How many training steps the weights being trained are ahead of those that drew each row
+        (over every rank's rows); this rank's rows also get it as their `staleness` column."""
+        staleness = self.versions.staleness(collected.rows.policy_versions, self.step)
+        collected.rollout.add_non_tensors({"staleness": staleness[collected.rows.mine].tolist()})
+        return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": int(staleness.max())}
+
+    def _max_over_ranks(self, metrics: dict) -> dict:
+        """The `timing/*` and `memory/*` metrics of the slowest, fullest rank (a collective)."""
+        names = sorted(k for k in metrics if k.startswith(("timing/", "memory/")))
+        return {**metrics, **dict(zip(names, self.world.max([metrics[k] for k in names])))}
 
     # --- validation -------------------------------------------------------------------------------
     def validate(self) -> dict:
         """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the
-        moving average of the weights); a captioned grid PNG."""
+        moving average of the weights); a captioned grid PNG. Each rank samples and scores its
+        share of the prompts; rank 0 writes the grid of all of them."""
         from flowrl.rollout.batch import RolloutBatch
 
         if not self.val_rows:  # trainer.num_val_images=0
             return {}
         t0 = time.perf_counter()
-        batch = RolloutBatch.from_rows([dict(row) for row in self.val_rows])
-        with self._evaluation_weights():
-            out = self.val_agent_loop.generate_sequences(batch, validation=True)
-        images = out.batch["images"]
-        prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
-        scores, _ = self.reward.score_or_nan(images, prompts, [_row_metadata(out, i) for i in range(len(out))])
-        grid = save_image_grid(
-            images, [f"r={s:.4g}" for s in scores], self.output_dir / "val" / f"step_{self.step:06d}.png"
+        first, mine = self.world.share(self.val_rows)
+        self._progress.phase("validation", len(mine))
+        images, scores, prompts, targets = None, [], [], []
+        # The abortable block inside the weights' swap: a stop signal never lands mid-swap. Every
+        # rank enters rollout_weights (a collective when sharded).
+        with self._evaluation_weights(), self.parallel.rollout_weights(), self._abortable():
+            if mine:
+                batch = RolloutBatch.from_rows([dict(row) for row in mine])
+                out = self.val_agent_loop.generate_sequences(
+                    batch,
+                    validation=True,
+                    on_sample_done=lambda row, output: self._progress.advance(),
+                    row_offset=first,
+                )
+                images = out.batch["images"]
+                prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+                targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
+        with self._abortable():
+            if mine:
+                metadata = [_row_metadata(out, i) for i in range(len(out))]
+                scores = list(self.reward.score_or_nan(images, prompts, metadata)[0])
+        shares = [share for share in self.world.gather((images, scores, prompts, targets)) if share[0] is not None]
+        scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
+        if self.world.is_main:
+            prompts = [p for share in shares for p in share[2]]
+            targets = [t for share in shares for t in share[3]]
+            grid = save_image_grid(
+                torch.cat([share[0] for share in shares]),
+                grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
+                self.output_dir / "val" / f"step_{self.step:06d}.png",
+            )
+            if self.cfg.logging.log_images:
+                self.logger.log_image(self.step, "val/images", grid)
+        return self._max_over_ranks(
+            {
+                "val/reward_mean": float(np.nanmean(scores)),
+                "val/reward_std": float(np.nanstd(scores)),
+                "timing/val_s": time.perf_counter() - t0,
+            }
         )
-        if self.cfg.logging.log_images:
-            self.logger.log_image(self.step, "val/images", grid)
-        return {
-            "val/reward_mean": float(np.nanmean(scores)),
-            "val/reward_std": float(np.nanstd(scores)),
-            "timing/val_s": time.perf_counter() - t0,
-        }
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -284,6 +350,7 @@ class FlowGRPOTrainer:
             state,
             self.config_dict,
             ema=self.ema,
+            parallel=self.parallel,
         )
 
     def data_state(self, saved: bool = False) -> dict:
@@ -303,14 +370,20 @@ class FlowGRPOTrainer:
         hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
         optimizer = self.updater.optimizer
         restored = checkpoint.load_checkpoint(
-            path, self.adapter.transformer, optimizer, self.param_names, verify=False, ema=self.ema
+            path,
+            self.adapter.transformer,
+            optimizer,
+            self.param_names,
+            verify=False,
+            ema=self.ema,
+            parallel=self.parallel,
         )
         tcfg = self.cfg.trainer
         for group in optimizer.param_groups:
             group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         if self.ema is not None and not restored["ema_restored"]:
             self.ema.reset()  # from the restored weights
-            print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
+            self._print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
         state = restored["trainer"]
         self.step = restored["step"]
         self.prompts.load_state_dict(state["data"])
@@ -318,26 +391,37 @@ class FlowGRPOTrainer:
         self.updater.num_optimizer_steps = state["num_optimizer_steps"]
         self.policy_version = state["policy_version"]
         self.engine.set_policy_version(self.policy_version)
-        print(f"resumed from {path} at step {self.step}")
+        self._print(f"resumed from {path} at step {self.step}")
 
     def save_final(self) -> Path:
         """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
         pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
         with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
-        or the transformer). Returns the pipeline folder."""
-        from flowrl.trainer.export import export_pipeline
-
-        final = export_pipeline(self.adapter, self.output_dir / "final", self.step, self.config_dict)
+        or the transformer). Returns the pipeline folder. Every rank calls it (sharded weights are
+        gathered); rank 0 writes."""
+        final = self.output_dir / "final"
+        state = self.parallel.gathered_state_dict(self.adapter.transformer)
+        if self.world.is_main:
+            export_pipeline(self.adapter, final, self.step, self.config_dict, transformer_state=state)
+        self.world.barrier()
         if self.ema is not None:
             with self.ema.applied():
                 self._save_weights(self.output_dir / "final" / "ema")
         return final
 
     def _save_weights(self, folder: Path) -> Path:
-        if has_lora(self.adapter.transformer):
-            return save_lora_for_diffusers(self.adapter, folder / "lora")
-        self.adapter.transformer.save_pretrained(folder / "transformer")
-        return folder / "transformer"
+        """The trained weights alone: a diffusers LoRA folder, or the transformer (gathered from
+        every rank when sharded), written by rank 0."""
+        transformer = self.adapter.transformer
+        lora = has_lora(transformer)
+        state = None if lora else self.parallel.gathered_state_dict(transformer)
+        if self.world.is_main:  # LoRA weights are the same on every rank
+            if lora:
+                save_lora_for_diffusers(self.adapter, folder / "lora")
+            else:
+                save_transformer(transformer, folder / "transformer", state)
+        self.world.barrier()
+        return folder / ("lora" if lora else "transformer")
 
     def _evaluation_weights(self):
         """The weights validation samples with: the moving average with trainer.ema (put back
@@ -346,49 +430,131 @@ class FlowGRPOTrainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train until trainer.total_steps (or trainer.epochs) and return a summary."""
-        from tqdm.auto import tqdm
+        """Train until trainer.total_steps (or trainer.epochs) and return a summary.
 
+        SIGINT / SIGTERM stop the run cleanly (flowrl.trainer.interrupts): a step whose update has
+        not begun is dropped and rewound, one whose update has begun finishes; the last completed
+        step is saved when no checkpoint holds it yet; the engine and reward threads are joined;
+        then TrainingInterrupted says which checkpoint a resume starts from.
+        """
         tcfg = self.cfg.trainer
         if self.plan.finished:
-            self.rollout_backend.close()
-            self.scorer.close()
-            self.logger.close()
-            print(self.plan.finished, flush=True)
+            self._close()
+            self._print(self.plan.finished)
             return {"steps": self.step, "steps_trained": 0, "nothing_to_do": self.plan.finished}
         start_step = self.step
-        if tcfg.val_every and self.step == 0:
-            self.logger.log(0, self.validate())
-        bar = tqdm(
-            total=tcfg.total_steps, initial=self.step, desc="flowrl train", disable=not self.cfg.logging.progress_bar
+        self._progress = StepProgress(
+            tcfg.total_steps,
+            self.step,
+            disable=not (self.cfg.logging.progress_bar and self.world.is_main),
+            is_compiling=self.cfg.engine.compile,
         )
+        self._signals = StopSignals()
+        # Counts the transformer forwards of the update phase (the bar's "update N fwd").
+        counter = self.adapter.transformer.register_forward_pre_hook(lambda *_: self._count_update_forward())
+        zero_spread = ZeroSpreadWatch(self.reward.name, self.cfg.rollout.n, write=note)
+        last_saved_step = self.step  # a resumed run's checkpoint holds this step; 0: nothing saved
+        rewind: StepRewind | None = None
+        interrupted: TrainingInterrupted | None = None
+        is_clean_exit = False
         try:
-            while self.step < tcfg.total_steps:
-                if tcfg.epochs is not None and self.data_state(saved=True)["data"]["epoch"] >= tcfg.epochs:
-                    break
-                metrics = self.train_step()
-                if tcfg.val_every and self.step % tcfg.val_every == 0:
-                    metrics.update(self.validate())
-                if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
-                    self.logger.log(self.step, metrics)
-                if tcfg.save_every and self.step % tcfg.save_every == 0:
-                    self.save()
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", clip=f"{metrics.get('actor/clipfrac', 0):.2f}")
-            self.rollouts.finish()
+            with self._signals:
+                try:
+                    if tcfg.val_every and self.step == 0:
+                        self._log(0, self.validate())
+                    while self.step < tcfg.total_steps:
+                        if tcfg.epochs is not None and self.data_state(saved=True)["data"]["epoch"] >= tcfg.epochs:
+                            break
+                        rewind = StepRewind.capture(self.prompts, self.agent_loop)
+                        metrics = self.train_step()
+                        rewind = None  # the step completed: nothing to undo
+                        if self.world.is_main:
+                            zero_spread.observe(self.step, metrics)
+                        try:
+                            if tcfg.val_every and self.step % tcfg.val_every == 0:
+                                metrics.update(self.validate())
+                        finally:  # an aborted validation still logs the completed step
+                            if self.step % tcfg.log_every == 0 or self.step == tcfg.total_steps:
+                                self._log(self.step, metrics)
+                        if tcfg.save_every and self.step % tcfg.save_every == 0:
+                            self.save()
+                            last_saved_step = self.step
+                        self._progress.step_done(metrics)
+                        self._check_stop()
+                    self.rollouts.finish()  # the last update goes live on rollout servers
+                except PhaseAborted:
+                    if rewind is not None:
+                        rewind.restore()
+                if self._signals.requested is not None:
+                    interrupted = self._stop_after_signal(last_saved_step)
+            is_clean_exit = interrupted is None
         finally:
-            bar.close()
-            self.rollouts.close()
-            self.rollout_backend.close()
-            self.scorer.close()
-            self.logger.close()
+            counter.remove()
+            self._progress.close()
+            if not is_clean_exit:  # interrupted or failed: no engine thread may outlive the run
+                self.engine.shutdown()
+            self._close(drop_pending=not is_clean_exit)
+            self._progress, self._signals = NO_PROGRESS, None
+        if zero_spread.summary():
+            note(zero_spread.summary())
+        if interrupted is not None:
+            if interrupted.checkpoint is None and self.world.is_main:
+                # No step of this run was kept: remove what it wrote (step-0 validation, logs), so the
+                # folder is as plan_run found it and the same command starts over.
+                resume.delete_run_files(self.output_dir, resume.run_files(self.output_dir), "no step completed")
+            raise interrupted
         return {**self.summary(), "steps_trained": self.step - start_step}
 
+    def _count_update_forward(self) -> None:
+        if self._progress.current_phase == "update":
+            self._progress.advance()
+
+    def _abortable(self):
+        """A phase a stop signal may drop at once. Over several ranks none is: a rank leaving a phase
+        alone would leave the others waiting in its collectives, so the ranks stop together at the
+        end of a step (`_check_stop`). With trainer.async_rollout none is either: the next step's
+        rollout runs on its own thread during the update, and a stop at the end of a step saves the
+        data position from before that rollout drew its rows (`data_state(saved=True)`)."""
+        if self._signals is None or self.world.is_distributed or self.rollouts.is_async:
+            return contextlib.nullcontext()
+        return self._signals.abortable()
+
+    def _check_stop(self) -> None:
+        """The safe point after a step: stop when a signal was received (over several ranks: by any
+        rank, agreed through a collective, so that every rank stops after the same step)."""
+        if self.world.is_distributed:
+            requested = self._signals.requested or 0
+            agreed = int(self.world.max([float(requested)])[0])
+            if agreed and self._signals.requested is None:
+                self._signals.requested = agreed
+        self._signals.check()
+
+    def _stop_after_signal(self, last_saved_step: int) -> TrainingInterrupted:
+        """Save the last completed step if no checkpoint holds it (every rank: the save is a
+        collective when sharded); say where a resume starts."""
+        saved_now = self.step > last_saved_step
+        resume_from = self.save() if saved_now else checkpoint.latest_checkpoint(self.output_dir)
+        return TrainingInterrupted(self._signals.requested, self.step, resume_from, saved_now)
+
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def _close(self, drop_pending: bool = False) -> None:
+        self.rollouts.close()  # a pending early rollout is left behind; closing the backend ends it
+        self.rollout_backend.close()
+        self.scorer.close(drop_pending=drop_pending)
+        if self.logger is not None:
+            self.logger.close()
+
     def summary(self) -> dict:
+        """The exported weights and, on rank 0, the reward summary (every rank calls it)."""
+        final = self.save_final()
+        if not self.world.is_main:
+            return {"steps": self.step, "final_weights": str(final)}
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
         means = [r["reward/mean"] for r in records]
         curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
-        final = self.save_final()
         return {
             "steps": self.step,
             "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),
@@ -396,4 +562,5 @@ class FlowGRPOTrainer:
             "reward_curve": str(curve) if curve else None,
             "final_weights": str(final),
             "metrics": str(self.logger.path),
+            **({"random_weights": self.random_weights} if self.random_weights else {}),
         }

@@ -17,6 +17,15 @@ Every valid (sample, trained step) pair of an optimizer step weighs the same: ea
 loss is its share of the mean over the whole mini-batch's pairs (flowrl.trainer.loss,
 `normalizer`), so a short last micro-batch counts as little as it holds.
 
+Over several ranks (`TrainedRows`, `flowrl.distributed.DataParallel`), the update is planned over
+the trained rows of EVERY rank, in the order one process holding them all would have them: the
+same samples are drawn, mini-batches cut and trained steps chosen as in one process, and each rank
+runs the rows of each mini-batch it holds. The normalizer counts the pairs of all ranks, the
+gradients are summed over the ranks before the clip, and every rank takes the same optimizer step:
+a run over W ranks computes the one-process update (up to the rounding of smaller forwards). With
+sharded weights every rank runs as many micro-batches per optimizer step; ranks with fewer add
+weight-0 ones, which change nothing.
+
 Where a scored log-prob takes its VALUE from is chosen once, when the updater is built
 (`Scoring`): the grad pass itself (an eager model: one graph), or, with a compiled model, the
 no-grad graph the rollout ran (flowrl.trainer.policy, `values_from_no_grad`), which costs one more
@@ -44,6 +53,8 @@ import numpy as np
 import torch
 
 from flowrl.config.sections import OldLogProbSource
+from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.sampler import kl_to_reference
 from flowrl.trainer.lora import adapter_disabled
@@ -54,6 +65,7 @@ from flowrl.trainer.policy import (
     takes_values_from_no_grad,
     with_values,
 )
+from flowrl.trainer.trained_rows import TrainedRows, with_padding
 
 # Where a grad pass's log-prob values come from: its own graph ("grad_pass"), a no-grad pass of
 # the same forwards run just before it ("value_pass"), or the old-log-prob recompute, which ran
@@ -83,17 +95,29 @@ class Scoring:
 
 @dataclass
 class Plan:
-    """What one update trains, in which order.
+    """What one update trains, in which order, on this rank.
 
-    train_steps: (N, K) window-step indices trained per sample. epochs: per update epoch, its
-    optimizer steps, each a list of micro-batches (row-index tensors)."""
+    train_steps: (N, K) window-step indices trained per row of this rank's tensors (rows it does
+    not train keep the first K). epochs: per update epoch, its optimizer steps, each a list of this
+    rank's micro-batches (row-index tensors). step_weights: per optimizer step (all epochs in
+    order), the loss weight of its rows on every rank (its normalizer is that times K). padding:
+    per optimizer step, the weight-0 micro-batches this rank adds to run as many as the busiest
+    rank (sharded weights only; else 0)."""
 
     train_steps: torch.Tensor
     epochs: list[list[list[torch.Tensor]]]
+    step_weights: list[float]
+    padding: list[int]
 
     @property
     def optimizer_steps(self) -> list[list[torch.Tensor]]:
         return [micro_batches for epoch in self.epochs for micro_batches in epoch]
+
+    @property
+    def first_epoch_padding(self) -> int:
+        """Weight-0 micro-batches this rank adds to epoch 0 (the old-log-prob recompute runs its
+        micro-batches)."""
+        return sum(self.padding[: len(self.epochs[0])])
 
 
 @dataclass
@@ -111,11 +135,22 @@ class PolicyUpdater:
     """Owns the optimizer over the trainable parameters and runs the update of each step.
 
     ema: a flowrl.trainer.ema.ParameterEMA over the same parameters, stepped after every
-    optimizer step (None: no moving average)."""
+    optimizer step (None: no moving average). parallel: how gradients combine over ranks
+    (flowrl.distributed.DataParallel; None: one process)."""
 
-    def __init__(self, adapter, params: list[torch.nn.Parameter], algorithm_cfg, trainer_cfg, ema=None):
+    def __init__(
+        self,
+        adapter,
+        params: list[torch.nn.Parameter],
+        algorithm_cfg,
+        trainer_cfg,
+        ema=None,
+        parallel: DataParallel | None = None,
+    ):
         self.adapter = adapter
         self.params = params
+        self.parallel = parallel or DataParallel(World.single(), "single")
+        self.world = self.parallel.world
         self.algorithm = algorithm_cfg
         self.trainer = trainer_cfg
         self.ema = ema
@@ -138,12 +173,16 @@ class PolicyUpdater:
         advantages: torch.Tensor,
         weights: torch.Tensor,
         step: int,
+        trained: TrainedRows | None = None,
     ) -> dict:
-        """Run the update of training step `step`; returns its metrics (see module docstring).
-        specs: the settings each row was drawn with (one TransitionSpec per row)."""
+        """Run the update of training step `step`; returns its metrics (see module docstring),
+        the same on every rank. tensors, specs (the settings each row was drawn with), advantages,
+        weights: this rank's rows. trained: the rows trained on every rank (None: every row given
+        here, in one process)."""
         t0 = time.perf_counter()
+        trained = trained if trained is not None else TrainedRows.of_one_process(specs, weights)
         # 1. what is trained, in which order
-        plan = self.plan(tensors, specs, step)
+        plan = self.plan(tensors, specs, step, trained)
         num_train = plan.train_steps.shape[1]
         rollout_log_probs = tensors.get("all_log_probs")
         if rollout_log_probs is not None:
@@ -151,7 +190,10 @@ class PolicyUpdater:
 
         # 2. the PPO denominator
         first_epoch = [rows for micro_batches in plan.epochs[0] for rows in micro_batches]
-        old, gaps = self._old_log_probs(tensors, specs, plan.train_steps, first_epoch, rollout_log_probs)
+        old, gaps = self._old_log_probs(
+            tensors, specs, plan.train_steps, first_epoch, rollout_log_probs, plan.first_epoch_padding
+        )
+        t_old = time.perf_counter()
         measure_gap_in_first_step = rollout_log_probs is not None and self.algorithm.old_log_prob == "rollout"
 
         # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch
@@ -162,11 +204,11 @@ class PolicyUpdater:
         transformer.train()
         for index, micro_batches in enumerate(plan.optimizer_steps):
             source = self.scoring.first_step if index == 0 else self.scoring.later_steps
-            rows_of_step = torch.cat(micro_batches)
-            # Every valid (row, step) pair of this optimizer step weighs 1 / normalizer.
-            normalizer = float(weights[rows_of_step].sum()) * num_train
+            rows_of_step = torch.cat(micro_batches) if micro_batches else torch.zeros(0, dtype=torch.long)
+            # Every valid (row, step) pair of this optimizer step, on every rank, weighs 1 / normalizer.
+            normalizer = plan.step_weights[index] * num_train
             loss_sum, clipped_sum = 0.0, 0.0
-            for rows in micro_batches:
+            for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
                 row_specs = [specs[i] for i in rows.tolist()]
                 for k in range(num_train):
                     step_index = plan.train_steps[rows, k]
@@ -176,15 +218,17 @@ class PolicyUpdater:
                         kl = kl_to_reference(result, self._reference_mean(tensors, row_specs, rows, step_index))
                     out = clipped_policy_loss(
                         result.log_prob,
-                        old[rows, k],
+                        result.log_prob.detach() if is_padding else old[rows, k],
                         advantages[rows],
                         self.algorithm.clip_range,
                         kl=kl,
                         kl_beta=self.algorithm.kl_beta,
-                        weights=weights[rows],
+                        weights=torch.zeros(len(rows)) if is_padding else weights[rows],
                         normalizer=normalizer,
                     )
                     self._backward(out.loss)
+                    if is_padding:
+                        continue  # it ran only so that every rank runs as many forwards and backwards
                     if measure_gap_in_first_step and index == 0:
                         gaps.append((result.log_prob.detach().cpu() - rollout_log_probs[rows, k]).abs())
                     _accumulate(sums, out)
@@ -193,37 +237,73 @@ class PolicyUpdater:
                     ratio_max = max(ratio_max, out.ratio_max)
                     count += out.num_rows
             pairs = normalizer if normalizer > 0 else 1.0
+            # The loss and clipped share of this rank's pairs (each a share of the step's mean).
             self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs))
+            self.parallel.reduce_gradients(self.params)
             self.records[-1].grad_norm = self._optimizer_step()
         transformer.eval()
 
-        # 4. metrics (means over the trained pairs)
-        metrics = {f"actor/{name}": value / max(count, 1) for name, value in sums.items()}
+        # 4. metrics (means over the trained pairs of every rank)
+        gap = torch.cat(gaps) if gaps else torch.zeros(0)
+        *totals, count, gap_sum, gap_count = self.world.sum([*sums.values(), count, float(gap.sum()), gap.numel()])
+        ratio_max, gap_max = self.world.max([ratio_max, float(gap.max()) if gap.numel() else -math.inf])
+        metrics = {f"actor/{name}": value / max(count, 1) for name, value in zip(sums, totals)}
         metrics["actor/ratio_max"] = ratio_max
         metrics["actor/grad_norm"] = float(np.mean([r.grad_norm for r in self.records])) if self.records else 0.0
         metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
-        if gaps:
-            gap = torch.cat(gaps)
-            metrics["actor/logprob_gap_mean"] = float(gap.mean())
-            metrics["actor/logprob_gap_max"] = float(gap.max())
-        metrics["timing/update_s"] = time.perf_counter() - t0
+        if gap_count:
+            metrics["actor/logprob_gap_mean"] = gap_sum / gap_count
+            metrics["actor/logprob_gap_max"] = gap_max
+        # The phases' wall times (flowrl bench train reads them): the denominator, then the rest,
+        # its last optimizer step's kernels included.
+        if self.adapter.device.type == "cuda":
+            torch.cuda.synchronize(self.adapter.device)
+        metrics["timing/old_log_prob_s"] = t_old - t0
+        metrics["timing/update_s"] = time.perf_counter() - t_old
         return metrics
 
     # -- the pieces of the update -----------------------------------------------------------------
-    def plan(self, tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec], step: int) -> Plan:
-        """The update's trained steps and its optimizer steps' micro-batches (module docstring)."""
-        num_rows, window = tensors["sigmas"].shape
+    def plan(
+        self,
+        tensors: dict[str, torch.Tensor],
+        specs: Sequence[TransitionSpec],
+        step: int,
+        trained: TrainedRows | None = None,
+    ) -> Plan:
+        """The update's trained steps and this rank's micro-batches of each optimizer step, drawn
+        over the rows trained on every rank (module docstring; `trained` None: every row of
+        `tensors`, in one process)."""
+        num_local, window = tensors["sigmas"].shape
         if window == 0:
             raise ValueError("the rollouts have no SDE window steps; set rollout.sampling.sde_window_size >= 1")
-        if len(specs) != num_rows:
-            raise ValueError(f"{len(specs)} transition specs for {num_rows} rollout rows; pass one per row")
-        epochs = []
+        if len(specs) != num_local:
+            raise ValueError(f"{len(specs)} transition specs for {num_local} rollout rows; pass one per row")
+        trained = trained if trained is not None else TrainedRows.of_one_process(specs, torch.ones(num_local))
+        num_rows = len(trained.owner)
+        epochs, step_weights, padding = [], [], []
         for epoch in range(self.trainer.update_epochs):
             order = torch.randperm(num_rows, generator=self._generator(step, 2, epoch))
-            mini_batches = [m for m in torch.tensor_split(order, self.trainer.updates_per_step) if m.numel()]
-            epochs.append([self._micro_batches(m, specs) for m in mini_batches])
-        return Plan(self.trained_steps(num_rows, window, step), epochs)
+            mini_batches = [m.numpy() for m in torch.tensor_split(order, self.trainer.updates_per_step) if m.numel()]
+            steps = []
+            for rows in mini_batches:
+                mine = torch.from_numpy(trained.index[trained.held_by(rows, trained.rank)])
+                steps.append(self._micro_batches(mine, specs))
+                step_weights.append(float(trained.weight[rows].sum()))
+                padding.append(self._padding(trained, rows, len(steps[-1])))
+            epochs.append(steps)
+        global_steps = self.trained_steps(num_rows, window, step)
+        train_steps = torch.arange(global_steps.shape[1]).expand(num_local, -1).clone()
+        mine = np.flatnonzero(trained.owner == trained.rank)
+        train_steps[torch.from_numpy(trained.index[mine])] = global_steps[torch.from_numpy(mine)]
+        return Plan(train_steps, epochs, step_weights, padding)
+
+    def _padding(self, trained: TrainedRows, rows: np.ndarray, num_mine: int) -> int:
+        """Weight-0 micro-batches this rank adds to an optimizer step over `rows` so that it runs as
+        many as the busiest rank (with sharded weights; else none)."""
+        if not self.parallel.pads_micro_batches:
+            return 0
+        return trained.most_micro_batches(rows, self.trainer.micro_batch_size) - num_mine
 
     def trained_steps(self, num_rows: int, window: int, step: int) -> torch.Tensor:
         """(N, K) window-step indices to train per sample (sorted), K = max(1, int(W * fraction))."""
@@ -242,22 +322,30 @@ class PolicyUpdater:
         size = self.trainer.micro_batch_size
         return [torch.tensor(g[i : i + size]) for g in groups.values() for i in range(0, len(g), size)]
 
-    def _old_log_probs(self, tensors, specs, train_steps, first_epoch, rollout_log_probs) -> tuple[torch.Tensor, list]:
+    def _old_log_probs(
+        self, tensors, specs, train_steps, first_epoch, rollout_log_probs, padding: int = 0
+    ) -> tuple[torch.Tensor, list]:
         """The PPO denominator (N, K), and the log-prob gaps it measured. The recompute uses epoch
         0's micro-batches, so the first update's forwards see the same batch composition (ratio
-        exactly 1 on CPU)."""
+        exactly 1 on CPU); `padding` weight-0 ones are scored and dropped (sharded weights)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
                     "algorithm.old_log_prob=rollout needs rollout log-probs; set rollout.sampling.logprobs=true"
                 )
             return rollout_log_probs, []
-        old = torch.empty(train_steps.shape)
-        for rows in first_epoch:
+        old = torch.zeros(train_steps.shape)
+        recomputed = torch.zeros(train_steps.shape[0], dtype=torch.bool)
+        for rows, is_padding in with_padding(first_epoch, padding):
             row_specs = [specs[i] for i in rows.tolist()]
             for k in range(train_steps.shape[1]):
-                old[rows, k] = self._score_no_grad(tensors, row_specs, rows, train_steps[rows, k]).log_prob.cpu()
-        gaps = [] if rollout_log_probs is None else [(old - rollout_log_probs).abs().flatten()]
+                log_prob = self._score_no_grad(tensors, row_specs, rows, train_steps[rows, k]).log_prob.cpu()
+                if not is_padding:
+                    old[rows, k] = log_prob
+            recomputed[rows] |= not is_padding
+        gaps = []
+        if rollout_log_probs is not None and recomputed.any():
+            gaps = [(old[recomputed] - rollout_log_probs[recomputed]).abs().flatten()]
         return old, gaps
 
     def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource, recomputed: torch.Tensor):
@@ -285,7 +373,7 @@ class PolicyUpdater:
     def _optimizer_step(self) -> float:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip))
+        grad_norm = self.parallel.clip_gradients(self.params, self.trainer.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

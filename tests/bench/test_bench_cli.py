@@ -540,3 +540,25 @@ def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
     flops = [r["training_steps"][0]["flops_forward_backward"] for r in (rollout, recompute)]
     # fwd + bwd is about 3 forwards; the value pass adds a fourth
     assert flops[1] < 0.85 * flops[0], flops
+
+
+def test_bench_logprob_keeps_the_step_timings_when_the_flop_count_dies(tmp_path, monkeypatch):
+    """The FLOP count runs the step again, eagerly, under a dispatch mode; a failure there that
+    ends the process (a CUDA error poisons the context) must not take the timed step with it: the
+    JSON holds the timings, written before the count."""
+    from flowrl.bench import flops as flop_count
+
+    class ProcessDied(BaseException):
+        pass
+
+    def dies(fn):
+        raise ProcessDied()
+
+    monkeypatch.setattr(flop_count, "count_flops", dies)
+    out = tmp_path / "logprob.json"
+    args = ["bench", "logprob", "--model", "tiny-sd3", "-n", "2", "--steps", "2", "--size", "64"]
+    args += ["--micro-batches", "2", "--lora-rank", "2", "--train-repeats", "1", "--peak-seconds", "0.05"]
+    with pytest.raises(ProcessDied):
+        main([*args, "--json", str(out)])
+    [step] = json.loads(out.read_text())["training_steps"]
+    assert step["micro_batch"] == 2 and step["seconds_median"] > 0 and "flops_forward_backward" not in step

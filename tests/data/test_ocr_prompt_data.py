@@ -38,4 +38,4 @@ def test_cli_writes_jsonl(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == make_ocr_rows(7, seed=5)
     assert "wrote 7 rows" in capsys.readouterr().out
-    assert main(["data", "ocr", "--num", "0", "--out", str(out)]) == 1
+    assert main(["data", "ocr", "--num", "0", "--out", str(tmp_path / "bad.jsonl")]) == 2

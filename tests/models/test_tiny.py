@@ -34,19 +34,23 @@ def test_same_seed_builds_are_byte_identical_and_other_seeds_differ(kind, tmp_pa
     first = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "a", seed=3))
     second = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "b", seed=3))
     other = _file_hashes(build_tiny_checkpoint(kind, tmp_path / "c", seed=4))
+    assert first.pop(".flowrl-tiny") == second.pop(".flowrl-tiny") != other.pop(".flowrl-tiny")  # records the seed
     assert any(name.endswith(".safetensors") for name in first)
     assert first == second
     changed = {name for name in first if first[name] != other[name]}
     assert changed and all(name.endswith(".safetensors") for name in changed)
 
 
-def test_existing_checkpoint_of_same_kind_is_reused(tiny_sd3_path, tmp_path):
-    weights = tiny_sd3_path / "transformer" / "diffusion_pytorch_model.safetensors"
-    before = weights.stat().st_mtime_ns
-    assert build_tiny_checkpoint("sd3", tiny_sd3_path, seed=99) == tiny_sd3_path
-    assert weights.stat().st_mtime_ns == before
-    # A folder holding another kind is not mistaken for this one.
-    rebuilt = build_tiny_checkpoint("qwen_image", tiny_sd3_path.parent / "other", seed=0)
+def test_existing_checkpoint_of_same_kind_and_seed_is_reused(tmp_path):
+    path = build_tiny_checkpoint("sd3", tmp_path / "tiny", seed=0)
+    weights = path / "transformer" / "diffusion_pytorch_model.safetensors"
+    before = weights.stat().st_mtime_ns, weights.read_bytes()
+    assert build_tiny_checkpoint("sd3", path, seed=0) == path
+    assert weights.stat().st_mtime_ns == before[0]
+    # Another seed or kind in flowrl's own folder is a rebuild, not a silent reuse.
+    assert build_tiny_checkpoint("sd3", path, seed=99) == path
+    assert weights.read_bytes() != before[1]
+    rebuilt = build_tiny_checkpoint("qwen_image", path, seed=0)
     assert json.loads((rebuilt / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"
 
 

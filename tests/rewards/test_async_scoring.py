@@ -109,3 +109,23 @@ def test_bad_submissions_are_rejected():
             scorer.submit(0, image.astype(np.float32), "", {})
     with pytest.raises(ValueError, match="num_workers"):
         AsyncRewardScorer(build_reward("jpeg_compressibility"), num_workers=0)
+
+
+def test_close_dropping_pending_rows_returns_after_the_batch_in_flight():
+    class Slow(Reward):
+        name = "slow"
+
+        def score_batch(self, images, prompts, metadata):
+            time.sleep(0.3)
+            return np.zeros(len(images))
+
+    before = set(threading.enumerate())
+    scorer = AsyncRewardScorer(Slow(), num_workers=1, max_batch_size=1)
+    images = _images(10)
+    for row in range(10):
+        scorer.submit(row, images[row], str(row), {})
+    start = time.perf_counter()
+    scorer.close(drop_pending=True)
+    assert time.perf_counter() - start < 1.5  # not the 3 s that scoring all ten would take
+    assert len(scorer.scored_batch_sizes) < 10
+    assert set(threading.enumerate()) <= before  # the worker was joined

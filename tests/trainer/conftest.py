@@ -79,8 +79,8 @@ def train_tiny_lora_run(model_path, out, *overrides):
     validation_images = {}
     generate_sequences = trainer.agent_loop.generate_sequences
 
-    def recording(batch, validation=False, on_sample_done=None):
-        result = generate_sequences(batch, validation=validation, on_sample_done=on_sample_done)
+    def recording(batch, validation=False, **kwargs):
+        result = generate_sequences(batch, validation=validation, **kwargs)
         if validation:
             validation_images[trainer.step] = result.batch["images"].clone()
         return result

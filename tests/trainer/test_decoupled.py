@@ -7,12 +7,14 @@ ratio that is not 1."""
 from __future__ import annotations
 
 import json
+import signal
 
 import numpy as np
 import pytest
 import torch
 
 from flowrl.server import wire
+from flowrl.trainer.interrupts import TrainingInterrupted
 from flowrl.trainer.lora import trainable_state_dict
 from flowrl.trainer.trainer import FlowGRPOTrainer
 
@@ -117,6 +119,30 @@ def test_async_training_is_one_update_stale_and_off_policy(make_cfg, rollout_ser
     trainer.rollout_backend.close()
 
 
+def test_async_stop_finishes_the_step_and_saves_the_data_position_before_the_early_rollout(
+    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch
+):
+    """A stop signal during step 2's update (step 3's rollout is out) drops no phase midway: step 2
+    completes and its checkpoint has the data position from before step 3 drew its rows."""
+    monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
+    urls = rollout_servers(tiny_sd3_path, count=1, admin_token=TOKEN)
+    cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=4", output="stop")
+    trainer = FlowGRPOTrainer(cfg)
+    update = trainer.updater.update
+
+    def signalled_in_step_2(*args, **kwargs):
+        if args[4] == 2:  # the step; what the SIGTERM handler does, with nothing abortable now
+            trainer._signals._handle(signal.SIGTERM, None)
+        return update(*args, **kwargs)
+
+    trainer.updater.update = signalled_in_step_2
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer.fit()
+    assert stopped.value.step == 2 and stopped.value.saved_now
+    state = json.loads((stopped.value.checkpoint / "state.json").read_text())["trainer"]
+    assert state["rows_generated"] == 2 * 8 and state["data"]["position"] == 4
+
+
 def test_decoupled_config_errors(make_cfg):
     with pytest.raises(ValueError, match="trainer.async_rollout.*rollout.servers or rollout.num_replicas"):
         make_cfg("trainer.async_rollout=true")
@@ -153,7 +179,7 @@ def test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit(make_c
 
     def recording(step):
         result = roll_out(step)
-        sizes.append((len(result.rollout), int(np.isfinite(result.rewards).sum())))
+        sizes.append((len(result.rollout), int(np.isfinite(result.rows.rewards).sum())))
         return result
 
     trainer._roll_out = trainer.rollouts.roll_out = recording

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from flowrl.cli import main
+from flowrl.output_paths import read_marker
 from flowrl.trainer.eval import interval, per_prompt_means
 
 
@@ -62,8 +63,11 @@ def test_eval_base_vs_lora_gives_a_report_and_a_grid_and_repeats_exactly(tiny_lo
     base_image = np.asarray(Image.open(sorted((out / "images" / "base").glob("*.png"))[0]))
     lora_image = np.asarray(Image.open(sorted((out / "images" / "lora").glob("*.png"))[0]))
     assert not np.array_equal(base_image, lora_image)
-    # same seeds, same numbers
-    again = _eval(tmp_path, "second", *flags)
+    # the folder is marked as eval's: every file it wrote, so a re-run into it replaces them
+    listed = read_marker(out, "eval")["files"]
+    assert len(listed) == 12 + 2 and {"eval_report.json", "grid.png"} <= set(listed)
+    # same seeds, same numbers (re-run into the same folder)
+    again = _eval(tmp_path, "first", *flags)
     assert again["per_prompt"] == report["per_prompt"] and again["evaluations"] == report["evaluations"]
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.bench.architectures import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
 from flowrl.config import load_config
+from flowrl.models.architectures import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
 from flowrl.trainer.lora import apply_trainable
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -1,0 +1,283 @@
+"""`flowrl bench train --config RECIPE [KEY=VALUE ...] [--steps K]`: a recipe's whole training step,
+measured phase by phase, against its FLOP limits and against a peer's loop in the same process.
+
+1. The recipe with the overrides, loaded as `flowrl train` loads it (usually with
+   `model.path=random:NAME`, a weight-free reward and the embedded prompts); the run folder is a
+   temporary one, without tensorboard or progress bar. Every cheap check runs before the model loads.
+2. The sustained matmul peak is measured; the model is loaded into the engine as the trainer loads it.
+3. With the trainer's LoRA in place on the still-eager model: the FLOPs of one representative call
+   of each kind (flowrl.bench.train_flops), then the peer's loop (flowrl.bench.peer): a warm-up
+   step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
+4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
+   each followed by validation whenever trainer.val_every says so, as `fit` does.
+5. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
+   reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
+   validation), its FLOPs, its limit (those FLOPs at the measured peak) and its MFU; the whole
+   step's images per second, its time over the sum of the phases' limits, the peak GPU memory,
+   the peer's step over flowrl's, and how long trainer.total_steps of the recipe would take.
+
+The JSON (--json) is rewritten after every measurement; `python -m flowrl.bench.summary F`
+prints it again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import traceback
+
+import torch
+
+from flowrl.bench import flops as flop_count
+from flowrl.bench.report import JsonReport, environment, median, peak_memory_gb, quiet_libraries, reset_peak_memory
+from flowrl.bench.train_flops import (
+    count_unit_flops,
+    phase_flops,
+    trainable,
+    trained_steps_per_sample,
+    window_size,
+)
+
+# phase -> the trainer's metric holding its seconds
+PHASE_METRICS = {
+    "rollout": "timing/rollout_s",
+    "reward_wait": "timing/reward_wait_s",
+    "old_log_prob": "timing/old_log_prob_s",
+    "update": "timing/update_s",
+    "weight_sync": "timing/weight_sync_s",
+    "validation": "timing/val_s",
+}
+BENCH_OVERRIDES = ("logging.tensorboard=false", "logging.wandb=false", "logging.progress_bar=false")
+
+
+def load_bench_config(config: str, overrides: list[str], output_dir: str):
+    from flowrl.trainer.cli import load_train_config
+
+    return load_train_config(config, [*overrides, *BENCH_OVERRIDES, f"trainer.output_dir={output_dir}"])
+
+
+def summarize(steps: list[dict], peak_flops: float) -> dict:
+    """Medians over the timed steps: per phase (over the steps it ran in) its seconds, FLOPs, limit
+    (FLOPs at the peak) and MFU; the training step (validation apart: it is a phase of its own,
+    run every val_every steps), its img/s, its time over the sum of its phases' limits and its MFU."""
+    out = {"phases": {}}
+    for phase in PHASE_METRICS:
+        ran = [s for s in steps if phase in s["seconds"]]
+        if not ran:
+            continue
+        seconds = median([s["seconds"][phase] for s in ran])
+        flops = median([s["flops"].get(phase, 0.0) for s in ran])
+        out["phases"][phase] = {
+            "seconds": seconds,
+            "flops": flops,
+            "limit_seconds": flops / peak_flops,
+            "mfu": flops / seconds / peak_flops if flops and seconds > 0 else None,
+        }
+    step = median([s["step_seconds"] for s in steps])
+    training = {name: p for name, p in out["phases"].items() if name != "validation"}
+    limits = sum(p["limit_seconds"] for p in training.values())
+    out.update(
+        step_seconds=step,
+        other_seconds=step - sum(p["seconds"] for p in training.values()),
+        images_per_second=median([s["samples"] for s in steps]) / step,
+        limit_seconds=limits,
+        step_over_limits=step / limits if limits else None,
+        mfu=sum(p["flops"] for p in training.values()) / step / peak_flops,
+    )
+    return out
+
+
+def projection(cfg, recipe_cfg, flowrl: dict, gpus: int) -> dict:
+    """trainer.total_steps at the measured step time (validation every val_every steps when it was
+    timed), and at the recipe file's own step size, scaled linearly in samples."""
+    tcfg = cfg.trainer
+    val = flowrl["phases"].get("validation")
+    per_step = flowrl["step_seconds"] + (val["seconds"] / tcfg.val_every if val and tcfg.val_every else 0.0)
+    samples = tcfg.prompts_per_step * cfg.rollout.n
+    recipe_samples = recipe_cfg.trainer.prompts_per_step * recipe_cfg.rollout.n
+    hours = tcfg.total_steps * per_step / 3600.0
+    return {
+        "total_steps": tcfg.total_steps,
+        "samples_per_step": samples,
+        "hours": hours,
+        "validation_included": bool(val and tcfg.val_every),
+        "recipe_samples_per_step": recipe_samples,
+        "hours_at_recipe_size": hours * recipe_samples / samples,
+        "gpus": gpus,
+        "hours_at_recipe_size_on_gpus": hours * recipe_samples / samples / gpus,
+    }
+
+
+def _flowrl_step(trainer, units, cfg) -> dict:
+    metrics = trainer.train_step()
+    val_every = cfg.trainer.val_every
+    if val_every and trainer.step % val_every == 0:
+        metrics.update(trainer.validate())
+    seconds = {phase: metrics[key] for phase, key in PHASE_METRICS.items() if key in metrics}
+    rows = int(metrics.get("adv/num_rows_trained", 0))
+    validated = len(trainer.val_rows) if "validation" in seconds else 0
+    return {
+        "step": trainer.step,
+        "samples": cfg.trainer.prompts_per_step * cfg.rollout.n,
+        "rows_trained": rows,
+        "seconds": seconds,
+        "step_seconds": metrics["timing/step_s"],  # validation apart
+        "flops": phase_flops(units, cfg, rows, validated),
+        "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
+        "logprob_gap_max": metrics.get("actor/logprob_gap_max"),
+    }
+
+
+def _peer_step(peer, prompts, units, cfg, samples_per_prompt=None) -> dict:
+    rows = prompts.next_rows()
+    result = peer.step(rows[:1] if samples_per_prompt else rows, samples_per_prompt)
+    seconds = {phase: result[f"{phase}_s"] for phase in ("rollout", "reward_wait", "old_log_prob", "update")}
+    return {
+        "samples": result["samples"],
+        "rows_trained": result["rows_trained"],
+        "seconds": seconds,
+        "step_seconds": result["step_s"],
+        "flops": phase_flops(units, cfg, result["rows_trained"]),
+    }
+
+
+def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
+    from flowrl.bench.peer import PeerLoop
+    from flowrl.trainer.data import PromptSampler
+
+    with trainable(adapter.transformer, cfg.trainer) as params:
+        peer = PeerLoop(adapter, cfg, prepared.reward, params)
+        prompts = PromptSampler(prepared.train_rows, cfg.trainer.prompts_per_step, cfg.data.shuffle, cfg.trainer.seed)
+        if cfg.trainer.gradient_checkpointing:
+            adapter.transformer.enable_gradient_checkpointing()
+        try:
+            _peer_step(peer, prompts, units, cfg, samples_per_prompt=peer.batch)  # warm-up
+            reset_peak_memory(device)
+            steps = []
+            for _ in range(args.peer_steps):
+                steps.append(_peer_step(peer, prompts, units, cfg))
+                print(f"[bench] peer step: {steps[-1]['step_seconds']:.2f}s", flush=True)
+        finally:
+            peer.close()
+            if cfg.trainer.gradient_checkpointing:
+                adapter.transformer.disable_gradient_checkpointing()
+    report.data["peer"] = {"batch": peer.batch, "steps": steps, "peak_memory_gb": peak_memory_gb(device)}
+    report.data["peer"].update(summarize(steps, report.data["peak"]["sustained_flops"]))
+    report.save()
+
+
+def run_train(args) -> int:
+    from flowrl.trainer.build import check_before_loading
+    from flowrl.trainer.cli import load_train_config
+
+    quiet_libraries()
+    output_dir = tempfile.mkdtemp(prefix="flowrl-bench-train-")
+    try:
+        cfg = load_bench_config(args.config, list(args.overrides), output_dir)
+        recipe_cfg = load_train_config(args.config, [])
+        prepared = check_before_loading(cfg)  # every cheap check before the model loads
+        if args.peer_steps < 0:
+            raise ValueError(f"--peer-steps={args.peer_steps} must be >= 0 (0: no peer loop)")
+    except ValueError as error:
+        shutil.rmtree(output_dir, ignore_errors=True)
+        print(f"flowrl bench train: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _measure(args, cfg, recipe_cfg, prepared)
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+
+def _settings(args, cfg, adapter) -> dict:
+    s, tcfg = cfg.rollout.sampling, cfg.trainer
+    return {
+        "config": args.config,
+        "overrides": list(args.overrides),
+        "model": cfg.model.path,
+        "random_weights": getattr(adapter, "random_weights", None),
+        "dtype": cfg.model.dtype,
+        "compile": cfg.engine.compile,
+        "prompts_per_step": tcfg.prompts_per_step,
+        "n": cfg.rollout.n,
+        "samples_per_step": tcfg.prompts_per_step * cfg.rollout.n,
+        "steps": s.num_inference_steps,
+        "size": s.height,
+        "guidance_scale": s.guidance_scale,
+        "true_cfg_scale": s.true_cfg_scale,
+        "rows_per_sample": adapter.rows_per_sample(s),
+        "window": window_size(s),
+        "trained_steps_per_sample": trained_steps_per_sample(cfg),
+        "micro_batch_size": tcfg.micro_batch_size,
+        "updates_per_step": tcfg.updates_per_step,
+        "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,
+        "gradient_checkpointing": tcfg.gradient_checkpointing,
+        "mixed_precision": tcfg.mixed_precision,
+        "old_log_prob": cfg.algorithm.old_log_prob,
+        "kl_beta": cfg.algorithm.kl_beta,
+        "reward": cfg.reward.name or [c["name"] for c in cfg.reward.components],
+        "timed_steps": args.steps,
+        "peer_steps": args.peer_steps,
+    }
+
+
+def _measure(args, cfg, recipe_cfg, prepared) -> int:
+    from flowrl.config import config_to_dict
+    from flowrl.trainer.build import build_engine
+    from flowrl.trainer.trainer import FlowGRPOTrainer
+
+    device = torch.device(cfg.model.resolve_device())
+    engine = build_engine(cfg)
+    adapter = engine.adapter
+    report = JsonReport(
+        args.json, {"benchmark": "train", "environment": environment(device), "settings": _settings(args, cfg, adapter)}
+    )
+    report.data["config"] = config_to_dict(cfg)
+    peak = flop_count.measure_matmul_peak(device, adapter.dtype, sustain_seconds=args.peak_seconds)
+    report.data["peak"] = peak
+    prompt = prepared.train_rows[0]["raw_prompt"]
+    with trainable(adapter.transformer, cfg.trainer):
+        units = count_unit_flops(adapter, cfg, prompt)
+    report.data["flops"] = units.as_dict()
+    report.save()
+    if args.peer_steps:
+        try:
+            _run_peer(adapter, cfg, prepared, units, args, report, device)
+        except Exception as exc:  # noqa: BLE001 - flowrl's own step is still worth measuring
+            traceback.print_exc()
+            report.data["peer"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the peer's optimizer states and cached blocks, back before flowrl's run
+    trainer = FlowGRPOTrainer(cfg, engine=engine, reward=prepared.reward)
+    try:
+        _flowrl_step(trainer, units, cfg)  # warm-up: compiles
+        reset_peak_memory(device)
+        steps = []
+        report.data["flowrl"] = {"steps": steps}
+        for _ in range(args.steps):
+            steps.append(_flowrl_step(trainer, units, cfg))
+            report.save()  # a run cut short keeps the steps it timed
+            shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
+            print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
+        report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
+    finally:
+        trainer.scorer.close()
+        trainer.logger.close()
+        engine.shutdown()
+    untrained = sum(not s["rows_trained"] for s in steps + report.data.get("peer", {}).get("steps", []))
+    report.data["flowrl"].update(summarize(steps, peak["sustained_flops"]))
+    peer = report.data.get("peer", {})
+    if "step_seconds" in peer:
+        report.data["peer_over_flowrl"] = peer["step_seconds"] / report.data["flowrl"]["step_seconds"]
+    report.data["projection"] = projection(cfg, recipe_cfg, report.data["flowrl"], args.project_gpus)
+    if untrained:
+        report.data["error"] = (
+            f"{untrained} timed steps trained no sample (every group's rewards were equal, and "
+            "algorithm.zero_std_policy=drop dropped them): their update was not measured; use a reward that "
+            "separates the images"
+        )
+    report.save()
+    from flowrl.bench.summary import train_markdown
+
+    print("\n".join(train_markdown("train", report.data)))
+    return 1 if untrained or "error" in peer else 0

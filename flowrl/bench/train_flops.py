@@ -1,0 +1,138 @@
+"""What each phase of a training step computes, in FLOPs, and the trainer's trainable setup on a
+bare model (while counting, and for the peer's loop).
+
+FLOPs are counted once per configuration with torch.utils.flop_counter (flowrl.bench.flops), on
+one representative call of each kind, on the eager model with the trainer's LoRA in place and
+before anything is compiled (a compiled model's custom ops have no FLOP formulas):
+- `forward_per_row`: one transformer row at the training size (a sample has `rows_per_sample` of
+  them, the adapter's guidance rule: two with an uncond row);
+- `decode_per_image`: one VAE decode;
+- `train_per_sample_step`: forward + backward of one sample's rows at one trained step, without
+  gradient checkpointing's recomputed forward;
+- the forward and decode at the validation size.
+
+A phase's FLOPs (`phase_flops`) are the work the recipe's algorithm needs: the rollout's forwards
+and decodes, the recompute's forwards (algorithm.old_log_prob=recompute), the update's forward +
+backward and the KL reference's forward, validation's forwards and decodes. What an implementation
+adds is left out (gradient checkpointing's recomputed forward, the compiled trainer's value pass),
+so a phase's limit (its FLOPs at the measured matmul peak) is the same for flowrl and the peer,
+and each one's MFU says how close it comes to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flowrl.bench.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
+from flowrl.trainer.lora import apply_trainable, has_lora
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+
+
+def window_size(params) -> int:
+    """SDE window steps per sample: the explicit window, the drawn window's size, or every step
+    but the last."""
+    if params.sde_window is not None:
+        return params.sde_window[1] - params.sde_window[0]
+    return params.sde_window_size or params.num_inference_steps - 1
+
+
+def trained_steps_per_sample(cfg) -> int:
+    """Window steps trained per sample (as flowrl.trainer.update plans them)."""
+    window = window_size(cfg.rollout.sampling)
+    return min(window, max(1, int(window * float(cfg.algorithm.train_timestep_fraction) + 1e-9)))
+
+
+@contextlib.contextmanager
+def trainable(transformer: torch.nn.Module, trainer_cfg):
+    """The trainer's trainable parameters (LoRA initialised from trainer.seed, or the whole
+    transformer) on a bare transformer for the duration, as flowrl.trainer.lora sets them up;
+    removed afterwards, so that the trainer sets itself up on the same modules as on a fresh model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(trainer_cfg.seed)
+        params = apply_trainable(transformer, trainer_cfg.lora)
+    try:
+        yield params
+    finally:
+        for param in params:
+            param.grad = None
+        if has_lora(transformer):
+            transformer.unload_lora()
+        transformer.requires_grad_(False)
+
+
+@dataclass
+class UnitFlops:
+    forward_per_row: int
+    decode_per_image: int
+    train_per_sample_step: int
+    val_forward_per_row: int
+    val_decode_per_image: int
+    rows_per_sample: int  # adapter.rows_per_sample of rollout.sampling
+    val_rows_per_sample: int  # and of rollout.val_sampling
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
+    """The counts of the module docstring (call inside `trainable`, before compiling)."""
+    s, v = cfg.rollout.sampling, cfg.rollout.val_sampling
+    forward = transformer_flops_per_row(adapter, s.height, s.width, prompt)
+    decode = decode_flops_per_image(adapter, s.height, s.width)
+    same_size = (v.height, v.width) == (s.height, s.width)
+    val_forward = forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt)
+    val_decode = decode if same_size else decode_flops_per_image(adapter, v.height, v.width)
+    cond = adapter.encode_prompts([prompt])
+    rows, val_rows = adapter.rows_per_sample(s), adapter.rows_per_sample(v)
+    uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows == 2 else [None]
+    device = adapter.device
+    latents = torch.randn((1, *adapter.latent_shape(s.height, s.width)), device=device)
+    sigma, cfg_scale = torch.full((1,), 0.5, device=device), torch.full((1,), adapter.cfg_scale(s), device=device)
+    guidance = adapter.guidance_embedding_kwargs(torch.full((1,), s.guidance_scale, device=device))
+    autocast_dtype = MIXED_PRECISION_DTYPES[cfg.trainer.mixed_precision]
+    transformer = adapter.transformer
+    checkpointing = transformer.is_gradient_checkpointing
+    if checkpointing:
+        transformer.disable_gradient_checkpointing()
+
+    def forward_backward():
+        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with torch.enable_grad(), autocast:
+            velocity = adapter.velocity(latents, sigma, cond, uncond, cfg_scale, s.height, s.width, **guidance)
+        velocity.float().square().mean().backward()
+
+    try:
+        train = count_flops(forward_backward)
+    finally:
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+        for param in transformer.parameters():
+            param.grad = None
+    return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows)
+
+
+def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
+    """FLOPs of each phase of one step of `cfg` (module docstring) that trained `rows_trained`
+    samples, with a validation of `val_images` images (0: none). Phases without device work
+    count 0."""
+    s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
+    samples = cfg.trainer.prompts_per_step * cfg.rollout.n
+    trained = rows_trained * trained_steps_per_sample(cfg)
+    forward_sample = units.rows_per_sample * units.forward_per_row
+    flops = {
+        "rollout": samples * (s.num_inference_steps * forward_sample + units.decode_per_image),
+        "reward_wait": 0.0,
+        "old_log_prob": trained * forward_sample if algo.old_log_prob == "recompute" else 0.0,
+        "update": trained
+        * cfg.trainer.update_epochs
+        * (units.train_per_sample_step + (forward_sample if algo.kl_beta > 0 else 0)),
+        "weight_sync": 0.0,
+    }
+    if val_images:
+        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
+        per_image += units.val_decode_per_image
+        flops["validation"] = val_images * per_image
+    return {name: float(value) for name, value in flops.items()}

@@ -1,0 +1,91 @@
+"""The Ray launcher: 2 CPU workers on a local Ray bound to 127.0.0.1 train 2 steps with the same
+metrics and weights as the torchrun launch of the same run, and no process of the run listens on
+an address other than the loopback. One Ray for this file (its start costs seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import threading
+
+import psutil
+import pytest
+from distributed_runs import assert_same_final, metrics
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'ray[train]')")
+
+# Set before Ray is imported (it reads them then): a local node on the loopback alone, offline.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+
+@pytest.fixture(scope="module")  # shut down after this file: later tests see none of Ray's sockets or threads
+def local_ray(tmp_path_factory):
+    saved = {name: os.environ.get(name) for name in [*LOCAL_RAY_ENV, "RAY_TMPDIR"]}
+    os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")))
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
+    yield ray
+    ray.shutdown()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _ip(address: str):
+    ip = ipaddress.ip_address(address)
+    return ip.ipv4_mapped or ip if ip.version == 6 else ip
+
+
+class Listeners:
+    """Samples the listening TCP sockets of this process and its descendants (Ray's servers and
+    workers) in the background."""
+
+    def __init__(self):
+        self.seen: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.5):
+            me = psutil.Process()
+            pids = {me.pid, *(child.pid for child in me.children(recursive=True))}
+            for conn in psutil.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+                    self.seen.add((conn.laddr.ip, conn.pid))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_ray_launcher_trains_as_torchrun_on_the_loopback(local_ray, lora_args, lora_two_nodes, tmp_path, monkeypatch):
+    from flowrl.cli import main
+
+    monkeypatch.chdir(tmp_path)  # a relative output_dir: the workers resolve it where the driver does
+    output = tmp_path / "run"
+    args = ["train", *lora_args, "trainer.output_dir=run", "distributed.launcher=ray"]
+    with Listeners() as listeners:
+        assert main([*args, "distributed.num_workers=2"]) == 0
+    assert listeners.seen, "no listening socket was sampled"
+    assert not [(ip, pid) for ip, pid in listeners.seen if not _ip(ip).is_loopback]
+    ray_run, torchrun_run = metrics(output), metrics(lora_two_nodes.output)
+    assert [r["step"] for r in ray_run] == [r["step"] for r in torchrun_run] == [0, 1, 2]
+    for a, b in zip(ray_run, torchrun_run):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if not key.startswith("timing/") and key != "rollout/images_per_second":
+                assert value == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+    assert_same_final(output, lora_two_nodes.output)

@@ -1,0 +1,105 @@
+"""torchrun launches of `flowrl train` on the loopback equal the one-process run of the same global
+batch: rollouts, per-step rewards and the whole final/ pipeline folder, EMA weights included (LoRA
+over two "nodes", full fine-tuning with FSDP2 over two ranks of one node), and checkpoints move
+between world sizes: one saved by 2 ranks resumes in one process, one saved by one process resumes
+over 2 ranks, as the uninterrupted run; a sharded checkpoint is verified by its manifest and planned
+by resume.plan_run as any other."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from distributed_runs import (
+    assert_same_training,
+    check_launch,
+    final_weights,
+    max_weight_difference,
+    metrics,
+    one_thread,
+    torchrun,
+)
+
+from flowrl.config import config_to_dict
+from flowrl.trainer import resume
+from flowrl.trainer.checkpoint import CheckpointError, verify_checkpoint
+from flowrl.trainer.cli import load_train_config
+from flowrl.trainer.trainer import FlowGRPOTrainer
+
+
+def test_lora_over_two_nodes_equals_one_process(lora_two_nodes, lora_reference):
+    assert_same_training(lora_two_nodes.output, lora_reference)  # final/: fused transformer, lora/, ema/lora/
+    assert (lora_two_nodes.output / "checkpoints" / "step_000002" / "trainable.safetensors").is_file()
+    assert (lora_two_nodes.output / "val" / "step_000002.png").is_file()  # rank 0 wrote the grid of all 3 prompts
+
+
+def test_sharded_full_fine_tuning_equals_one_process(full_two_ranks, full_reference):
+    assert_same_training(full_two_ranks.output, full_reference)  # final/: gathered transformer, ema/transformer/
+    # Each rank rolled out its 2 prompts' rows with the seeds those rows have in one process.
+    reference = full_reference.parent / "rollouts"
+    for rollout in (1, 2):
+        one = torch.load(reference / f"rank0-rollout{rollout}.pt")
+        ranks = [torch.load(full_two_ranks.rollouts / f"rank{r}-rollout{rollout}.pt") for r in (0, 1)]
+        assert [s for part in ranks for s in part["seeds"]] == one["seeds"]
+        for key in ("all_latents", "all_log_probs"):
+            joined = torch.cat([part[key] for part in ranks])
+            # Step 1 samples the same weights (bit-identical here; a CPU whose kernels round by batch
+            # size may differ in the last bit); step 2 weights a float32 rounding apart.
+            assert (joined - one[key]).abs().max() <= (1e-6 if rollout == 1 else 1e-5), (rollout, key)
+    assert (full_two_ranks.output / "checkpoints" / "step_000001" / "sharded").is_dir()
+
+
+def test_sharded_checkpoint_is_verified_and_planned_as_any_other(full_two_ranks, full_args, tmp_path, capsys):
+    """manifest.json covers the DCP shards; trainer.resume=auto skips a checkpoint with a damaged
+    shard, and RESUME_RULES apply (distributed.* may change, trainer.lora.* may not)."""
+    for step in (1, 2):
+        saved = full_two_ranks.output / "checkpoints" / f"step_{step:06d}"
+        shutil.copytree(saved, tmp_path / "checkpoints" / saved.name)
+    newest = tmp_path / "checkpoints" / "step_000002"
+    listed = json.loads((newest / "manifest.json").read_text())["files"]
+    shards = sorted(f"sharded/{p.name}" for p in (newest / "sharded").iterdir())
+    assert len([s for s in shards if s.endswith(".distcp")]) == 2 and set(shards) <= set(listed)
+    assert verify_checkpoint(newest)
+    with (newest / shards[0]).open("r+b") as handle:  # flip one byte of a shard
+        handle.seek(8)
+        byte = handle.read(1)
+        handle.seek(8)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=f"{shards[0]} does not match its sha256"):
+        verify_checkpoint(newest)
+    overrides = [*full_args, f"trainer.output_dir={tmp_path}", "trainer.total_steps=3", "distributed.launcher=none"]
+    cfg = load_train_config(None, overrides)
+    plan = resume.plan_run(cfg, config_to_dict(cfg))
+    assert plan.checkpoint == tmp_path / "checkpoints" / "step_000001" and plan.finished is None
+    assert "distributed.launcher" in " ".join(plan.report)
+    assert f"skipping checkpoint {newest}" in capsys.readouterr().err
+    cfg = load_train_config(None, [*overrides, "trainer.lora.enabled=true"])
+    with pytest.raises(ValueError, match=r"trainer\.lora\.enabled \(False -> True\)"):
+        resume.plan_run(cfg, config_to_dict(cfg))
+
+
+def test_sharded_checkpoint_resumes_at_world_size_one(full_two_ranks, full_args, tmp_path):
+    saved = full_two_ranks.output / "checkpoints" / "step_000001"
+    cfg = load_train_config(None, [*full_args, f"trainer.output_dir={tmp_path / 'run'}", f"trainer.resume={saved}"])
+    with one_thread():
+        trainer = FlowGRPOTrainer(cfg)
+        assert trainer.step == 1 and trainer.policy_version == 2 and trainer.ema.num_updates == 2
+        trainer.fit()
+    straight = {r["step"]: r for r in metrics(full_two_ranks.output)}
+    assert abs(metrics(tmp_path / "run")[-1]["reward/mean"] - straight[2]["reward/mean"]) < 1e-6
+    for folder in ("transformer", "ema/transformer"):
+        resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_two_ranks.output, folder)
+        assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
+
+
+def test_one_process_checkpoint_resumes_sharded_over_two_ranks(full_reference, full_args, tmp_path):
+    saved = full_reference / "checkpoints" / "step_000001"
+    assert (saved / "trainable.safetensors").is_file()  # whole tensors, read into each rank's shards
+    launch = check_launch(torchrun([*full_args, f"trainer.resume={saved}"], tmp_path / "run"))
+    assert "resumed from" in launch.log
+    assert abs(metrics(tmp_path / "run")[-1]["reward/mean"] - metrics(full_reference)[-1]["reward/mean"]) < 1e-6
+    for folder in ("transformer", "ema/transformer"):
+        resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_reference, folder)
+        assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
