@@ -162,7 +162,6 @@ class EngineConfig:
         PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
         (only where kernels write); the trainer's log-prob values come from the rollout's graph
         either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
-    num_replicas: engines the agent loop balances over (least-in-flight; a group stays on one).
     prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
         0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
         copied to the device per request) or "device" (no copy, costs device memory).
@@ -172,12 +171,11 @@ class EngineConfig:
     decode_chunk_size: int = 16
     compile: bool = False
     compile_rounding: CompileRounding = "eager"
-    num_replicas: int = 1
     prompt_cache_mb: int = 1024
     prompt_cache_device: PromptCacheDevice = "host"
 
     def validate(self) -> "EngineConfig":
-        for name in ("max_batch_rows", "decode_chunk_size", "num_replicas"):
+        for name in ("max_batch_rows", "decode_chunk_size"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
         _check_min("engine.prompt_cache_mb", self.prompt_cache_mb, 0)
         check_choices(self, "engine")
@@ -218,6 +216,19 @@ class RolloutConfig:
         across steps.
     sampling: SamplingParams of training rollouts (SDE, log-probs on).
     val_sampling: SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs).
+
+    Decoupled training (docs/serving.md): training rollouts run on rollout servers instead of the
+    trainer's own engine (validation stays in the trainer's process, with its weights).
+    servers: URLs of `flowrl serve` replicas started by the user (e.g. http://10.0.0.2:8000), all
+        serving the trainer's model; empty: none.
+    num_replicas: `flowrl serve` processes the trainer starts itself (on 127.0.0.1, model.path)
+        and stops on exit; 0: none. Give either servers or num_replicas, not both.
+    replica_devices: the device of each started replica (one entry per replica, e.g.
+        [cuda:1, cuda:2]); empty: every replica on model.device.
+    request_timeout_s: how long a rollout request may take on a server (queueing included)
+        before the replica counts as down.
+    max_replica_failures: a replica down this many times in a row is dropped for the rest of the
+        run (its requests go to the others; with none left the step fails).
     """
 
     n: int = 4
@@ -226,9 +237,20 @@ class RolloutConfig:
     val_seed: int = 0
     sampling: SamplingParams = field(default_factory=_default_sampling)
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
+    servers: list[str] = field(default_factory=list)
+    num_replicas: int = 0
+    replica_devices: list[str] = field(default_factory=list)
+    request_timeout_s: float = 600.0
+    max_replica_failures: int = 2
+
+    @property
+    def is_decoupled(self) -> bool:
+        """Whether training rollouts run on rollout servers (rollout.servers or rollout.num_replicas)."""
+        return bool(self.servers) or self.num_replicas > 0
 
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
+        self._validate_replicas()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
@@ -245,6 +267,31 @@ class RolloutConfig:
                     f"and leave rollout.{name}.seed=null",
                 )
         return self
+
+    def _validate_replicas(self) -> None:
+        _check_min("rollout.num_replicas", self.num_replicas, 0)
+        _check_min("rollout.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
+        _check_min("rollout.max_replica_failures", self.max_replica_failures, 1)
+        for index, url in enumerate(self.servers):
+            if not isinstance(url, str) or not re.fullmatch(r"https?://[^/\s]+/?", url):
+                _fail(f"rollout.servers.{index}", url, "give a server's base URL, e.g. http://127.0.0.1:8000")
+        if self.servers and self.num_replicas:
+            _fail(
+                "rollout.num_replicas",
+                self.num_replicas,
+                "rollout.servers is set too; use the servers you started (rollout.servers) or let flowrl "
+                "start replicas (rollout.num_replicas), not both",
+            )
+        if self.replica_devices and len(self.replica_devices) != self.num_replicas:
+            _fail(
+                "rollout.replica_devices",
+                self.replica_devices,
+                f"give one device per started replica (rollout.num_replicas={self.num_replicas}), or leave it "
+                "empty to start every replica on model.device",
+            )
+        for index, device in enumerate(self.replica_devices):
+            if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+                _fail(f"rollout.replica_devices.{index}", device, "use 'cpu', 'cuda' or 'cuda:N'")
 
 
 @dataclass
@@ -354,6 +401,10 @@ class TrainerConfig:
     overwrite: a new run deletes another run's files in output_dir first (and nothing else).
     save_every / val_every / log_every: in steps; 0 disables saving / validation.
     num_val_images: validation prompts (one ODE sample each, fixed seeds).
+    async_rollout: one-step-ahead training (decoupled only, docs/training.md): step k+1's rollouts
+        run on the rollout servers, with the weights step k started from, while step k trains.
+        Every sample is then one weight update stale (from the second step on); the PPO ratio is
+        taken against its own rollout log-prob (algorithm.old_log_prob=rollout).
     """
 
     output_dir: str = "outputs/flowrl"
@@ -378,6 +429,7 @@ class TrainerConfig:
     log_every: int = 1
     seed: int = 42
     num_val_images: int = 4
+    async_rollout: bool = False
 
     def validate(self) -> "TrainerConfig":
         check_choices(self, "trainer")
@@ -599,4 +651,19 @@ class FlowRLConfig:
                 "flow_grpo compares samples within a prompt's group, so every advantage would be "
                 "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
             )
+        if self.trainer.async_rollout:
+            if not self.rollout.is_decoupled:
+                _fail(
+                    "trainer.async_rollout",
+                    True,
+                    "it overlaps rollouts on rollout servers with training; set rollout.servers or "
+                    "rollout.num_replicas, or trainer.async_rollout=false",
+                )
+            if self.algorithm.old_log_prob != "rollout":
+                _fail(
+                    "algorithm.old_log_prob",
+                    self.algorithm.old_log_prob,
+                    "with trainer.async_rollout the samples come from the previous weights, and the PPO "
+                    "ratio must be taken against the policy that drew them; set algorithm.old_log_prob=rollout",
+                )
         return self

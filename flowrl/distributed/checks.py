@@ -17,6 +17,7 @@ def check_world(cfg: FlowRLConfig, world_size: int, local_world_size: int | None
     _check_prompts(cfg, world_size)
     _check_devices(cfg, local_world_size)
     _check_sharded_full_fine_tuning(cfg)  # over a process group, full fine-tuning shards the weights
+    _check_rollout_servers(cfg, world_size)
 
 
 def _check_prompts(cfg: FlowRLConfig, world_size: int) -> None:
@@ -72,6 +73,24 @@ def _check_sharded_full_fine_tuning(cfg: FlowRLConfig) -> None:
             "trainer.mixed_precision=fp16 with full fine-tuning over a process group (FSDP2-sharded weights) "
             "is not supported (its loss scaler does not handle sharded gradients); use bf16"
         )
+
+
+def _check_rollout_servers(cfg: FlowRLConfig, world_size: int) -> None:
+    """Rollout servers (and the async rollouts they allow) serve one trainer process: each rank
+    would publish its own weights to the same replicas."""
+    rollout = cfg.rollout
+    if not rollout.is_decoupled:
+        return
+    setting = (
+        f"rollout.servers={rollout.servers!r}" if rollout.servers else f"rollout.num_replicas={rollout.num_replicas}"
+    )
+    also = " and trainer.async_rollout=true" if cfg.trainer.async_rollout else ""
+    raise ValueError(
+        f"{setting}{also} with data-parallel training over {world_size} rank(s) (distributed.launcher="
+        f"{cfg.distributed.launcher!r}) is not supported: rollout servers take their weights from one trainer "
+        "process; train in one process (distributed.launcher=none, no torchrun), or roll out on the ranks "
+        "themselves (rollout.servers=[] rollout.num_replicas=0 trainer.async_rollout=false)"
+    )
 
 
 def _cuda_device_count() -> int:

@@ -17,7 +17,7 @@ def __getattr__(name):
 
         return DiffusionEngine
     if name == "EngineClosedError":
-        from flowrl.engine.loop import EngineClosedError
+        from flowrl.engine.api import EngineClosedError
 
         return EngineClosedError
     raise AttributeError(name)

@@ -20,16 +20,21 @@ the engine thread ever dies, so no caller waits forever on a dead engine.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from concurrent.futures import Future
 
 import torch
 
 from flowrl import sampler
+from flowrl.engine.api import (
+    EngineAPI,
+    EngineClosedError,
+    check_num_outputs_per_prompt,
+    check_prompts,
+    request_params,
+)
 from flowrl.engine.executor import Executor
-from flowrl.engine.loop import EngineClosedError, EngineLoop
-from flowrl.engine.output import DiffusionOutput
+from flowrl.engine.loop import EngineLoop
 from flowrl.engine.prompt_cache import PromptCache
 from flowrl.engine.sample import SampleState
 from flowrl.engine.scheduler import Scheduler
@@ -71,26 +76,13 @@ def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> l
     return compile_adapter(adapter, backend, rounding)
 
 
-def _wait(futures: list[Future]) -> list:
-    """Every future's result; if the wait is interrupted (an error, KeyboardInterrupt), the
-    samples still in flight are cancelled rather than left running for nobody."""
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
-
-
-class DiffusionEngine:
+class DiffusionEngine(EngineAPI):
     """Continuous-batching diffusion engine over one model adapter.
 
     prompt_cache_mb: bytes of prompt encodings kept for reuse, in MiB (0: none); the least
     recently used are evicted first. prompt_cache_device: where they are kept: "host" (pinned
     memory on a GPU machine, copied to the device per request without blocking) or "device".
     """
-
-    supports_batched_generation = True
 
     def __init__(
         self,
@@ -146,41 +138,10 @@ class DiffusionEngine:
             prompt_cache_device=prompt_cache_device,
         )
 
-    # --- public API ------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):
-        """One sample for a prompt (a DiffusionOutput), or one per prompt for a list (sample i
-        uses seed + i), all in flight at once."""
-        if isinstance(prompt, list):
-            return _wait(self.submit_many(prompt, sampling_params))
-        return _wait([self.submit(prompt, sampling_params)])[0]
-
-    def generate_batched(
-        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
-    ) -> list[DiffusionOutput]:
-        """N samples of one prompt from shared forwards; sample j uses seed + j."""
-        return _wait(self.submit_batched(prompt, num_outputs_per_prompt, sampling_params))
-
-    async def generate_async(self, prompt: str, sampling_params: SamplingParams | None = None) -> DiffusionOutput:
-        return await asyncio.wrap_future(self.submit(prompt, sampling_params))
-
-    async def generate_batched_async(
-        self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
-    ) -> list[DiffusionOutput]:
-        futures = self.submit_batched(prompt, num_outputs_per_prompt, sampling_params)
-        try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        except BaseException:  # one failed, or the coroutine was cancelled: the rest are not wanted
-            for f in futures:
-                f.cancel()
-            raise
-
-    def submit(self, prompt: str, sampling_params: SamplingParams | None = None) -> Future:
-        return self.submit_batched(prompt, 1, sampling_params)[0]
-
+    # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------
     def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
         """One sample per prompt, sample i with seed + i; every prompt is checked before any is queued."""
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings")
+        check_prompts(prompts)
         for p in prompts:
             params = self._validated(p, sampling_params, len(prompts))
         base = params.seed if params.seed is not None else secrets.randbits(62)
@@ -192,15 +153,7 @@ class DiffusionEngine:
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
     ) -> list[Future]:
         """Queue N samples of `prompt` (one SDE window drawn for all of them); return futures."""
-        if (
-            isinstance(num_outputs_per_prompt, bool)
-            or not isinstance(num_outputs_per_prompt, int)
-            or num_outputs_per_prompt < 1
-        ):
-            raise ValueError(
-                f"num_outputs_per_prompt={num_outputs_per_prompt!r} must be an integer >= 1 "
-                "(the number of samples to generate for this prompt)"
-            )
+        check_num_outputs_per_prompt(num_outputs_per_prompt)
         params = self._validated(prompt, sampling_params, num_outputs_per_prompt)
         samples = self._request(prompt, num_outputs_per_prompt, params)
         self._enqueue([samples])
@@ -258,11 +211,7 @@ class DiffusionEngine:
 
     # --- caller side helpers -----------------------------------------------------------------------
     def _validated(self, prompt, sampling_params: SamplingParams | None, num_samples: int = 1) -> SamplingParams:
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt={prompt!r} must be a string")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} must be a flowrl SamplingParams (or None for the defaults)")
+        params = request_params(prompt, sampling_params)
         params.validate(self.adapter.size_multiple, self.adapter.max_image_side, num_samples)
         self.adapter.check_guidance(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.

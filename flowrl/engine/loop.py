@@ -28,8 +28,8 @@ import queue
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, InvalidStateError
 
+from flowrl.engine.api import EngineClosedError, settle
 from flowrl.engine.executor import Executor
 from flowrl.engine.output import DiffusionOutput
 from flowrl.engine.prompt_cache import PromptCache
@@ -40,25 +40,6 @@ from flowrl.models.base import FlowModelAdapter, PromptEncoding
 logger = logging.getLogger(__name__)
 
 _SHUT_DOWN = "DiffusionEngine.shutdown() was called"
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was shut down (or its thread died): requests in flight failed, new ones are refused."""
-
-
-def settle(future: Future, result=None, error: BaseException | None = None) -> bool:
-    """Resolve `future` with `result` (or fail it with `error`) unless its caller already cancelled
-    or resolved it; True when it was settled here."""
-    if future.done():
-        return False
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:  # cancelled by its caller between the check and now
-        return False
-    return True
 
 
 class EngineLoop:

@@ -60,8 +60,12 @@ class AgentLoop:
     """Drives engines with the rows of a RolloutBatch (rollout config slice only)."""
 
     def __init__(self, engines, rollout_config):
-        replicas = engines if isinstance(engines, (list, tuple)) else [engines]
-        self.balancer = LeastInFlightBalancer(list(replicas))
+        """engines: one engine, a list of them (balanced), or a prebuilt LeastInFlightBalancer."""
+        if isinstance(engines, LeastInFlightBalancer):
+            self.balancer = engines
+        else:
+            replicas = engines if isinstance(engines, (list, tuple)) else [engines]
+            self.balancer = LeastInFlightBalancer(list(replicas), rollout_config.max_replica_failures)
         self.config = rollout_config
         self.rows_generated = 0  # global row index of the next training row (saved by checkpoints)
         self._logged_reasons: set[str] = set()

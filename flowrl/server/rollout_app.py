@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from flowrl.engine.api import EngineClosedError
 from flowrl.engine.output import DiffusionOutput
 from flowrl.sampling_params import SamplingParams
 from flowrl.server import wire
@@ -140,6 +141,8 @@ class RolloutService:
                     raise
                 if self.is_stopping:
                     raise GenerationFailed(f"the server is shutting down ({error})", 503) from None
+                if isinstance(error, EngineClosedError):  # its thread died: a replica down, not a bad request
+                    raise GenerationFailed(f"the engine is not serving: {error}", 503) from None
                 raise GenerationFailed(f"generation failed: {type(error).__name__}: {error}") from None
 
     @staticmethod
@@ -149,7 +152,7 @@ class RolloutService:
             return submit(*args)
         except ValueError as error:  # SamplingParams.validate and the engine's own request checks
             raise BadRequest(str(error), param=field_of(error)) from None
-        except RuntimeError as error:  # the engine no longer serves (shut down)
+        except EngineClosedError as error:  # the engine no longer serves (shut down, or its thread died)
             raise GenerationFailed(f"the engine is not serving: {error}", 503) from None
 
     # --- admin -----------------------------------------------------------------------------------

@@ -153,11 +153,6 @@ def check_before_loading(cfg, reward=None) -> Prepared:
             f"algorithm.kl_beta={cfg.algorithm.kl_beta} needs a reference model, which is the LoRA-disabled "
             "transformer; set trainer.lora.enabled=true or algorithm.kl_beta=0"
         )
-    if cfg.engine.num_replicas != 1:
-        raise ValueError(
-            f"engine.num_replicas={cfg.engine.num_replicas}: the colocated trainer drives one "
-            "in-process engine; set engine.num_replicas=1"
-        )
     if not cfg.rollout.sampling.logprobs and cfg.algorithm.old_log_prob == "rollout":
         raise ValueError(
             "rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "

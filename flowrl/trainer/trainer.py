@@ -10,9 +10,12 @@ One training step:
 4. PPO update (flowrl.trainer.update), each row re-scored with the settings it was drawn with (the
    rollout's per-row TransitionSpec, so per-row sampling overrides score as they sampled); the
    engine is idle here, since the rollout has returned;
-5. bump the policy version: the engine's transformer IS the trained module (LoRA injected in
-   place), so the next rollout samples from the new weights with no copy, and every output
-   records the version that produced it;
+5. bump the policy version and publish it: the engine's transformer IS the trained module (LoRA
+   injected in place), so the next rollout samples from the new weights with no copy, and every
+   output records the version that produced it. Decoupled (rollout.servers / num_replicas), the
+   rollouts run on rollout servers and publishing uploads the weights to them
+   (flowrl.trainer.rollout_backend); with trainer.async_rollout, step k + 1's rollout runs while
+   step k trains (flowrl.trainer.rollout_schedule);
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
 
@@ -23,7 +26,8 @@ advantages use the statistics of all rows exactly as one process computes them; 
 planned over every rank's rows and every rank takes the same optimizer step
 (flowrl.trainer.update). Validation prompts are split over the ranks and gathered. Metrics cover
 all rows (timings: the slowest rank); rank 0 alone writes logs, grids, the progress bar, the
-checkpoint's shared files and the exported weights.
+checkpoint's shared files and the exported weights. Rollout servers and async rollouts are for
+one process (flowrl.distributed.checks refuses them over several ranks).
 """
 
 from __future__ import annotations
@@ -52,10 +56,14 @@ from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, Tra
 from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
 from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
 from flowrl.trainer.progress import NO_PROGRESS, StepProgress
+from flowrl.trainer.rollout_backend import open_rollout_backend
+from flowrl.trainer.rollout_schedule import CollectedRollout, VersionHistory, schedule_for
 from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
+# The engine counters gathered over ranks (flowrl.trainer.step_rows).
+_ENGINE_COUNTERS = ("num_rows", "num_forwards", "images_per_second")
 
 
 def _row_metadata(batch, row: int) -> dict:
@@ -94,6 +102,8 @@ class FlowGRPOTrainer:
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
         self.output_dir = Path(tcfg.output_dir)
+        # Where training rollouts run; started replicas load their model while this one loads.
+        self.rollout_backend = open_rollout_backend(cfg, self.output_dir)
         if engine is None:
             # The embedded tiny model is built once, by rank 0, before any rank reads it.
             self.world.on_main(lambda: resolve_model_path(cfg.model))
@@ -131,13 +141,20 @@ class FlowGRPOTrainer:
         self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
-        self.agent_loop = AgentLoop(self.engine, cfg.rollout)
+        self.rollout_backend.bind(self.engine)
+        self.agent_loop = AgentLoop(self.rollout_backend.replicas, cfg.rollout)
+        # Validation samples in this process, with the trainer's weights (or their EMA).
+        decoupled = self.rollout_backend.is_decoupled
+        self.val_agent_loop = AgentLoop(self.engine, cfg.rollout) if decoupled else self.agent_loop
         self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
         if self.plan.checkpoint is not None:
             self._restore(self.plan.checkpoint)
+        self.versions = VersionHistory(self.step, self.policy_version)
+        self.rollouts = schedule_for(self)  # synchronous, or one step ahead (trainer.async_rollout)
+        self.rollout_backend.publish(self.policy_version)  # rollout servers start from these weights
         log = cfg.logging
         self.logger = None  # rank 0 alone writes metrics
         if self.world.is_main:
@@ -162,39 +179,12 @@ class FlowGRPOTrainer:
 
     def train_step(self) -> dict:
         """Run training step self.step + 1; returns its metrics (the same on every rank)."""
-        from flowrl.rollout.batch import RolloutBatch
-
         t0 = time.perf_counter()
         step = self.step + 1
-        rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
-        window = self._sde_window(step)
-        for i, row in enumerate(rows):
-            row["uid"] = f"step{step}-prompt{i}"
-            if window is not None:
-                row["sampling_overrides"] = {"sde_window": window}
-        n = self.cfg.rollout.n
-        first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
-        batch = RolloutBatch.from_rows(my_rows).repeat(n)
-        first_row = self.agent_loop.rows_generated
-        if hasattr(self.engine, "reset_stats"):
-            self.engine.reset_stats()
-
-        # 1. rollout, each sample scored as soon as it is done (generate_sequences returns after
-        # every on_sample_done call has returned, so every row has been submitted); each row gets
-        # the seed of its index among all ranks' rows
-        def submit(row: int, output) -> None:
-            self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
-            self._progress.advance()
-
-        self._progress.phase("rollout", len(batch))
-        with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
-            with self.parallel.rollout_weights():
-                rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
-            self.agent_loop.rows_generated = first_row + len(rows) * n
-            t_rollout = time.perf_counter()
-            rewards, components = self.scorer.results_with_components(len(rollout))
-            t_reward = time.perf_counter()
-        everyone = gather_step_rows(self.world, rollout, rewards, components, self._engine_counters())
+        # 1. the step's rollout and rewards (self._roll_out, now or started during the last step)
+        collected = self.rollouts.collect(step)
+        rollout, everyone = collected.rollout, collected.rows
+        t_rollout = time.perf_counter()
 
         # 2. advantages, over the rows of every rank
         algo = self.cfg.algorithm
@@ -210,9 +200,10 @@ class FlowGRPOTrainer:
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
         metrics = everyone.metrics(adv, keep, self.policy_version)
+        metrics.update(self._staleness_metrics(collected))
 
-        # 3. update (the engine is idle: generate_sequences returned every sample); planned over
-        # the kept rows of every rank, each rank running its own
+        # 3. update (the trainer's engine is idle: generate_sequences returned every sample);
+        # planned over the kept rows of every rank, each rank running its own
         self._progress.phase("update")
         if keep.any():
             tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
@@ -223,25 +214,69 @@ class FlowGRPOTrainer:
                     tensors, specs, advantages, torch.ones(len(specs)), step, trained=everyone.trained(keep)
                 )
             )
-            t_sync = time.perf_counter()
             self.policy_version = self.updater.num_optimizer_steps
-            self.engine.set_policy_version(self.policy_version)
-            metrics["timing/weight_sync_s"] = time.perf_counter() - t_sync
+        # 4. the new version goes live (with trainer.async_rollout: once the early rollout returns)
+        t_sync = time.perf_counter()
+        self.rollouts.after_update(self.policy_version)
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t_sync
+        self.versions.record(step, self.policy_version)
         if self.random_weights:
             metrics["model/random_weights"] = 1.0
-        metrics["timing/rollout_s"] = t_rollout - t0
-        metrics["timing/reward_wait_s"] = t_reward - t_rollout
+        metrics["timing/rollout_s"] = collected.rollout_s
+        metrics["timing/rollout_wait_s"] = t_rollout - t0
+        metrics["timing/reward_wait_s"] = collected.reward_wait_s
         metrics["timing/step_s"] = time.perf_counter() - t0
         if self.world.device.type == "cuda":
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
         self.step = step
         return self._max_over_ranks(metrics)
 
-    def _engine_counters(self) -> dict:
-        if not hasattr(self.engine, "stats"):
-            return {}
-        stats = self.engine.stats()
-        return {name: stats.get(name, 0) for name in ("num_rows", "num_forwards", "images_per_second")}
+    def _roll_out(self, step: int) -> CollectedRollout:
+        """Step `step`'s rows rolled out and scored, this rank's share, then gathered from every
+        rank (a schedule decides when this runs: with trainer.async_rollout, on a thread of its own
+        while the previous step trains, so it shows no progress and is never abortable)."""
+        from flowrl.rollout.batch import RolloutBatch
+
+        t0 = time.perf_counter()
+        rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
+        window = self._sde_window(step)
+        for i, row in enumerate(rows):
+            row["uid"] = f"step{step}-prompt{i}"
+            if window is not None:
+                row["sampling_overrides"] = {"sde_window": window}
+        n = self.cfg.rollout.n
+        first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
+        batch = RolloutBatch.from_rows(my_rows).repeat(n)
+        first_row = self.agent_loop.rows_generated
+        self.rollout_backend.reset_stats()
+        progress = NO_PROGRESS if self.rollouts.is_async else self._progress
+
+        # each sample scored as soon as it is done (generate_sequences returns after every
+        # on_sample_done call has returned, so every row has been submitted); each row gets the
+        # seed of its index among all ranks' rows
+        def submit(row: int, output) -> None:
+            self.scorer.submit(row, output.image, output.prompt, _row_metadata(batch, row))
+            progress.advance()
+
+        progress.phase("rollout", len(batch))
+        with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
+            with self.parallel.rollout_weights():
+                rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
+            self.agent_loop.rows_generated = first_row + len(rows) * n
+            t_rollout = time.perf_counter()
+            stats = self.rollout_backend.stats()
+            rewards, components = self.scorer.results_with_components(len(rollout))
+            t_reward = time.perf_counter()
+        counters = {} if stats is None else {name: stats.get(name, 0) for name in _ENGINE_COUNTERS}
+        everyone = gather_step_rows(self.world, rollout, rewards, components, counters)
+        return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_rollout)
+
+    def _staleness_metrics(self, collected: CollectedRollout) -> dict:
+        """How many training steps the weights being trained are ahead of those that drew each row
+        (over every rank's rows); this rank's rows also get it as their `staleness` column."""
+        staleness = self.versions.staleness(collected.rows.policy_versions, self.step)
+        collected.rollout.add_non_tensors({"staleness": staleness[collected.rows.mine].tolist()})
+        return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": int(staleness.max())}
 
     def _max_over_ranks(self, metrics: dict) -> dict:
         """The `timing/*` and `memory/*` metrics of the slowest, fullest rank (a collective)."""
@@ -266,7 +301,7 @@ class FlowGRPOTrainer:
         with self._evaluation_weights(), self.parallel.rollout_weights(), self._abortable():
             if mine:
                 batch = RolloutBatch.from_rows([dict(row) for row in mine])
-                out = self.agent_loop.generate_sequences(
+                out = self.val_agent_loop.generate_sequences(
                     batch,
                     validation=True,
                     on_sample_done=lambda row, output: self._progress.advance(),
@@ -303,8 +338,7 @@ class FlowGRPOTrainer:
     def save(self) -> Path:
         state = {
             "policy_version": self.policy_version,
-            "data": self.prompts.state_dict(),
-            "rows_generated": self.agent_loop.rows_generated,
+            **self.data_state(saved=True),
             "num_optimizer_steps": self.updater.num_optimizer_steps,
         }
         return checkpoint.save_checkpoint(
@@ -318,6 +352,18 @@ class FlowGRPOTrainer:
             ema=self.ema,
             parallel=self.parallel,
         )
+
+    def data_state(self, saved: bool = False) -> dict:
+        """The data position: the prompt sampler's and the rollout rows' count. saved=True: the one
+        a checkpoint keeps, from before an early rollout (trainer.async_rollout) drew its rows."""
+        if saved and self.rollouts.saved_data_state() is not None:
+            return self.rollouts.saved_data_state()
+        return {"data": self.prompts.state_dict(), "rows_generated": self.agent_loop.rows_generated}
+
+    def has_step(self, step: int) -> bool:
+        """Whether fit() trains step `step` (the data position as it is now)."""
+        epochs = self.cfg.trainer.epochs
+        return step <= self.cfg.trainer.total_steps and (epochs is None or self.prompts.epochs_done < epochs)
 
     def _restore(self, path: Path) -> None:
         """Continue from the checkpoint `plan_run` verified; this config's optimizer
@@ -417,7 +463,7 @@ class FlowGRPOTrainer:
                     if tcfg.val_every and self.step == 0:
                         self._log(0, self.validate())
                     while self.step < tcfg.total_steps:
-                        if tcfg.epochs is not None and self.prompts.epochs_done >= tcfg.epochs:
+                        if tcfg.epochs is not None and self.data_state(saved=True)["data"]["epoch"] >= tcfg.epochs:
                             break
                         rewind = StepRewind.capture(self.prompts, self.agent_loop)
                         metrics = self.train_step()
@@ -435,6 +481,7 @@ class FlowGRPOTrainer:
                             last_saved_step = self.step
                         self._progress.step_done(metrics)
                         self._check_stop()
+                    self.rollouts.finish()  # the last update goes live on rollout servers
                 except PhaseAborted:
                     if rewind is not None:
                         rewind.restore()
@@ -465,8 +512,10 @@ class FlowGRPOTrainer:
     def _abortable(self):
         """A phase a stop signal may drop at once. Over several ranks none is: a rank leaving a phase
         alone would leave the others waiting in its collectives, so the ranks stop together at the
-        end of a step (`_check_stop`)."""
-        if self._signals is None or self.world.is_distributed:
+        end of a step (`_check_stop`). With trainer.async_rollout none is either: the next step's
+        rollout runs on its own thread during the update, and a stop at the end of a step saves the
+        data position from before that rollout drew its rows (`data_state(saved=True)`)."""
+        if self._signals is None or self.world.is_distributed or self.rollouts.is_async:
             return contextlib.nullcontext()
         return self._signals.abortable()
 
@@ -492,6 +541,8 @@ class FlowGRPOTrainer:
             self.logger.log(step, metrics)
 
     def _close(self, drop_pending: bool = False) -> None:
+        self.rollouts.close()  # a pending early rollout is left behind; closing the backend ends it
+        self.rollout_backend.close()
         self.scorer.close(drop_pending=drop_pending)
         if self.logger is not None:
             self.logger.close()

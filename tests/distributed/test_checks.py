@@ -38,6 +38,16 @@ TORCHRUN_ENV = {
         (["trainer.lora.enabled=false", "engine.compile=true"], 2, r"engine.compile=true with full fine-tuning"),
         (["trainer.lora.enabled=false", "trainer.mixed_precision=fp16"], 2, r"fp16 .*use bf16"),
         (["distributed.backend=nccl", "model.device=cpu"], 2, r"distributed.backend=nccl needs CUDA.*backend=auto"),
+        (
+            ["rollout.servers=[http://127.0.0.1:1]"],
+            2,
+            r"rollout.servers=\['http://127.0.0.1:1'\] with data-parallel training over 2 rank.*launcher=none",
+        ),
+        (
+            ["rollout.num_replicas=2", "trainer.async_rollout=true"],
+            2,
+            r"rollout.num_replicas=2 and trainer.async_rollout=true with data-parallel.*rollout.num_replicas=0",
+        ),
     ],
 )
 def test_check_world_names_the_setting_and_the_fix(overrides, world, match):
@@ -60,6 +70,15 @@ def test_torchrun_rank_fails_before_loading_anything(monkeypatch, capsys):
     assert main(["train", "trainer.prompts_per_step=3", "model.path=/does/not/exist"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trainer.prompts_per_step=3 is not divisible by the world size 2" in err[0]
+
+
+def test_torchrun_rank_with_rollout_servers_fails_before_starting_replicas(monkeypatch, capsys, tmp_path):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    args = ["train", "rollout.num_replicas=1", f"trainer.output_dir={tmp_path / 'run'}", "model.path=/does/not/exist"]
+    assert main(args) == 2
+    assert "rollout.num_replicas=1 with data-parallel training over 2 rank(s)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_ray_launch_fails_before_starting_ray(capsys):

@@ -70,3 +70,27 @@ def test_serve_command_serves_on_loopback_and_stops_on_sigterm(tiny_sd3_path, tm
             process.kill()
             process.wait()
         log.close()
+
+
+def test_a_started_replica_samples_as_the_trainers_engine(tiny_sd3_path):
+    """The options the trainer starts a replica with (rollout_backend.replica_serve_args) reach the
+    served engine: batch limits, prompt cache, mixed precision."""
+    import argparse
+
+    import torch
+
+    from flowrl.server import serve_cli
+    from flowrl.trainer.cli import load_train_config
+    from flowrl.trainer.rollout_backend import replica_serve_args
+
+    overrides = ["engine.max_batch_rows=8", "engine.decode_chunk_size=3", "engine.prompt_cache_mb=5"]
+    cfg = load_train_config(None, [*overrides, "trainer.mixed_precision=bf16", "rollout.num_replicas=1"])
+    parser = argparse.ArgumentParser()
+    serve_cli.build_parser(parser)
+    engine, _, _ = serve_cli._open(parser.parse_args(["--model", str(tiny_sd3_path), *replica_serve_args(cfg)]))
+    try:
+        assert (engine.max_batch_rows, engine.executor.decode_chunk_size) == (8, 3)
+        assert engine.prompt_cache.max_bytes == 5 * 2**20
+        assert engine.executor.autocast_dtype == torch.bfloat16
+    finally:
+        engine.shutdown()
