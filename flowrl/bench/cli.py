@@ -52,6 +52,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="build a published architecture with this many blocks of each kind (smoke tests of the published widths)",
     )
+    add_report_arguments(parser)
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every bench shares: the matmul-peak run its MFU is measured against, and its
+    JSON report."""
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
@@ -196,9 +202,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"
     )
-    train.add_argument("--peak-seconds", type=float, default=3.0, help="duration of the sustained matmul-peak run")
-    train.add_argument("--json", default=None, help="write the results here (rewritten after every measurement)")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing --json file (refused otherwise)")
+    add_report_arguments(train)
 
 
 def _check_rounding_is_used(args) -> None:

@@ -47,21 +47,20 @@ def t5_text_encoder(t5_tokenizer):
 
 def tiny_kl_vae(scaling_factor: float, shift_factor: float):
     """A tiny AutoencoderKL with the real ones' structure (16 latent channels, downsampling 8) and
-    the family's latent scale and shift (SD3's; FLUX.1's, which Z-Image uses too)."""
+    the family's latent scale and shift (SD3's; FLUX.1's, which Z-Image uses too): the published
+    AutoencoderKL config with narrow blocks."""
     from diffusers import AutoencoderKL
 
+    from flowrl.models.architectures import SD35_MEDIUM_VAE
+
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(8, 16, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=shift_factor,
-        scaling_factor=scaling_factor,
+        **dict(
+            SD35_MEDIUM_VAE,
+            block_out_channels=(8, 16, 16, 16),
+            layers_per_block=1,
+            norm_num_groups=8,
+            sample_size=64,
+            shift_factor=shift_factor,
+            scaling_factor=scaling_factor,
+        )
     )
