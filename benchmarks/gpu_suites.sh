@@ -10,6 +10,8 @@
 #             tests/benchmarks: the cuBLASLt candidates)                                    ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
 #             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7-9 min
+#   tests-checkpointing  the GPU test of trainer.gradient_checkpointing=auto: the probe on a compiled
+#             tiny Qwen-Image on CUDA, and the run equal to checkpointing off                  ~1-2 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
 #             then the bf16 log-prob gap (micro-batches 1, 8, 32) and a LoRA training step ~5-7 min
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
@@ -204,6 +206,12 @@ suite() {
       within_budget "$s" $cap "$log" || return 0
       echo "[gpu_suites] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
       timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
+      echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
+    tests-checkpointing)
+      within_budget "$s" 150 "$log" || return 0
+      echo "[gpu_suites] pytest -m gpu trainer.gradient_checkpointing=auto (limit ${LIMIT}s)" | tee -a "$log"
+      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/trainer/test_gpu.py \
+        -k auto_checkpointing >>"$log" 2>&1
       echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
     sd35)
       run sd35-rollout 330 "$log" rollout --model sd35-medium -n 16 --steps 10 --size 512 --compile --repeats 3 \

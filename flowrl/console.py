@@ -75,10 +75,16 @@ def library_bars_off():
 
 @functools.cache
 def allow_tracing_cached_checks() -> None:
-    """Let Dynamo trace diffusers' cached availability/version checks without a warning."""
+    """Let Dynamo trace diffusers' cached availability/version checks without a warning; a torch
+    without that switch (the GPU machines' 2.11) is left as it is."""
     import diffusers.utils.import_utils as checks
-    from torch._dynamo.utils import allow_lru_cache_wrapper_trace_without_warning
+    import torch._dynamo.utils as dynamo_utils
 
+    allow_lru_cache_wrapper_trace_without_warning = getattr(
+        dynamo_utils, "allow_lru_cache_wrapper_trace_without_warning", None
+    )
+    if allow_lru_cache_wrapper_trace_without_warning is None:
+        return
     for name, value in vars(checks).items():
         if name.startswith("is_") and isinstance(value, functools._lru_cache_wrapper):
             allow_lru_cache_wrapper_trace_without_warning(value)

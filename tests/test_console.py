@@ -87,3 +87,18 @@ def test_progress_bar_starts_no_monitor_thread():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "['MainThread']", result
+
+
+def test_a_torch_without_the_quiet_tracing_switch_is_left_as_it_is(monkeypatch):
+    """torch 2.11 (the GPU machines') has no allow_lru_cache_wrapper_trace_without_warning: the
+    console setup must not fail there (it did: every compiled GPU run ended in an ImportError)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from flowrl.console import allow_tracing_cached_checks
+
+    monkeypatch.delattr(dynamo_utils, "allow_lru_cache_wrapper_trace_without_warning", raising=False)
+    allow_tracing_cached_checks.cache_clear()
+    try:
+        allow_tracing_cached_checks()  # no ImportError
+    finally:
+        allow_tracing_cached_checks.cache_clear()

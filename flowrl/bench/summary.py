@@ -170,6 +170,16 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _checkpointing(steps: list[dict]) -> str:
+    """', gradient checkpointing (...)' as flowrl's timed steps ran, '' when off or unknown."""
+    if not steps or steps[-1].get("gradient_checkpointing") is None:
+        return ""
+    per_sample = steps[-1].get("activations_per_sample_gb")
+    measured = f", {per_sample:.2f} GB of activations per sample without" if per_sample is not None else ""
+    state = "on" if steps[-1]["gradient_checkpointing"] else "off"
+    return f", gradient checkpointing {state}{measured}"
+
+
 def train_markdown(name: str, data: dict) -> list[str]:
     """A `flowrl bench train` result: the phases of flowrl's and the peer's step against their
     FLOP limits, the whole step, memory and the projection."""
@@ -219,12 +229,13 @@ def train_markdown(name: str, data: dict) -> list[str]:
         lines.append(
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
+            f"{_checkpointing(flowrl.get('steps', []))}"
         )
     if peer.get("phases"):
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "
             f"{peer['images_per_second']:.3f} img/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
-            f"{_cell(peer.get('peak_memory_gb'), '.1f')} GB"
+            f"{_cell(peer.get('peak_memory_gb'), '.1f')} GB{', gradient checkpointing' if peer.get('gradient_checkpointing') else ''}"
         )
     if data.get("peer_over_flowrl"):
         lines.append(f"- the peer's training step takes {data['peer_over_flowrl']:.2f} x flowrl's")

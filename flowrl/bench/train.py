@@ -126,6 +126,11 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         "flops": phase_flops(units, cfg, rows, validated),
         "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
         "logprob_gap_max": metrics.get("actor/logprob_gap_max"),
+        # What trainer.gradient_checkpointing ran with ("auto": decided at the first update).
+        "gradient_checkpointing": (
+            bool(metrics["memory/gradient_checkpointing"]) if "memory/gradient_checkpointing" in metrics else None
+        ),
+        "activations_per_sample_gb": metrics.get("memory/activations_per_sample_gb"),
     }
 
 
@@ -149,7 +154,9 @@ def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
     with trainable(adapter.transformer, cfg.trainer) as params:
         peer = PeerLoop(adapter, cfg, prepared.reward, params)
         prompts = PromptSampler(prepared.train_rows, cfg.trainer.prompts_per_step, cfg.data.shuffle, cfg.trainer.seed)
-        if cfg.trainer.gradient_checkpointing:
+        # The references checkpoint every block; "auto" is flowrl's choice, not theirs.
+        peer_checkpoints = cfg.trainer.gradient_checkpointing is not False
+        if peer_checkpoints:
             adapter.transformer.enable_gradient_checkpointing()
         try:
             _peer_step(peer, prompts, units, cfg, samples_per_prompt=peer.batch)  # warm-up
@@ -160,9 +167,14 @@ def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
                 print(f"[bench] peer step: {steps[-1]['step_seconds']:.2f}s", flush=True)
         finally:
             peer.close()
-            if cfg.trainer.gradient_checkpointing:
+            if peer_checkpoints:
                 adapter.transformer.disable_gradient_checkpointing()
-    report.data["peer"] = {"batch": peer.batch, "steps": steps, "peak_memory_gb": peak_memory_gb(device)}
+    report.data["peer"] = {
+        "batch": peer.batch,
+        "gradient_checkpointing": peer_checkpoints,
+        "steps": steps,
+        "peak_memory_gb": peak_memory_gb(device),
+    }
     report.data["peer"].update(summarize(steps, report.data["peak"]["sustained_flops"]))
     report.save()
 

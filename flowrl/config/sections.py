@@ -33,6 +33,7 @@ from flowrl.sampling_params import MAX_SEED, SamplingParams
 StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
+GradientCheckpointing = bool | Literal["auto"]
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
@@ -395,6 +396,10 @@ class TrainerConfig:
         is slightly off-policy, which is where the PPO clip acts (the references use 2).
     micro_batch_size: samples per forward/backward in the update; gradients accumulate over a
         mini-batch's micro-batches, every trained (sample, step) pair weighing the same.
+    gradient_checkpointing: recompute each block's forward in the backward instead of keeping its
+        activations (less memory, about half a forward more work per trained pair): true, false,
+        or "auto": on only when one micro-batch's activations, measured at the first update, do
+        not fit in the device's free memory (flowrl.trainer.checkpointing).
     ema: an exponential moving average of the trained weights (EmaConfig).
     resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
         path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
@@ -419,7 +424,7 @@ class TrainerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     mixed_precision: MixedPrecision = "no"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: GradientCheckpointing = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     save_every: int = 10

@@ -116,7 +116,7 @@ class FlowGRPOTrainer:
         with torch.random.fork_rng(devices=[]):  # LoRA init from trainer.seed: runs repeat exactly
             torch.manual_seed(tcfg.seed)
             params = apply_trainable(transformer, tcfg.lora)
-        if tcfg.gradient_checkpointing:
+        if tcfg.gradient_checkpointing is not False:  # "auto" too: the updater turns it off where memory allows
             transformer.enable_gradient_checkpointing()
         # Over ranks: replicated LoRA, or the full transformer sharded in place (new parameter objects).
         self.parallel = DataParallel.wrap(transformer, self.world, full_fine_tuning=not tcfg.lora.enabled)
@@ -209,12 +209,15 @@ class FlowGRPOTrainer:
             tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
             specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
             advantages = torch.from_numpy(adv.values[everyone.mine])
+            checkpointing_known = self.updater.checkpointing is not None
             metrics.update(
                 self.updater.update(
                     tensors, specs, advantages, torch.ones(len(specs)), step, trained=everyone.trained(keep)
                 )
             )
             self.policy_version = self.updater.num_optimizer_steps
+            if not checkpointing_known and self.updater.checkpointing.measured and self.world.is_main:
+                note(self.updater.checkpointing.describe())  # trainer.gradient_checkpointing=auto
         # 4. the new version goes live (with trainer.async_rollout: once the early rollout returns)
         t_sync = time.perf_counter()
         self.rollouts.after_update(self.policy_version)

@@ -57,6 +57,7 @@ from flowrl.distributed.parallel import DataParallel
 from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.sampler import kl_to_reference
+from flowrl.trainer.checkpointing import CheckpointingChoice, choose_checkpointing
 from flowrl.trainer.lora import adapter_disabled
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.policy import (
@@ -164,6 +165,8 @@ class PolicyUpdater:
         # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
         self.values_from_no_grad = takes_values_from_no_grad(adapter)
         self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob, algorithm_cfg.kl_beta)
+        # trainer.gradient_checkpointing: "auto" is measured at this process's first update.
+        self.checkpointing: CheckpointingChoice | None = None
 
     # -- the update -----------------------------------------------------------------------------
     def update(
@@ -179,10 +182,12 @@ class PolicyUpdater:
         the same on every rank. tensors, specs (the settings each row was drawn with), advantages,
         weights: this rank's rows. trained: the rows trained on every rank (None: every row given
         here, in one process)."""
-        t0 = time.perf_counter()
         trained = trained if trained is not None else TrainedRows.of_one_process(specs, weights)
         # 1. what is trained, in which order
         plan = self.plan(tensors, specs, step, trained)
+        if self.checkpointing is None:
+            self.checkpointing = self._choose_checkpointing(tensors, specs, plan.train_steps)
+        t0 = time.perf_counter()
         num_train = plan.train_steps.shape[1]
         rollout_log_probs = tensors.get("all_log_probs")
         if rollout_log_probs is not None:
@@ -252,6 +257,7 @@ class PolicyUpdater:
         metrics["actor/grad_norm"] = float(np.mean([r.grad_norm for r in self.records])) if self.records else 0.0
         metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
+        metrics.update(self.checkpointing.metrics())
         if gap_count:
             metrics["actor/logprob_gap_mean"] = gap_sum / gap_count
             metrics["actor/logprob_gap_max"] = gap_max
@@ -312,6 +318,31 @@ class PolicyUpdater:
             return torch.arange(window).expand(num_rows, window).clone()
         gen = self._generator(step, 1)
         return torch.stack([torch.randperm(window, generator=gen)[:count].sort().values for _ in range(num_rows)])
+
+    def _choose_checkpointing(self, tensors, specs, train_steps) -> CheckpointingChoice:
+        """trainer.gradient_checkpointing for this process (flowrl.trainer.checkpointing); "auto"
+        probes with the (up to) two rows of this rank with the longest prompts, at their first
+        trained step."""
+        setting = self.trainer.gradient_checkpointing
+        rows = _probe_rows(tensors, specs, count=2)
+        row_specs = [specs[i] for i in rows.tolist()]
+
+        def probe():
+            self.adapter.transformer.train()
+            try:
+                return self._score_with_grad(tensors, row_specs, rows, train_steps[rows, 0], "grad_pass", None)
+            finally:
+                self.adapter.transformer.eval()
+
+        return choose_checkpointing(
+            setting,
+            self.adapter.transformer,
+            probe,
+            probe_samples=len(rows),
+            micro_batch_size=self.trainer.micro_batch_size,
+            device=self.adapter.device,
+            agree_max=self.world.max,
+        )
 
     def _micro_batches(self, rows: torch.Tensor, specs: Sequence[TransitionSpec]) -> list[torch.Tensor]:
         """`rows` cut into micro-batches of at most trainer.micro_batch_size rows, each holding
@@ -389,6 +420,19 @@ class PolicyUpdater:
         return torch.Generator().manual_seed(
             int(np.random.SeedSequence([self.trainer.seed, *keys]).generate_state(1)[0])
         )
+
+
+def _probe_rows(tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec], count: int) -> torch.Tensor:
+    """Up to `count` rows that can share a forward (one group_key), those with the longest prompt
+    (and negative prompt) encodings first: the probe measures the update's widest samples."""
+    length = torch.zeros(tensors["sigmas"].shape[0])
+    for prefix in ("", "negative_"):
+        mask = tensors.get(f"{prefix}prompt_embeds_mask")
+        if mask is not None:
+            length += mask.bool().sum(dim=1).float()
+    order = torch.argsort(length, descending=True, stable=True).tolist()
+    key = specs[order[0]].group_key
+    return torch.tensor([row for row in order if specs[row].group_key == key][:count])
 
 
 def _accumulate(sums: dict[str, float], out: PolicyLossOutput) -> None:

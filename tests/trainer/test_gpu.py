@@ -105,3 +105,34 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
         assert record["actor/logprob_gap_mean"] < 1e-6 and record["actor/logprob_gap_max"] < 1e-4, gaps
     if old_log_prob == "recompute":  # denominator and first update: the same graph, the same micro-batches
         assert records[0]["actor/ratio_max"] == 1.0 and records[0]["actor/clipfrac"] == 0.0
+
+
+def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_the_fixed_setting(make_cfg):
+    """trainer.gradient_checkpointing=auto with a compiled model on CUDA: the probe counts the
+    compiled grad graph's activations (saved-tensor hooks and the allocator agree on a lower
+    bound), a tiny model fits (off), and the run's weights are those of the same run with
+    checkpointing off."""
+    run = (
+        "model.path=random:tiny-qwen",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        "engine.compile=true",
+        "rollout.sampling.num_inference_steps=4",
+        "rollout.sampling.guidance_scale=4.0",
+        "trainer.micro_batch_size=2",
+        "trainer.total_steps=2",
+    )
+    weights = {}
+    for setting in ("auto", "false"):
+        trainer = FlowGRPOTrainer(make_cfg(*run, f"trainer.gradient_checkpointing={setting}", output=setting))
+        trainer.fit()
+        weights[setting] = {
+            n: p.detach().float().cpu() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad
+        }
+        if setting == "auto":
+            choice = trainer.updater.checkpointing
+            assert choice.measured and not choice.enabled and choice.sample_bytes > 0, choice
+            print(choice.describe())
+    for name, value in weights["auto"].items():
+        torch.testing.assert_close(value, weights["false"][name], msg=name)
