@@ -21,6 +21,10 @@
 #             settings (6 steps, noise 0.9, guidance 3.5, LoRA r64, bf16 autocast, compiled,
 #             gradient checkpointing), micro-batches 1, 8                                   ~5-7 min
 #   sd35-large  SD3.5-large rollout: 16 samples, 10 steps, CFG 4.5 (32 rows), eager + compiled ~6-8 min
+#   sd35-large-vs-pipeline  the same, the diffusers pipeline at batch 16 and the compiled engine
+#             modes only (the measured row of docs/performance.md)                       ~4 min
+#   z-image-vs-pipeline  Z-Image's rollout (as z-image), the pipeline at batch 16 and the compiled
+#             engine only (the measured row of docs/performance.md)                       ~3 min
 #   sd35-large-logprob  SD3.5-large's bf16 log-prob gap and LoRA training step at its recipe's
 #             settings (CFG 4.5, LoRA r32, bf16 autocast, compiled, gradient checkpointing) ~6-8 min
 #   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
@@ -230,6 +234,12 @@ suite() {
     sd35-large)
       run sd35-large-rollout 540 "$log" rollout --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
         --compile --serial-samples 4 --repeats 1 ;;
+    sd35-large-vs-pipeline)
+      run sd35-large-vs-pipeline 540 "$log" rollout --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
+        --compile --repeats 1 --modes pipeline-batched,engine-batched-compiled,engine-concurrent-compiled ;;
+    z-image-vs-pipeline)
+      run z-image-vs-pipeline 420 "$log" rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 \
+        --compile --repeats 1 --modes pipeline-batched,engine-batched-compiled ;;
     sd35-large-logprob)
       run sd35-large-logprob 520 "$log" logprob --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
         --lora-rank 32 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 --train-micro-batch 4 \
