@@ -275,3 +275,22 @@ def test_sampling_params_and_config_stay_light():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_override_of_a_whole_mapping_replaces_the_recipes_and_a_dotted_one_sets_one_key():
+    """`reward.options={}` used to merge into the recipe's options and change nothing (the FLUX
+    recipe's PickScore options could not be dropped); it replaces them now, as written."""
+    from pathlib import Path
+
+    from flowrl.config import load_config
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "flux_dev_pickscore_lora.yaml")
+    options = load_config(recipe).reward.options
+    assert len(options) > 1
+    assert load_config(recipe, ["reward.options={}"]).reward.options == {}
+    assert load_config(recipe, ["reward.options={scale: 2.0}"]).reward.options == {"scale": 2.0}
+    name = next(iter(options))
+    assert load_config(recipe, [f"reward.options.{name}=other"]).reward.options == {**options, name: "other"}
+    # A later whole-mapping override replaces an earlier one; a later dotted one adds to it.
+    assert load_config(recipe, ["reward.options={a: 1}", "reward.options.b=2"]).reward.options == {"a": 1, "b": 2}
+    assert load_config(recipe, ["reward.options.b=2", "reward.options={a: 1}"]).reward.options == {"a": 1}

@@ -1,6 +1,11 @@
 """Loading flowrl configs: defaults <- YAML file <- `key=value` overrides, with strict keys and
 types (a `Literal` field takes only its choices), converted back to the plain dataclasses of
 `flowrl.config.sections` and validated. Like the sections, it knows nothing about models or engines.
+
+Layers merge key by key, except where an override names a free-form mapping field itself
+(`reward.options={}`, `reward.options={model: m}`): its value replaces the mapping the earlier
+layers built, so a recipe's options can be cleared or swapped; `reward.options.model=m` sets one
+key of it and keeps the others.
 """
 
 from __future__ import annotations
@@ -45,13 +50,13 @@ _YamlLoader.add_implicit_resolver(
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> FlowRLConfig:
     """Defaults, then the YAML file at `path` (if any), then each `key=value` override, validated."""
     layers = [] if path is None else [(f"config file {path}", _read_yaml(path))]
-    layers += [(f"override {item!r}", _parse_override(item)) for item in overrides]
+    layers += [_override_layer(item) for item in overrides]
     return _build(layers)
 
 
 def config_from_dict(data: dict, overrides: Sequence[str] = ()) -> FlowRLConfig:
     """Like `load_config`, from an already parsed mapping (e.g. a checkpoint's saved config)."""
-    return _build([("config", data)] + [(f"override {item!r}", _parse_override(item)) for item in overrides])
+    return _build([("config", data)] + [_override_layer(item) for item in overrides])
 
 
 def config_to_dict(cfg) -> dict:
@@ -98,15 +103,44 @@ def _parse_override(item: str) -> dict:
     return value
 
 
-def _build(layers: list[tuple[str, object]]) -> FlowRLConfig:
+def _override_layer(item: str) -> tuple[str, dict, tuple[str, dict] | None]:
+    """(source, nested value, (dotted key, mapping) when it replaces a free-form mapping, else None)
+    of one override."""
+    data = _parse_override(item)
+    key = item.partition("=")[0].strip()
+    value = data
+    for part in key.split("."):
+        value = value[part]
+    replacement = (key, value) if isinstance(value, dict) and _is_free_mapping(_annotation_at(key)) else None
+    return f"override {item!r}", data, replacement
+
+
+def _annotation_at(dotted_key: str):
+    """The annotation of a dotted config key (None where no dataclass field is named)."""
+    tp = FlowRLConfig
+    for part in dotted_key.split("."):
+        if not dataclasses.is_dataclass(tp) or part not in field_types(tp):
+            return None
+        tp = field_types(tp)[part]
+    return tp
+
+
+def _is_free_mapping(tp) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def _build(layers: list[tuple]) -> FlowRLConfig:
+    """layers: (source, data), or (source, data, replacement) from `_override_layer`."""
     # Our own strict check first, of every layer: OmegaConf alone would accept `n: 2.0`-style
     # coercions (bool from 2, str from a list) and gives no dotted key for tuple-length errors.
-    for source, data in layers:
+    for source, data, *_ in layers:
         _check_value(FlowRLConfig, data, "", source)
     merged = OmegaConf.structured(FlowRLConfig)
-    for source, data in layers:
+    for source, data, *replacement in layers:
         try:
             merged = OmegaConf.merge(merged, data)
+            if replacement and replacement[0]:
+                OmegaConf.update(merged, *replacement[0], merge=False)
         except OmegaConfBaseException as error:  # a safety net; _check_value should catch all
             raise ValueError(f"{source}: {error.full_key}: {error.msg}") from None
     cfg = OmegaConf.to_object(merged)

@@ -74,7 +74,11 @@ def lora_two_nodes(lora_args, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def full_two_ranks(full_args, tmp_path_factory):
+    """Sharded full fine-tuning over two ranks, with gradient_checkpointing=auto: its probe (a
+    forward through the sharded model, no backward) runs on every rank, the ranks agree (off on
+    the tiny model) and the run still equals the one-process reference."""
     root = tmp_path_factory.mktemp("full_two_ranks")
-    launch = torchrun(full_args, root / "run", env={"FLOWRL_TEST_RECORD": str(root / "rollouts")})
+    args = (*full_args, "trainer.gradient_checkpointing=auto")
+    launch = torchrun(args, root / "run", env={"FLOWRL_TEST_RECORD": str(root / "rollouts")})
     launch.rollouts = root / "rollouts"
     return check_launch(launch)

@@ -176,7 +176,8 @@ def final_entries(output: Path) -> dict[str, Path]:
 
 
 # flowrl_run.json keys that say where and how a run ran, not what it trained.
-RUN_ONLY_KEYS = ("trainer.output_dir", "distributed.")
+# Settings that say where and how a run ran, not what it trained (full_two_ranks checkpoints "auto").
+RUN_ONLY_KEYS = ("trainer.output_dir", "distributed.", "trainer.gradient_checkpointing")
 
 
 def _trained_config(run_info: dict) -> dict:
