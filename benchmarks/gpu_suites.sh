@@ -51,10 +51,12 @@
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
 #   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
 #             on random weights, jpeg_compressibility reward, embedded prompts: the Qwen-Image
-#             recipe at 2 prompts x 16 samples, compiled as the recipe runs (~5 min), then the
+#             recipe at 2 prompts x 16 samples, compiled as the recipe runs (~6-7 min), then the
 #             SD3.5-medium recipe at 1 prompt x 16 with engine.compile=false (~1.5 min: its VAE
-#             decoder compile alone takes 196-250 s, which train-step-sd35 spends)              ~7 min
-#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~5 / ~7 min
+#             decoder compile alone takes 196-250 s, which train-step-sd35 spends); more than one
+#             10-minute device command holds: run the two as separate commands              ~8-9 min
+#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6-7 / ~7 min
+#             (train-step-qwen without its peer: ~5 min)
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -284,7 +286,7 @@ suite() {
       suite "$log" train-step-qwen
       suite "$log" train-step-sd35-eager ;;
     train-step-qwen)
-      run train-step-qwen 420 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
+      run train-step-qwen 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         $RANDOM_RUN trainer.prompts_per_step=2 --steps 1 --peer-steps 1 ;;
     train-step-sd35|train-step-sd35-eager)
       local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"

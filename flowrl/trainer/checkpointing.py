@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 # The micro-batch's activations are taken as this times (probe bytes per sample x samples): the
-# probe's prompt is the update's longest, but rows of a micro-batch are padded to a common width
-# and the backward holds gradients of one block's activations on top of the saved ones.
+# backward holds gradients of one block's activations on top of the saved ones, and later steps'
+# prompts may be longer than the first update's longest (at 512 px the 1,024 image tokens of a
+# sample dominate: a full 256-token text where the probe had a short one adds about 25%).
 SAFETY_FACTOR = 1.25
 # The share of the free memory that is never planned for (the allocator's fragmentation, the next
 # rollout's buffers, kernels' workspaces).
