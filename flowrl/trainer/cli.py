@@ -99,7 +99,7 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     except (PhaseAborted, KeyboardInterrupt):
         say("flowrl train: interrupted before training started; run the same command to start again", file=sys.stderr)
         return 128 + (signals.requested or signal.SIGINT)
-    if args.config is None:
+    if args.config is None and cfg.model.path is None:  # the defaults' own model, not an override's
         say(
             f"flowrl train: embedded tiny CPU run ({cfg.trainer.total_steps} steps, reward {cfg.reward.name}); "
             f"outputs in {cfg.trainer.output_dir}"

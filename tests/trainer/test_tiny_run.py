@@ -98,5 +98,7 @@ def test_cli_smoke(tiny_sd3_path, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mean reward, first 5 steps:" in result.stdout and "mean reward, last 5 steps:" in result.stdout
+    # A model of the user's own is not announced as the embedded tiny run (it was, without --config).
+    assert "embedded tiny CPU run" not in result.stdout + result.stderr
     assert (tmp_path / "out" / "checkpoints" / "step_000002" / "state.json").is_file()
     assert (tmp_path / "out" / "tensorboard").is_dir()
