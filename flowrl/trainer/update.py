@@ -5,7 +5,8 @@
    `train_timestep_fraction` of them per sample, drawn from (trainer.seed, step)); for each update
    epoch a sample order (from (seed, step, epoch)) cut into `trainer.updates_per_step`
    mini-batches, one optimizer step each, and each mini-batch into micro-batches of rows that
-   can share a forward (the same `TransitionSpec.group_key`);
+   can share a forward (the same `TransitionSpec.group_key`); at the process's first update it
+   then settles `trainer.gradient_checkpointing` ("auto" is measured: flowrl.trainer.checkpointing);
 2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or a
    no-grad recompute with the current policy before any update (`recompute`);
 3. for each optimizer step, for each micro-batch and each trained step: recomputes the log-prob
@@ -324,6 +325,8 @@ class PolicyUpdater:
         probes with the (up to) two rows of this rank with the longest prompts, at their first
         trained step."""
         setting = self.trainer.gradient_checkpointing
+        if setting != "auto":
+            return CheckpointingChoice(enabled=bool(setting))
         rows = _probe_rows(tensors, specs, count=2)
         row_specs = [specs[i] for i in rows.tolist()]
 
