@@ -76,7 +76,7 @@ def library_bars_off():
 @functools.cache
 def allow_tracing_cached_checks() -> None:
     """Let Dynamo trace diffusers' cached availability/version checks without a warning; a torch
-    without that switch (the GPU machines' 2.11) is left as it is."""
+    release without that switch (2.11 has none) is left as it is."""
     import diffusers.utils.import_utils as checks
     import torch._dynamo.utils as dynamo_utils
 

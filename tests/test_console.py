@@ -90,8 +90,8 @@ def test_progress_bar_starts_no_monitor_thread():
 
 
 def test_a_torch_without_the_quiet_tracing_switch_is_left_as_it_is(monkeypatch):
-    """torch 2.11 (the GPU machines') has no allow_lru_cache_wrapper_trace_without_warning: the
-    console setup must not fail there (it did: every compiled GPU run ended in an ImportError)."""
+    """torch 2.11 has no allow_lru_cache_wrapper_trace_without_warning: compiling must not fail
+    there (it did: compile_adapter raised an ImportError on such a torch)."""
     import torch._dynamo.utils as dynamo_utils
 
     from flowrl.console import allow_tracing_cached_checks

@@ -49,14 +49,14 @@ _YamlLoader.add_implicit_resolver(
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> FlowRLConfig:
     """Defaults, then the YAML file at `path` (if any), then each `key=value` override, validated."""
-    layers = [] if path is None else [(f"config file {path}", _read_yaml(path))]
+    layers = [] if path is None else [(f"config file {path}", _read_yaml(path), None)]
     layers += [_override_layer(item) for item in overrides]
     return _build(layers)
 
 
 def config_from_dict(data: dict, overrides: Sequence[str] = ()) -> FlowRLConfig:
     """Like `load_config`, from an already parsed mapping (e.g. a checkpoint's saved config)."""
-    return _build([("config", data)] + [_override_layer(item) for item in overrides])
+    return _build([("config", data, None)] + [_override_layer(item) for item in overrides])
 
 
 def config_to_dict(cfg) -> dict:
@@ -129,18 +129,18 @@ def _is_free_mapping(tp) -> bool:
     return tp is dict or typing.get_origin(tp) is dict
 
 
-def _build(layers: list[tuple]) -> FlowRLConfig:
-    """layers: (source, data), or (source, data, replacement) from `_override_layer`."""
+def _build(layers: list[tuple[str, object, tuple[str, dict] | None]]) -> FlowRLConfig:
+    """layers: (source, data, replacement), replacement as `_override_layer` returns it."""
     # Our own strict check first, of every layer: OmegaConf alone would accept `n: 2.0`-style
     # coercions (bool from 2, str from a list) and gives no dotted key for tuple-length errors.
-    for source, data, *_ in layers:
+    for source, data, _ in layers:
         _check_value(FlowRLConfig, data, "", source)
     merged = OmegaConf.structured(FlowRLConfig)
-    for source, data, *replacement in layers:
+    for source, data, replacement in layers:
         try:
             merged = OmegaConf.merge(merged, data)
-            if replacement and replacement[0]:
-                OmegaConf.update(merged, *replacement[0], merge=False)
+            if replacement is not None:
+                OmegaConf.update(merged, *replacement, merge=False)
         except OmegaConfBaseException as error:  # a safety net; _check_value should catch all
             raise ValueError(f"{source}: {error.full_key}: {error.msg}") from None
     cfg = OmegaConf.to_object(merged)

@@ -78,10 +78,6 @@ def set_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
             module.gradient_checkpointing = enabled
 
 
-def checkpointing_enabled(model: torch.nn.Module) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
-
-
 def saved_activation_bytes(run: Callable[[], object], model: torch.nn.Module) -> int:
     """Bytes autograd keeps for the backward of `run()`'s graph, which is then dropped without a
     backward. On CUDA: what the allocator holds more while the graph is alive (its saved tensors

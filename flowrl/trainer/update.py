@@ -323,10 +323,7 @@ class PolicyUpdater:
     def _choose_checkpointing(self, tensors, specs, train_steps) -> CheckpointingChoice:
         """trainer.gradient_checkpointing for this process (flowrl.trainer.checkpointing); "auto"
         probes with the (up to) two rows of this rank with the longest prompts, at their first
-        trained step."""
-        setting = self.trainer.gradient_checkpointing
-        if setting != "auto":
-            return CheckpointingChoice(enabled=bool(setting))
+        trained step (true / false run no probe)."""
         rows = _probe_rows(tensors, specs, count=2)
         row_specs = [specs[i] for i in rows.tolist()]
 
@@ -338,7 +335,7 @@ class PolicyUpdater:
                 self.adapter.transformer.eval()
 
         return choose_checkpointing(
-            setting,
+            self.trainer.gradient_checkpointing,
             self.adapter.transformer,
             probe,
             probe_samples=len(rows),

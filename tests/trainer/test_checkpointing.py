@@ -8,13 +8,17 @@ from flowrl.trainer import checkpointing
 from flowrl.trainer.checkpointing import (
     RESERVE_FRACTION,
     SAFETY_FACTOR,
-    checkpointing_enabled,
     choose_checkpointing,
     needs_checkpointing,
     saved_activation_bytes,
     set_checkpointing,
 )
 from flowrl.trainer.trainer import FlowGRPOTrainer
+
+
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    """Whether any of `model`'s modules has diffusers' checkpointing switch on."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
 def _frozen_mlp():
