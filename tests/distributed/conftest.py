@@ -6,7 +6,6 @@ launch costs its processes' imports): `lora_reference` / `full_reference` (one p
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ from distributed_runs import (
     check_launch,
     free_port,
     rank_env,
+    run_together,
     torchrun,
     train_one_process,
 )
@@ -57,19 +57,9 @@ def lora_two_nodes(lora_args, tmp_path_factory):
     command = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
     args = ["-m", "flowrl", "train", *lora_args, f"trainer.output_dir={root / 'run'}"]
     t0 = time.perf_counter()
-    nodes = [
-        subprocess.Popen(
-            [*command, "--rdzv-conf", f"is_host={int(node == 0)}", *args],
-            env=rank_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    logs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
-    launch = Launch(root / "run", max(node.returncode for node in nodes), "\n".join(logs), time.perf_counter() - t0)
-    return check_launch(launch)
+    nodes = [[*command, "--rdzv-conf", f"is_host={int(node == 0)}", *args] for node in range(2)]
+    returncode, log = run_together(nodes, rank_env(), TIMEOUT_S)
+    return check_launch(Launch(root / "run", returncode, log, time.perf_counter() - t0))
 
 
 @pytest.fixture(scope="session")

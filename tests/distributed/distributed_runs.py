@@ -9,13 +9,16 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -37,6 +40,7 @@ BASE = (
     "trainer.save_every=1",
     "trainer.lr=0.001",
     "algorithm.old_log_prob=recompute",
+    "distributed.timeout_s=120",  # a collective left waiting fails with its stack, well within TIMEOUT_S
 )
 LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "algorithm.kl_beta=0.01", "trainer.ema.enabled=true")
 FULL = ("trainer.lora.enabled=false", "trainer.ema.enabled=true", "trainer.ema.update_every=1")
@@ -50,15 +54,64 @@ def free_port() -> int:
 
 
 def rank_env(**extra: str) -> dict:
-    """The environment of a launched rank: offline, gloo on the loopback, one thread."""
+    """The environment of a launched rank: offline, gloo on the loopback, one thread; SIGABRT
+    prints every thread's stack (faulthandler), which `run_together` uses on a launch that hangs."""
     return {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
         **extra,
     }
+
+
+def run_together(commands: list[list[str]], env: dict, timeout: float) -> tuple[int, str]:
+    """Run the commands (torchrun agents) side by side; returns the largest exit code and their
+    output, one after the other. Output goes to files, as a pipe nobody reads yet could block a
+    process that another one waits for in a collective. Past `timeout` seconds every process of
+    the launch (agents and their ranks, which torchrun starts in sessions of their own) prints its
+    threads' stacks and is killed, and the test fails with the output."""
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [Path(folder) / f"launch{i}.log" for i in range(len(commands))]
+        procs = []
+        for command, log in zip(commands, logs):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            _abort_with_stacks(procs)
+            raise AssertionError(f"the launch ran past {timeout:.0f} s\n" + _joined(logs, tail=8000)) from None
+        return max(proc.returncode for proc in procs), _joined(logs)
+
+
+def _abort_with_stacks(procs: list[subprocess.Popen]) -> None:
+    """SIGABRT to every process of the launch, ranks first (faulthandler prints their stacks),
+    then SIGKILL to whatever is left a few seconds later."""
+    family = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent = psutil.Process(proc.pid)
+            family += [*parent.children(recursive=True), parent]
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signal.SIGABRT)
+    _, alive = psutil.wait_procs(family, timeout=5)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+
+
+def _joined(logs: list[Path], tail: int | None = None) -> str:
+    parts = []
+    for i, log in enumerate(logs):
+        text = log.read_text(errors="replace")
+        parts.append(f"--- launch {i} ---\n" + (text[-tail:] if tail else text))
+    return "\n".join(parts)
 
 
 @dataclass
@@ -101,8 +154,8 @@ def torchrun(
         f"trainer.output_dir={output}",
     ]
     t0 = time.perf_counter()
-    done = subprocess.run(command, env=rank_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
-    return Launch(output, done.returncode, done.stdout + done.stderr, time.perf_counter() - t0)
+    returncode, log = run_together([command], rank_env(**(env or {})), timeout)
+    return Launch(output, returncode, log, time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -175,7 +228,6 @@ def final_entries(output: Path) -> dict[str, Path]:
     return entries
 
 
-# flowrl_run.json keys that say where and how a run ran, not what it trained.
 # Settings that say where and how a run ran, not what it trained (full_two_ranks checkpoints "auto").
 RUN_ONLY_KEYS = ("trainer.output_dir", "distributed.", "trainer.gradient_checkpointing")
 
