@@ -1,10 +1,13 @@
 """OCR reward speed: milliseconds per 512x512 image on CPU, read by rapidocr (onnxruntime).
 
-    python benchmarks/ocr_speed.py [--num-images 8] [--repeats 3] [--threads 1]
+    python benchmarks/ocr_speed.py [--num-images 8] [--repeats 3] [--threads 1] [--workers 1 2]
 
 Renders text images (DejaVu Sans Bold, several sizes, some with noise) and blank images, warms
-the engine up once, then times the OcrReward on each image one at a time (the way training
-scores them) and prints the mean per image, plus the accuracy as a sanity check.
+the engine up once, then times the OcrReward on each image one at a time and prints the mean per
+image, plus the accuracy as a sanity check. Then it times a burst, every text image submitted at
+once to the trainer's AsyncRewardScorer (as an engine-batched group finishes), for each pool size
+in --workers (after one untimed burst that warms its engines up), so the speed-up of more workers is measured in
+one run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import numpy as np
 
 from flowrl.data.render_text import render_text_image
+from flowrl.rewards.async_scoring import AsyncRewardScorer
 from flowrl.rewards.ocr import OcrReward
 
 TEXTS = (
@@ -51,11 +55,29 @@ def time_per_image_ms(reward: OcrReward, images, targets, repeats: int) -> tuple
     return 1000 * elapsed / (repeats * len(images)), float(np.mean(scores))
 
 
+def burst_seconds(num_workers: int, threads: int, images, targets, repeats: int) -> float:
+    """Mean seconds to score every image submitted at once, through a pool of num_workers."""
+    reward = OcrReward(num_threads=threads)
+    with AsyncRewardScorer(reward, num_workers=num_workers) as scorer:
+
+        def burst() -> None:
+            for row, (image, target) in enumerate(zip(images, targets)):
+                scorer.submit(row, image, "", {"ground_truth": target})
+            scorer.results()
+
+        burst()  # untimed: builds and warms up the engine of every worker that takes rows
+        start = time.perf_counter()
+        for _ in range(repeats):
+            burst()
+        return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="scoring pool sizes for the burst")
     args = parser.parse_args()
 
     size = 512
@@ -76,6 +98,15 @@ def main() -> None:
         f"OCR ms per 512x512 image with text: {text_ms:.0f} ms (mean score {mean_score:.3f} over {len(texts)} images)"
     )
     print(f"OCR ms per 512x512 blank image:     {blank_ms:.0f} ms")
+    bursts = {
+        workers: burst_seconds(workers, args.threads, text_images, texts, args.repeats) for workers in args.workers
+    }
+    for workers, seconds in bursts.items():
+        speedup = bursts[args.workers[0]] / seconds
+        print(
+            f"burst of {len(texts)} images, {workers} scoring worker(s): {seconds:.2f} s "
+            f"({speedup:.2f} x {args.workers[0]} worker(s))"
+        )
 
 
 if __name__ == "__main__":

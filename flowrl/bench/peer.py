@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from flowrl.bench.flops import synchronize
+from flowrl.rewards.async_scoring import scoring_workers
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.lora import adapter_disabled
@@ -101,7 +102,7 @@ class PeerLoop:
         self.autocast_dtype = MIXED_PRECISION_DTYPES[tcfg.mixed_precision]
         named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
         self.ema = ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every) if tcfg.ema.enabled else None
-        self.pool = ThreadPoolExecutor(cfg.reward.num_workers)
+        self.pool = ThreadPoolExecutor(scoring_workers(cfg.reward.num_workers))
         self.num_optimizer_steps = 0
         self.calls = 0
         self.rng = random.Random(tcfg.seed)

@@ -34,6 +34,7 @@ StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 GradientCheckpointing = bool | Literal["auto"]
+ScoringWorkers = int | Literal["auto"]
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
@@ -475,17 +476,20 @@ class RewardConfig:
         rewards instead, each {name, weight (1.0), options ({}), optional (False: a failure
         raises; True: the row gets NaN and is excluded)}; set name=null when using components.
     route_by_data_source: data_source -> reward name, for datasets that mix tasks.
-    num_workers: scoring workers (scoring overlaps generation).
+    num_workers: reward scoring threads of each rank (scoring overlaps generation); "auto": the
+        cores this process may use, shared by the ranks of its host, less one
+        (flowrl.rewards.async_scoring.scoring_workers).
     """
 
     name: str | None = "jpeg_compressibility"
     options: dict = field(default_factory=dict)
     components: list[dict] = field(default_factory=list)
     route_by_data_source: dict[str, str] = field(default_factory=dict)
-    num_workers: int = 2
+    num_workers: ScoringWorkers = "auto"
 
     def validate(self) -> "RewardConfig":
-        _check_min("reward.num_workers", self.num_workers, 1)
+        if self.num_workers != "auto":
+            _check_min("reward.num_workers", self.num_workers, 1)
         if self.components and self.name is not None:
             _fail(
                 "reward.name",

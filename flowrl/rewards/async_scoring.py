@@ -2,9 +2,17 @@
 
 The rollout loop calls `submit(row_index, image, prompt, metadata)` in the engine's completion
 order. A pool of `num_workers` threads scores what is pending: a worker that becomes free takes
-every pending row of the same image size (up to `max_batch_size`) and scores them as one batch,
-so early rows start scoring at once and late bursts are still batched. `results()` waits for all
-submitted rows and returns the scores in row order: the update still waits for the full batch.
+the pending rows of the same image size (up to `max_batch_size`) and scores them as one batch,
+so early rows start scoring at once and late bursts are still batched. It takes all of them for
+a reward that batches (one model forward, as CLIP's), and its share, 1 / num_workers of them, for
+a reward that scores rows one by one (`Reward.scores_rows_one_by_one`, as OCR): the whole group
+an engine-batched rollout finishes at once is then scored on every worker, not on one.
+`results()` waits for all submitted rows and returns the scores in row order: the update still
+waits for the full batch.
+
+`scoring_workers("auto", ranks_on_this_host)` is the pool size `reward.num_workers: auto` means:
+the cores this process may run on, shared by the ranks of its host, less one for the rank's own
+thread.
 
 Threads (not processes) suffice: the heavy parts (onnxruntime OCR, torch CLIP, HTTP waits)
 release the GIL. Rewards called from several workers must be thread-safe; the built-in ones are
@@ -17,6 +25,8 @@ Failures follow the reward's policy: a RewardError of a required reward is re-ra
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -33,6 +43,15 @@ class _PendingRow:
     metadata: dict
 
 
+def scoring_workers(setting: int | str, ranks_on_this_host: int = 1) -> int:
+    """The scoring pool's size for reward.num_workers=`setting` (a count, or "auto": module
+    docstring)."""
+    if setting != "auto":
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, ranks_on_this_host) - 1)
+
+
 class AsyncRewardScorer:
     """A worker pool that scores submitted rows in batches of whatever is pending."""
 
@@ -42,6 +61,7 @@ class AsyncRewardScorer:
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size={max_batch_size!r} must be None or an integer >= 1")
         self.reward = reward
+        self.num_workers = num_workers
         self.max_batch_size = max_batch_size
         self._condition = threading.Condition()
         self._pending: list[_PendingRow] = []
@@ -76,9 +96,12 @@ class AsyncRewardScorer:
 
     # -- worker side -------------------------------------------------------------------------
     def _take_batch(self) -> list[_PendingRow]:
-        """All pending rows with the first row's image size (one stacked array), oldest first."""
+        """Pending rows with the first row's image size (one stacked array), oldest first: all of
+        them, or this worker's share for a reward that scores rows one by one (module docstring)."""
         shape = self._pending[0].image.shape
         batch = [row for row in self._pending if row.image.shape == shape][: self.max_batch_size]
+        if self.reward.scores_rows_one_by_one:
+            batch = batch[: math.ceil(len(batch) / self.num_workers)]
         taken = {id(row) for row in batch}
         self._pending = [row for row in self._pending if id(row) not in taken]
         return batch

@@ -81,6 +81,10 @@ class Reward:
     """
 
     name: str = "reward"
+    # Whether a batch costs as much as its rows scored one by one (a Python loop over images, as
+    # OCR): AsyncRewardScorer then spreads a burst of rows over its workers instead of handing
+    # one worker a single batch (which suits a batched model forward, as CLIP's).
+    scores_rows_one_by_one: bool = False
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         return self.score_with_components(images, prompts, metadata)[0]
@@ -124,6 +128,8 @@ class Reward:
 
 class RowwiseReward(Reward):
     """A reward computed one image at a time, so failures name their row."""
+
+    scores_rows_one_by_one = True
 
     def score_row(self, image_hwc: np.ndarray, prompt: str, metadata: dict) -> float:
         raise NotImplementedError

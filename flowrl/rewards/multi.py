@@ -67,6 +67,10 @@ class MultiReward(Reward):
             reward.name = label  # failures and logs carry the component's label
             self.components.append((label, float(weight), bool(component.get("optional", False)), reward))
 
+    @property
+    def scores_rows_one_by_one(self) -> bool:
+        return all(reward.scores_rows_one_by_one for *_, reward in self.components)
+
     def score_batch_with_components(self, images, prompts, metadata):
         total = np.zeros(len(prompts), dtype=np.float64)
         components: dict[str, np.ndarray] = {}
@@ -112,6 +116,13 @@ class DataSourceRouter(Reward):
                 f"routed sources: {sorted(self.routes)}"
             )
         return self.default
+
+    @property
+    def scores_rows_one_by_one(self) -> bool:
+        return all(reward.scores_rows_one_by_one for reward in self._rewards())
+
+    def _rewards(self) -> list[Reward]:
+        return [*self.routes.values(), *([] if self.default is None else [self.default])]
 
     def score_batch_with_components(self, images, prompts, metadata):
         batch_size = len(prompts)

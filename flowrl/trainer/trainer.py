@@ -84,7 +84,7 @@ class FlowGRPOTrainer:
 
     def __init__(self, cfg, engine=None, reward=None, plan: resume.RunPlan | None = None, world: World | None = None):
         from flowrl.config import config_to_dict
-        from flowrl.rewards import AsyncRewardScorer
+        from flowrl.rewards.async_scoring import AsyncRewardScorer, scoring_workers
         from flowrl.rollout.agent_loop import AgentLoop
 
         self.cfg = cfg
@@ -146,7 +146,7 @@ class FlowGRPOTrainer:
         # Validation samples in this process, with the trainer's weights (or their EMA).
         decoupled = self.rollout_backend.is_decoupled
         self.val_agent_loop = AgentLoop(self.engine, cfg.rollout) if decoupled else self.agent_loop
-        self.scorer = AsyncRewardScorer(self.reward, cfg.reward.num_workers)
+        self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0

@@ -1,5 +1,6 @@
 """Async scoring: same scores as synchronous scoring, starts before the last row is submitted,
-batches what is pending, and re-raises failures with the submitted row index."""
+batches what is pending (a reward that scores rows one by one: spread over the workers), and
+re-raises failures with the submitted row index; the pool size `auto` means."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from flowrl.rewards import AsyncRewardScorer, Reward, RewardError, build_reward
+from flowrl.rewards import AsyncRewardScorer, Reward, RewardError, RowwiseReward, build_reward
+from flowrl.rewards.async_scoring import scoring_workers
+from flowrl.rewards.multi import DataSourceRouter, MultiReward
 
 
 def _images(num_rows: int) -> np.ndarray:
@@ -83,6 +86,69 @@ def test_scoring_starts_before_last_row_and_batches_pending_rows():
     # ... so the worker takes all seven pending rows as one batch.
     assert reward.batches == [["0"], [str(r) for r in range(1, 8)]]
     assert scorer.scored_batch_sizes == [1, 7]
+
+
+class GatedRowwise(RowwiseReward):
+    """A reward scored row by row (as OCR) whose batches wait for the test's gate; records each
+    batch's rows and the thread that scored it."""
+
+    name = "gated_rowwise"
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.batches: list[tuple[str, list[str]]] = []
+        self.started = threading.Semaphore(0)
+
+    def score_batch(self, images, prompts, metadata):
+        with self.lock:
+            self.batches.append((threading.current_thread().name, list(prompts)))
+        self.started.release()
+        assert self.gate.wait(10)
+        return super().score_batch(images, prompts, metadata)
+
+    def score_row(self, image_hwc, prompt, metadata):
+        return float(prompt)
+
+
+def test_a_burst_for_a_reward_scored_row_by_row_is_shared_by_every_worker():
+    """Eight rows finishing at once (an engine-batched group) while both workers are busy: the
+    first free worker takes its half, not all eight, so the other scores the rest at the same
+    time; a batched reward (test above) takes them as one batch."""
+    reward = GatedRowwise()
+    images = _images(10)
+    with AsyncRewardScorer(reward, num_workers=2) as scorer:
+        for row in (0, 1):  # one row each: both workers wait at the gate
+            scorer.submit(row, images[row], str(row), {})
+            assert reward.started.acquire(timeout=5)
+        for row in range(2, 10):
+            scorer.submit(row, images[row], str(row), {})
+        reward.gate.set()
+        scores = scorer.results()
+    np.testing.assert_array_equal(scores, np.arange(10.0))
+    burst = [rows for _, rows in reward.batches[2:]]
+    assert sorted(len(rows) for rows in burst) == [1, 1, 2, 4]  # 8 -> 4, then 2 of the 4 left, ...
+    assert sorted(row for rows in burst for row in rows) == sorted(str(r) for r in range(2, 10))
+    assert len({thread for thread, _ in reward.batches}) == 2
+
+
+def test_combined_rewards_score_row_by_row_only_when_all_their_rewards_do():
+    rowwise = {"name": "jpeg_compressibility"}
+    batched = {"name": "image_contrast"}
+    assert MultiReward([rowwise, {**rowwise, "label": "again"}]).scores_rows_one_by_one
+    assert not MultiReward([rowwise, batched]).scores_rows_one_by_one
+    assert DataSourceRouter({"a": rowwise["name"]}, default=rowwise).scores_rows_one_by_one
+    assert not DataSourceRouter({"a": rowwise["name"]}, default=batched).scores_rows_one_by_one
+
+
+def test_auto_scoring_workers_share_this_process_cores_among_the_ranks_of_the_host(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert scoring_workers("auto") == 15  # one core left to the rank's own thread
+    assert scoring_workers("auto", ranks_on_this_host=8) == 1
+    assert scoring_workers("auto", ranks_on_this_host=32) == 1
+    assert scoring_workers(3, ranks_on_this_host=8) == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert scoring_workers("auto") == 1
 
 
 def test_required_failure_is_raised_with_submitted_row_index(fake_rewards):
