@@ -28,11 +28,13 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from flowrl.rewards.base import Reward, RewardError, as_uint8_images
+from flowrl.waiting import POLL_S, StopCheck
 
 
 @dataclass
@@ -145,16 +147,29 @@ class AsyncRewardScorer:
 
     # -- consumer side -----------------------------------------------------------------------
     def results_with_components(
-        self, num_rows: int | None = None, timeout_s: float | None = None
+        self, num_rows: int | None = None, timeout_s: float | None = None, stop_check: StopCheck | None = None
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Wait for every submitted row; (total (N,), {name: (N,)}) in row order; then reset.
 
         `num_rows` (optional) checks that rows 0..num_rows-1 were all submitted; `timeout_s`
         bounds the wait (TimeoutError, state kept) so a hung reward cannot stall training silently.
+        `stop_check` is called while waiting (flowrl.waiting); whatever it raises ends the wait,
+        the state kept (`close(drop_pending=True)` drops it).
         """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            is_done = self._condition.wait_for(lambda: not self._pending and not self._num_in_flight, timeout_s)
-            if not is_done:
+            while self._pending or self._num_in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                if stop_check is not None:  # wait in slices, looking for a stop between them
+                    left = POLL_S if left is None else min(POLL_S, left)
+                self._condition.wait(left)
+                if stop_check is not None:
+                    stop_check()
+            if stop_check is not None:  # a stop requested while the last rows were scored
+                stop_check()
+            if self._pending or self._num_in_flight:
                 raise TimeoutError(
                     f"reward {self.reward.name!r}: {len(self._pending)} row(s) pending and "
                     f"{self._num_in_flight} in flight after {timeout_s} s"
@@ -180,8 +195,10 @@ class AsyncRewardScorer:
         }
         return total, components
 
-    def results(self, num_rows: int | None = None, timeout_s: float | None = None) -> np.ndarray:
-        return self.results_with_components(num_rows, timeout_s)[0]
+    def results(
+        self, num_rows: int | None = None, timeout_s: float | None = None, stop_check: StopCheck | None = None
+    ) -> np.ndarray:
+        return self.results_with_components(num_rows, timeout_s, stop_check)[0]
 
     def close(self, drop_pending: bool = False) -> None:
         """Stop the workers and join them: after scoring every pending row, or, with drop_pending

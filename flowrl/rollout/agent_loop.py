@@ -29,6 +29,7 @@ from flowrl.engine.output import TransitionSpec
 from flowrl.rollout.balancer import LeastInFlightBalancer
 from flowrl.rollout.batch import RolloutBatch, stack_rows
 from flowrl.sampling_params import SamplingParams
+from flowrl.waiting import StopCheck, wait_for_event, wait_for_futures
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class AgentLoop:
         validation: bool = False,
         on_sample_done: Callable[[int, object], None] | None = None,
         row_offset: int = 0,
+        stop_check: StopCheck | None = None,
     ) -> RolloutBatch:
         """Generate one sample per row; return the batch with the sample fields attached.
 
@@ -136,6 +138,8 @@ class AgentLoop:
         with row indices from 0, so validation images are comparable across training steps.
         row_offset: where this batch starts among the rows of the whole step (or validation) when
         it is one rank's share of it, so every row gets the seed it has in one process.
+        stop_check: called while waiting for the samples (flowrl.waiting); whatever it raises
+        ends the wait, the requests left to whoever closes the engine.
         """
         if len(batch) == 0:
             raise ValueError("generate_sequences got an empty batch; pass at least one row")
@@ -170,6 +174,7 @@ class AgentLoop:
             for i, f in enumerate(futures):
                 callbacks_done.append(threading.Event())
                 f.add_done_callback(_notify(on_sample_done, i, callbacks_done[-1]))
+        wait_for_futures(futures, stop_check)
         outputs = []
         for i, f in enumerate(futures):
             try:
@@ -179,7 +184,7 @@ class AgentLoop:
         # A Future wakes its waiter before it runs its done-callbacks: wait for them, so every
         # on_sample_done call has returned when generate_sequences does.
         for event in callbacks_done:
-            event.wait()
+            wait_for_event(event, stop_check)
         # 4. the samples' tensors and metadata attached to the batch's rows
         if not validation:
             self.rows_generated += len(batch)

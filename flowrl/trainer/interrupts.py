@@ -2,9 +2,12 @@
 
 `StopSignals` (a context manager, active in the main thread only) replaces the SIGINT and SIGTERM
 handlers while a run trains:
-- the first signal asks the run to stop. Inside `abortable()` (the rollout, the reward wait,
-  validation: phases whose work is simply dropped) it raises `PhaseAborted` at once; elsewhere
-  (the update, a checkpoint write) the phase finishes and the loop stops at its next `check()`;
+- the first signal asks the run to stop. Phases whose work is simply dropped end at once: the
+  waits for the rollout and the rewards call `check()` every few hundredths of a second
+  (flowrl.waiting: raising from the handler there could leave a lock held that another thread
+  needs), and main-thread work that holds no such lock (loading the model, validation's scoring)
+  runs inside `abortable()`, where the handler itself raises `PhaseAborted`; elsewhere (the
+  update, a checkpoint write) the phase finishes and the loop stops at its next `check()`;
 - a second signal ends the process at once (`os._exit`, exit code 128 + signal number); a
   checkpoint being written then is never taken for a complete one (checkpoints are renamed into
   place when complete).
@@ -91,7 +94,8 @@ class StopSignals:
 
     @contextlib.contextmanager
     def abortable(self):
-        """A phase whose work a stop signal may drop: the signal raises PhaseAborted at once inside."""
+        """Main-thread work a stop signal may drop: the signal raises PhaseAborted at once inside
+        (never around waits on other threads: module docstring)."""
         self.check()
         self._is_abortable = True
         try:

@@ -262,14 +262,16 @@ class FlowGRPOTrainer:
             progress.advance()
 
         progress.phase("rollout", len(batch))
-        with self._abortable():  # a stop signal drops the rollout (fit() rewinds the step)
-            with self.parallel.rollout_weights():
-                rollout = self.agent_loop.generate_sequences(batch, on_sample_done=submit, row_offset=first_prompt * n)
-            self.agent_loop.rows_generated = first_row + len(rows) * n
-            t_rollout = time.perf_counter()
-            stats = self.rollout_backend.stats()
-            rewards, components = self.scorer.results_with_components(len(rollout))
-            t_reward = time.perf_counter()
+        stop_check = self._stop_check()  # a stop signal drops the rollout (fit() rewinds the step)
+        with self.parallel.rollout_weights():
+            rollout = self.agent_loop.generate_sequences(
+                batch, on_sample_done=submit, row_offset=first_prompt * n, stop_check=stop_check
+            )
+        self.agent_loop.rows_generated = first_row + len(rows) * n
+        t_rollout = time.perf_counter()
+        stats = self.rollout_backend.stats()
+        rewards, components = self.scorer.results_with_components(len(rollout), stop_check=stop_check)
+        t_reward = time.perf_counter()
         counters = {} if stats is None else {name: stats.get(name, 0) for name in _ENGINE_COUNTERS}
         everyone = gather_step_rows(self.world, rollout, rewards, components, counters)
         return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_rollout)
@@ -299,9 +301,9 @@ class FlowGRPOTrainer:
         first, mine = self.world.share(self.val_rows)
         self._progress.phase("validation", len(mine))
         images, scores, prompts, targets = None, [], [], []
-        # The abortable block inside the weights' swap: a stop signal never lands mid-swap. Every
-        # rank enters rollout_weights (a collective when sharded).
-        with self._evaluation_weights(), self.parallel.rollout_weights(), self._abortable():
+        # A stop signal ends the wait for the samples inside the weights' swap, whose exit restores
+        # the weights. Every rank enters rollout_weights (a collective when sharded).
+        with self._evaluation_weights(), self.parallel.rollout_weights():
             if mine:
                 batch = RolloutBatch.from_rows([dict(row) for row in mine])
                 out = self.val_agent_loop.generate_sequences(
@@ -309,6 +311,7 @@ class FlowGRPOTrainer:
                     validation=True,
                     on_sample_done=lambda row, output: self._progress.advance(),
                     row_offset=first,
+                    stop_check=self._stop_check(),
                 )
                 images = out.batch["images"]
                 prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
@@ -512,15 +515,23 @@ class FlowGRPOTrainer:
         if self._progress.current_phase == "update":
             self._progress.advance()
 
+    def _is_abortable(self) -> bool:
+        """Whether a stop signal may drop a phase at once. Over several ranks it may not: a rank
+        leaving a phase alone would leave the others waiting in its collectives, so the ranks stop
+        together at the end of a step (`_check_stop`). With trainer.async_rollout it may not either:
+        the next step's rollout runs on its own thread during the update, and a stop at the end of
+        a step saves the data position from before that rollout drew its rows
+        (`data_state(saved=True)`)."""
+        return self._signals is not None and not self.world.is_distributed and not self.rollouts.is_async
+
     def _abortable(self):
-        """A phase a stop signal may drop at once. Over several ranks none is: a rank leaving a phase
-        alone would leave the others waiting in its collectives, so the ranks stop together at the
-        end of a step (`_check_stop`). With trainer.async_rollout none is either: the next step's
-        rollout runs on its own thread during the update, and a stop at the end of a step saves the
-        data position from before that rollout drew its rows (`data_state(saved=True)`)."""
-        if self._signals is None or self.world.is_distributed or self.rollouts.is_async:
-            return contextlib.nullcontext()
-        return self._signals.abortable()
+        """Main-thread work (validation's scoring) that a stop signal interrupts at once."""
+        return self._signals.abortable() if self._is_abortable() else contextlib.nullcontext()
+
+    def _stop_check(self):
+        """For a wait a stop signal cuts short (flowrl.waiting): raises PhaseAborted once a stop
+        was requested; None where no phase is abortable."""
+        return self._signals.check if self._is_abortable() else None
 
     def _check_stop(self) -> None:
         """The safe point after a step: stop when a signal was received (over several ranks: by any

@@ -1,0 +1,40 @@
+"""Waits that a stop request may cut short, without raising from a signal handler.
+
+A signal handler that raises (as Python's own KeyboardInterrupt does) can strike while the main
+thread is inside a lock's `__enter__` or `__exit__` (threading.Condition's, a Future's, an
+Event's): the lock then stays held, and the next thread that needs it (a reward worker handing
+in its scores, the engine completing a sample) waits forever. So a wait the trainer may abort
+waits in slices of `POLL_S` seconds and calls `stop_check()` between them and once more at its
+end, so a stop requested at any time during the wait ends it; `stop_check` raises
+(flowrl.trainer.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
+no lock. Nothing here knows signals or trainers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterable
+
+POLL_S = 0.05  # how often an abortable wait looks for a stop request
+
+StopCheck = Callable[[], None]
+
+
+def wait_for_futures(futures: Iterable[concurrent.futures.Future], stop_check: StopCheck | None = None) -> None:
+    """Until every future is done (finished, failed or cancelled)."""
+    pending = set(futures)
+    while pending:
+        _, pending = concurrent.futures.wait(pending, timeout=None if stop_check is None else POLL_S)
+        if stop_check is not None:
+            stop_check()
+
+
+def wait_for_event(event: threading.Event, stop_check: StopCheck | None = None) -> None:
+    """Until `event` is set."""
+    if stop_check is None:
+        event.wait()
+        return
+    while not event.wait(POLL_S):
+        stop_check()
+    stop_check()

@@ -1,0 +1,89 @@
+"""Abortable waits (flowrl.waiting): they return once their futures or event are done, and a stop
+check that raises ends them within a poll slice, from ordinary code, with no lock held."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from flowrl.rewards import AsyncRewardScorer, Reward
+from flowrl.trainer.interrupts import PhaseAborted, StopSignals
+from flowrl.waiting import POLL_S, wait_for_event, wait_for_futures
+
+
+class _Stop:
+    """A stop check that raises once `requested` is set, counting its calls."""
+
+    def __init__(self):
+        self.requested = False
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.requested:
+            raise PhaseAborted()
+
+
+def _later(seconds: float, fn) -> None:
+    threading.Timer(seconds, fn).start()
+
+
+def test_the_waits_return_when_done_and_check_for_a_stop_meanwhile():
+    done, failed = Future(), Future()
+    stop = _Stop()
+    _later(0.2, lambda: (done.set_result(1), failed.set_exception(TimeoutError("a sample's own timeout"))))
+    wait_for_futures([done, failed], stop)  # a failed future is done too: its error is the caller's
+    assert stop.calls >= 2 and failed.exception() is not None
+    event = threading.Event()
+    _later(0.2, event.set)
+    wait_for_event(event, stop)
+    assert event.is_set()
+
+
+def test_a_stop_ends_the_waits_within_a_poll_slice():
+    stop = _Stop()
+    _later(0.1, lambda: setattr(stop, "requested", True))
+    start = time.perf_counter()
+    with pytest.raises(PhaseAborted):
+        wait_for_futures([Future()], stop)  # never done
+    assert time.perf_counter() - start < 0.1 + 10 * POLL_S
+    with pytest.raises(PhaseAborted):
+        wait_for_event(threading.Event(), stop)
+
+
+def test_a_stop_during_the_reward_wait_leaves_a_scorer_that_closes():
+    class Blocked(Reward):
+        name = "blocked"
+        gate = threading.Event()
+
+        def score_batch(self, images, prompts, metadata):
+            assert self.gate.wait(10)
+            return np.zeros(len(images))
+
+    before = set(threading.enumerate())
+    scorer = AsyncRewardScorer(Blocked(), num_workers=1)
+    for row in range(3):
+        scorer.submit(row, np.zeros((3, 8, 8), np.uint8), "", {})
+    stop = _Stop()
+    stop.requested = True
+    with pytest.raises(PhaseAborted):
+        scorer.results(stop_check=stop)
+    Blocked.gate.set()
+    scorer.close(drop_pending=True)  # the condition's lock is free: the worker hands in and exits
+    assert set(threading.enumerate()) <= before
+
+
+def test_a_signal_outside_abortable_work_only_asks_for_a_stop():
+    """The handler raises inside `abortable()` alone; during a wait it sets `requested`, which the
+    wait's check turns into PhaseAborted."""
+    import signal
+
+    with StopSignals("test") as signals:
+        signal.raise_signal(signal.SIGINT)  # no exception here: nothing abortable is running
+        assert signals.requested == signal.SIGINT
+        with pytest.raises(PhaseAborted):
+            wait_for_event(threading.Event(), signals.check)
