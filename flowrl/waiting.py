@@ -7,7 +7,8 @@ in its scores, the engine completing a sample) waits forever. So a wait the trai
 waits in slices of `POLL_S` seconds and calls `stop_check()` between them and once more at its
 end, so a stop requested at any time during the wait ends it; `stop_check` raises
 (flowrl.trainer.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
-no lock. Nothing here knows signals or trainers.
+no lock. Main-thread work that a stop should end at once runs on a thread of its own
+(`run_in_thread`) while the main thread waits for it so. Nothing here knows signals or trainers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 POLL_S = 0.05  # how often an abortable wait looks for a stop request
 
@@ -38,3 +42,30 @@ def wait_for_event(event: threading.Event, stop_check: StopCheck | None = None) 
     while not event.wait(POLL_S):
         stop_check()
     stop_check()
+
+
+def run_in_thread(function: Callable[..., T], *args) -> concurrent.futures.Future:
+    """`function(*args)` on a daemon thread; its result or error in the returned Future (a daemon
+    thread never keeps an interrupted process alive)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"flowrl-{getattr(function, '__name__', 'work')}", daemon=True).start()
+    return future
+
+
+def call_abortably(function: Callable[..., T], *args, stop_check: StopCheck | None = None) -> T:
+    """`function(*args)`; with a stop check, run on a thread of its own while this thread waits
+    (`wait_for_futures`), so a stop ends the wait at once; the call, left behind, finishes alone."""
+    if stop_check is None:
+        return function(*args)
+    future = run_in_thread(function, *args)
+    wait_for_futures([future], stop_check)
+    return future.result()

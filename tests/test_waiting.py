@@ -1,5 +1,6 @@
 """Abortable waits (flowrl.waiting): they return once their futures or event are done, and a stop
-check that raises ends them within a poll slice, from ordinary code, with no lock held."""
+check that raises ends them within a poll slice, from ordinary code, with no lock held; a call
+made abortably returns its result or raises its error, or ends at a stop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from flowrl.rewards import AsyncRewardScorer, Reward
 from flowrl.trainer.interrupts import PhaseAborted, StopSignals
-from flowrl.waiting import POLL_S, wait_for_event, wait_for_futures
+from flowrl.waiting import POLL_S, call_abortably, wait_for_event, wait_for_futures
 
 
 class _Stop:
@@ -53,6 +54,19 @@ def test_a_stop_ends_the_waits_within_a_poll_slice():
     assert time.perf_counter() - start < 0.1 + 10 * POLL_S
     with pytest.raises(PhaseAborted):
         wait_for_event(threading.Event(), stop)
+
+
+def test_a_call_made_abortably_returns_raises_or_ends_at_a_stop():
+    assert call_abortably(max, 1, 2) == 2  # no stop check: called right here
+    stop = _Stop()
+    assert call_abortably(sorted, [3, 1, 2], stop_check=stop) == [1, 2, 3]
+    with pytest.raises(ZeroDivisionError):
+        call_abortably(lambda: 1 / 0, stop_check=stop)
+    _later(0.1, lambda: setattr(stop, "requested", True))
+    start = time.perf_counter()
+    with pytest.raises(PhaseAborted):
+        call_abortably(time.sleep, 5, stop_check=stop)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_a_stop_during_the_reward_wait_leaves_a_scorer_that_closes():

@@ -2,12 +2,13 @@
 
 `StopSignals` (a context manager, active in the main thread only) replaces the SIGINT and SIGTERM
 handlers while a run trains:
-- the first signal asks the run to stop. Phases whose work is simply dropped end at once: the
-  waits for the rollout and the rewards call `check()` every few hundredths of a second
-  (flowrl.waiting: raising from the handler there could leave a lock held that another thread
-  needs), and main-thread work that holds no such lock (loading the model, validation's scoring)
-  runs inside `abortable()`, where the handler itself raises `PhaseAborted`; elsewhere (the
-  update, a checkpoint write) the phase finishes and the loop stops at its next `check()`;
+- the first signal asks the run to stop. Phases whose work is simply dropped (the rollout, the
+  reward wait, validation) end at once: the trainer waits for them calling `check()` every few
+  hundredths of a second (flowrl.waiting; raising from the handler there could leave a lock held
+  that another thread needs). Only start-up (planning the run, loading the model), which a stop
+  abandons whole, runs inside `abortable()`, where the handler itself raises `PhaseAborted`.
+  Elsewhere (the update, a checkpoint write) the phase finishes and the loop stops at its next
+  `check()`;
 - a second signal ends the process at once (`os._exit`, exit code 128 + signal number); a
   checkpoint being written then is never taken for a complete one (checkpoints are renamed into
   place when complete).

@@ -21,12 +21,13 @@ its insides.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from flowrl.waiting import run_in_thread
 
 
 @dataclass
@@ -130,7 +131,7 @@ class OneStepAheadSchedule:
         # 3. the next step's rollout starts now, on those weights, while this step trains
         if self.has_step(step + 1):
             self._saved_state = self.data_state()
-            self._pending = (step + 1, _run_in_thread(self.roll_out, step + 1))
+            self._pending = (step + 1, run_in_thread(self.roll_out, step + 1))
         return result
 
     def after_update(self, version: int) -> None:
@@ -151,20 +152,3 @@ class OneStepAheadSchedule:
     def close(self) -> None:
         """Leave a pending early rollout behind (the backend's close ends its requests)."""
         self._pending = None
-
-
-def _run_in_thread(function: Callable, *args) -> Future:
-    """`function(*args)` on a daemon thread; its result or error in the returned Future (a daemon
-    thread never keeps an interrupted trainer alive)."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(function(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the rollout
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="flowrl-early-rollout", daemon=True).start()
-    return future

@@ -60,6 +60,7 @@ from flowrl.trainer.rollout_backend import open_rollout_backend
 from flowrl.trainer.rollout_schedule import CollectedRollout, VersionHistory, schedule_for
 from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
+from flowrl.waiting import call_abortably
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
 # The engine counters gathered over ranks (flowrl.trainer.step_rows).
@@ -316,10 +317,10 @@ class FlowGRPOTrainer:
                 images = out.batch["images"]
                 prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
                 targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
-        with self._abortable():
-            if mine:
-                metadata = [_row_metadata(out, i) for i in range(len(out))]
-                scores = list(self.reward.score_or_nan(images, prompts, metadata)[0])
+        if mine:
+            metadata = [_row_metadata(out, i) for i in range(len(out))]
+            scored = call_abortably(self.reward.score_or_nan, images, prompts, metadata, stop_check=self._stop_check())
+            scores = list(scored[0])
         shares = [share for share in self.world.gather((images, scores, prompts, targets)) if share[0] is not None]
         scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
         if self.world.is_main:
@@ -523,10 +524,6 @@ class FlowGRPOTrainer:
         a step saves the data position from before that rollout drew its rows
         (`data_state(saved=True)`)."""
         return self._signals is not None and not self.world.is_distributed and not self.rollouts.is_async
-
-    def _abortable(self):
-        """Main-thread work (validation's scoring) that a stop signal interrupts at once."""
-        return self._signals.abortable() if self._is_abortable() else contextlib.nullcontext()
 
     def _stop_check(self):
         """For a wait a stop signal cuts short (flowrl.waiting): raises PhaseAborted once a stop
