@@ -8,13 +8,15 @@ waits in slices of `POLL_S` seconds and calls `stop_check()` between them and on
 end, so a stop requested at any time during the wait ends it; `stop_check` raises
 (flowrl.trainer.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
 no lock. Main-thread work that a stop should end at once runs on a thread of its own
-(`run_in_thread`) while the main thread waits for it so. Nothing here knows signals or trainers.
+(`call_abortably`) while the main thread waits for it in that way. Nothing here knows signals or
+trainers.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -42,6 +44,27 @@ def wait_for_event(event: threading.Event, stop_check: StopCheck | None = None) 
     while not event.wait(POLL_S):
         stop_check()
     stop_check()
+
+
+def wait_on_condition(
+    condition: threading.Condition,
+    predicate: Callable[[], bool],
+    timeout_s: float | None = None,
+    stop_check: StopCheck | None = None,
+) -> bool:
+    """With `condition` held: until predicate() holds or timeout_s seconds passed (as
+    Condition.wait_for, whose answer it returns)."""
+    if stop_check is None:
+        return condition.wait_for(predicate, timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not predicate():
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            break
+        condition.wait(left)
+        stop_check()
+    stop_check()
+    return predicate()
 
 
 def run_in_thread(function: Callable[..., T], *args) -> concurrent.futures.Future:

@@ -28,13 +28,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from flowrl.rewards.base import Reward, RewardError, as_uint8_images
-from flowrl.waiting import POLL_S, StopCheck
+from flowrl.waiting import StopCheck, wait_on_condition
 
 
 @dataclass
@@ -156,20 +155,11 @@ class AsyncRewardScorer:
         `stop_check` is called while waiting (flowrl.waiting); whatever it raises ends the wait,
         the state kept (`close(drop_pending=True)` drops it).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            while self._pending or self._num_in_flight:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                if stop_check is not None:  # wait in slices, looking for a stop between them
-                    left = POLL_S if left is None else min(POLL_S, left)
-                self._condition.wait(left)
-                if stop_check is not None:
-                    stop_check()
-            if stop_check is not None:  # a stop requested while the last rows were scored
-                stop_check()
-            if self._pending or self._num_in_flight:
+            is_done = wait_on_condition(
+                self._condition, lambda: not self._pending and not self._num_in_flight, timeout_s, stop_check
+            )
+            if not is_done:
                 raise TimeoutError(
                     f"reward {self.reward.name!r}: {len(self._pending)} row(s) pending and "
                     f"{self._num_in_flight} in flight after {timeout_s} s"

@@ -119,10 +119,8 @@ class DataSourceRouter(Reward):
 
     @property
     def scores_rows_one_by_one(self) -> bool:
-        return all(reward.scores_rows_one_by_one for reward in self._rewards())
-
-    def _rewards(self) -> list[Reward]:
-        return [*self.routes.values(), *([] if self.default is None else [self.default])]
+        rewards = [*self.routes.values(), *([] if self.default is None else [self.default])]
+        return all(reward.scores_rows_one_by_one for reward in rewards)
 
     def score_batch_with_components(self, images, prompts, metadata):
         batch_size = len(prompts)
