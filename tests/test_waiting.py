@@ -13,7 +13,7 @@ import pytest
 
 from flowrl.rewards import AsyncRewardScorer, Reward
 from flowrl.trainer.interrupts import PhaseAborted, StopSignals
-from flowrl.waiting import POLL_S, call_abortably, wait_for_event, wait_for_futures
+from flowrl.waiting import POLL_S, call_abortably, wait_for_event, wait_for_futures, wait_on_condition
 
 
 class _Stop:
@@ -54,6 +54,23 @@ def test_a_stop_ends_the_waits_within_a_poll_slice():
     assert time.perf_counter() - start < 0.1 + 10 * POLL_S
     with pytest.raises(PhaseAborted):
         wait_for_event(threading.Event(), stop)
+
+
+def test_a_sliced_condition_wait_answers_as_wait_for_does():
+    condition, state, stop = threading.Condition(), {"ready": False}, _Stop()
+
+    def ready():
+        with condition:
+            state["ready"] = True
+            condition.notify_all()
+
+    with condition:
+        start = time.perf_counter()
+        assert wait_on_condition(condition, lambda: state["ready"], 0.2, stop) is False  # timed out
+        assert 0.2 <= time.perf_counter() - start < 0.2 + 10 * POLL_S
+        _later(0.1, ready)
+        assert wait_on_condition(condition, lambda: state["ready"], None, stop) is True
+    assert stop.calls >= 4
 
 
 def test_a_call_made_abortably_returns_raises_or_ends_at_a_stop():
