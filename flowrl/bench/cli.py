@@ -176,9 +176,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--old-log-prob",
         default="rollout",
         choices=["rollout", "recompute"],
-        help="the timed step's PPO denominator (as algorithm.old_log_prob). With recompute and "
-        "--compile the step takes the recompute's values instead of a second no-grad forward, "
-        "as the trainer does before a step's first update without a KL term",
+        help="the PPO denominator (as algorithm.old_log_prob), which sets how the trainer scores: with "
+        "recompute and --compile its values come from the grad pass (the reported gap is that pass's) "
+        "and the timed step runs no second no-grad forward; with rollout, from the no-grad pass",
     )
 
     train = sub.add_parser(

@@ -9,14 +9,15 @@
    (`flowrl.trainer.policy.score_transitions`: adapter.velocity on the stored latent, then
    sampler.sde_step(next_latents=...)), in micro-batches of each size of --micro-batches, once
    without and once with grad, and compared with the rollout's log-prob: mean and max |diff| per
-   window step and overall, of the pass whose values the trainer uses (the no-grad pass when
-   compiled, see flowrl.trainer.policy) and of each pass. A micro-batch that does not fit in
-   memory is reported as such.
+   window step and overall, of the pass whose values the trainer uses at --old-log-prob
+   (flowrl.trainer.update.Scoring: compiled, the no-grad pass when the rollout's log-probs are the
+   denominator, the grad pass when the trainer recomputes it) and of each pass. A micro-batch that
+   does not fit in memory is reported as such.
 3. One training micro-batch (forward + backward of a PPO-style loss, then the optimizer step for
    LoRA) is timed at each size of --train-micro-batches (median of --train-repeats after a
    warm-up; the time per sample and the GPU's busy share move with it), with the transformer's gradient
-   checkpointing when --gradient-checkpointing asks (as the recipes train) and, compiled, the
-   trainer's extra no-grad pass; its FLOPs are counted
+   checkpointing when --gradient-checkpointing asks (as the recipes train) and, where the trainer
+   runs one (compiled, --old-log-prob rollout), its extra no-grad pass; its FLOPs are counted
    once and MFU is reported against the matmul peak measured in the same run. --profile then
    profiles one more step: where its device time goes, and how much of the step's timed wall
    time the GPU was busy at all (a low share means the host, not the GPU, sets the pace).
@@ -47,6 +48,7 @@ from flowrl.bench.report import (
 from flowrl.bench.summary import ms_list
 from flowrl.sampling_params import SamplingParams
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, takes_values_from_no_grad
+from flowrl.trainer.update import Scoring
 
 PROMPT = "a photo of a red bicycle leaning on a white wall"
 
@@ -72,11 +74,15 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dict:
+def _scoring(adapter, old_log_prob_mode: str) -> Scoring:
+    """How the trainer scores this model at algorithm.old_log_prob=`old_log_prob_mode` (no KL)."""
+    return Scoring.choose(takes_values_from_no_grad(adapter), old_log_prob_mode, kl_beta=0.0)
+
+
+def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype, old_log_prob_mode: str = "rollout") -> dict:
     """|trainer log-prob - rollout log-prob| per window step, from a no-grad and a grad pass over
-    each micro-batch. The trainer's log-prob values are the no-grad pass's with a compiled model
-    (flowrl.trainer.policy, `values_from_no_grad`) and the grad pass's otherwise: the top-level
-    figures are those; both passes are reported."""
+    each micro-batch. The top-level figures are those of the pass whose values the trainer uses at
+    `old_log_prob_mode` (flowrl.trainer.update.Scoring); both passes are reported."""
     from flowrl.trainer.policy import score_transitions
 
     num_samples, window = tensors["all_log_probs"].shape
@@ -93,7 +99,7 @@ def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype) -> dic
                 with torch.set_grad_enabled(grad):
                     log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
                 diffs[mode][rows, step] = (log_prob.double().cpu() - rollout).abs()
-    values_from = "no_grad" if takes_values_from_no_grad(adapter) else "grad"
+    values_from = "no_grad" if _scoring(adapter, old_log_prob_mode).values == "value_pass" else "grad"
     trainer = diffs[values_from]
     return {
         "micro_batch": micro_batch,
@@ -124,18 +130,20 @@ def time_training_step(
     old_log_prob_mode: str = "rollout",
     on_timed=None,
 ) -> dict:
-    """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA);
-    with `profile`, also one profiled step (see the module docstring). old_log_prob_mode as
-    algorithm.old_log_prob: with "recompute" on a compiled model the step reuses the recompute's
-    values instead of its own no-grad pass (flowrl.trainer.update). `on_timed(result)` gets the
+    """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA),
+    scored as the trainer scores a later optimizer step at algorithm.old_log_prob=
+    `old_log_prob_mode` (flowrl.trainer.update.Scoring: with or without its value pass, against a
+    denominator recomputed in the graph of its values or the rollout's); with `profile`, also one
+    profiled step (see the module docstring). `on_timed(result)` gets the
     timings as soon as they are measured, before the FLOP count, so a count that fails (it runs the
     step eagerly under a dispatch mode) cannot take the timings with it."""
-    from flowrl.trainer.policy import score_transitions, with_values
+    from flowrl.trainer.policy import score_transitions
 
     rows = torch.arange(min(micro_batch, tensors["all_log_probs"].shape[0]))
     # AdamW for LoRA-sized training; full fine-tuning of a big model would need its optimizer
     # states (several times the weights) just to time a step.
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
+    scoring = _scoring(adapter, old_log_prob_mode)
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
 
     def make_forward_backward(rows: torch.Tensor):
@@ -143,24 +151,14 @@ def time_training_step(
         step_index = torch.zeros(rows.shape[0], dtype=torch.long)
         advantages = torch.linspace(-1.0, 1.0, rows.shape[0], device=device)
         old_log_prob = mb["all_log_probs"][:, 0].to(device)
-        known_values = None
         if old_log_prob_mode == "recompute":
-            with torch.no_grad():
-                old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob
-            known_values = old_log_prob if takes_values_from_no_grad(adapter) else None
+            with torch.set_grad_enabled(scoring.recompute_with_grad):
+                old_log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
 
         def forward_backward():
-            if known_values is not None:
-                result = with_values(score_transitions(adapter, mb, step_index, spec, autocast_dtype), known_values)
-            else:
-                result = score_transitions(
-                    adapter,
-                    mb,
-                    step_index,
-                    spec,
-                    autocast_dtype,
-                    values_from_no_grad=takes_values_from_no_grad(adapter),
-                )  # as the trainer scores
+            result = score_transitions(
+                adapter, mb, step_index, spec, autocast_dtype, values_from_no_grad=scoring.values == "value_pass"
+            )  # as the trainer scores
             ratio = torch.exp(result.log_prob - old_log_prob)
             loss = -(advantages * ratio).mean()
             loss.backward()
@@ -307,7 +305,7 @@ def run_logprob(args) -> int:
     # 2. Gap per micro-batch size.
     for size in sizes:
         try:
-            gap = measure_gap(adapter, tensors, spec, size, autocast_dtype)
+            gap = measure_gap(adapter, tensors, spec, size, autocast_dtype, args.old_log_prob)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
             if not _is_oom(exc):
                 traceback.print_exc()

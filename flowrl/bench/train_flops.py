@@ -12,7 +12,8 @@ before anything is compiled (a compiled model's custom ops have no FLOP formulas
 - the forward and decode at the validation size.
 
 A phase's FLOPs (`phase_flops`) are the work the recipe's algorithm needs: the rollout's forwards
-and decodes, the recompute's forwards (algorithm.old_log_prob=recompute), the update's forward +
+and decodes, the recompute's forwards (algorithm.old_log_prob=recompute: the rows of the optimizer
+steps after the first, whose own forwards give the first one's denominators), the update's forward +
 backward and the KL reference's forward, validation's forwards and decodes. What an implementation
 adds is left out (gradient checkpointing's recomputed forward, the compiled trainer's value pass),
 so a phase's limit (its FLOPs at the measured matmul peak) is the same for flowrl and the peer,
@@ -22,6 +23,7 @@ and each one's MFU says how close it comes to it.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -114,6 +116,15 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows)
 
 
+def recomputed_rows(rows_trained: int, cfg) -> int:
+    """The samples algorithm.old_log_prob=recompute scores before the update: all but those of the
+    first optimizer step (the first of `trainer.updates_per_step` near-equal mini-batches, the
+    larger when they differ), which score their denominators themselves; 0 with `rollout`."""
+    if cfg.algorithm.old_log_prob != "recompute" or rows_trained == 0:
+        return 0
+    return rows_trained - math.ceil(rows_trained / cfg.trainer.updates_per_step)
+
+
 def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
     """FLOPs of each phase of one step of `cfg` (module docstring) that trained `rows_trained`
     samples, with a validation of `val_images` images (0: none). Phases without device work
@@ -125,7 +136,7 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
     flops = {
         "rollout": samples * (s.num_inference_steps * forward_sample + units.decode_per_image),
         "reward_wait": 0.0,
-        "old_log_prob": trained * forward_sample if algo.old_log_prob == "recompute" else 0.0,
+        "old_log_prob": recomputed_rows(rows_trained, cfg) * trained_steps_per_sample(cfg) * forward_sample,
         "update": trained
         * cfg.trainer.update_epochs
         * (units.train_per_sample_step + (forward_sample if algo.kl_beta > 0 else 0)),

@@ -162,8 +162,8 @@ class EngineConfig:
         fast paths of flowrl.accel (fused kernels, LoRA fold, Qwen-Image's block fast path).
     compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
         PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
-        (only where kernels write); the trainer's log-prob values come from the rollout's graph
-        either way (flowrl.trainer.policy); see flowrl.accel.regional_compile.
+        (only where kernels write); where the trainer's log-prob values come from does not
+        depend on it (flowrl.trainer.update.Scoring); see flowrl.accel.regional_compile.
     prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
         0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
         copied to the device per request) or "device" (no copy, costs device memory).

@@ -17,11 +17,12 @@ the no-grad graph first and the grad graph second, and the result takes its VALU
 and only its GRADIENTS from the second (`value + (graded - graded.detach())`, exactly the no-grad
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
 gradient is that of the same function up to rounding. It costs one no-grad forward per scored
-micro-batch, unless those values are known already (`with_values`; flowrl.trainer.update reuses
-the old-log-prob recompute's). Not with dropout (`takes_values_from_no_grad`). Why it matters:
-with a small clip range (the recipes use 1e-4 and below), the grad graph's rounding alone can move
-the ratio out of the clip range before any update; the no-grad pass's values do not
-(`flowrl bench logprob` measures both gaps).
+micro-batch. Not with dropout (`takes_values_from_no_grad`). Why it matters: when the rollout's
+log-probs are the PPO denominator, with a small clip range (the recipes use 1e-4 and below), the
+grad graph's rounding alone can move the ratio out of the clip range before any update; the
+no-grad pass's values do not (`flowrl bench logprob` measures both gaps). Where the denominator is
+recomputed by the trainer, flowrl.trainer.update scores it with the grad graph instead and needs
+no value pass (`Scoring`).
 
 This module knows the adapter interface and the sampler, nothing about the optimizer or the
 rollout engine.

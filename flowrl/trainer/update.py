@@ -7,8 +7,10 @@
    mini-batches, one optimizer step each, and each mini-batch into micro-batches of rows that
    can share a forward (the same `TransitionSpec.group_key`); at the process's first update it
    then settles `trainer.gradient_checkpointing` ("auto" is measured: flowrl.trainer.checkpointing);
-2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or a
-   no-grad recompute with the current policy before any update (`recompute`);
+2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or the
+   current policy's, before any update (`recompute`). The first optimizer step scores its own rows
+   with exactly those weights, so its values are its rows' denominators (its ratios are exactly
+   1); only the rows of the later optimizer steps are re-scored before the update;
 3. for each optimizer step, for each micro-batch and each trained step: recomputes the log-prob
    with grad, each row with the settings it was drawn with (`specs`), adds the clipped loss
    (+ KL to the LoRA-disabled reference) and backpropagates; then clips the gradient, takes one
@@ -28,11 +30,10 @@ sharded weights every rank runs as many micro-batches per optimizer step; ranks 
 weight-0 ones, which change nothing.
 
 Where a scored log-prob takes its VALUE from is chosen once, when the updater is built
-(`Scoring`): the grad pass itself (an eager model: one graph), or, with a compiled model, the
-no-grad graph the rollout ran (flowrl.trainer.policy, `values_from_no_grad`), which costs one more
-no-grad forward per scored micro-batch, except where the recompute's values are those very values
-(`old_log_prob=recompute`, before the update's first optimizer step, no KL term). Its gradient
-always comes from the grad pass.
+(`Scoring`): the grad pass itself, or, with a compiled model whose values must agree with the
+rollout's, the no-grad graph the rollout ran (flowrl.trainer.policy, `values_from_no_grad`), which
+costs one more no-grad forward per scored micro-batch. The denominator's recompute runs in the same
+graph as the values it is compared with. Its gradient always comes from the grad pass.
 
 Every random choice derives from (seed, step), so a resumed run repeats the straight run exactly.
 The rollout-vs-trainer log-prob gap is measured on transitions scored by the policy that produced
@@ -61,38 +62,38 @@ from flowrl.sampler import kl_to_reference
 from flowrl.trainer.checkpointing import CheckpointingChoice, choose_checkpointing
 from flowrl.trainer.lora import adapter_disabled
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
-from flowrl.trainer.policy import (
-    MIXED_PRECISION_DTYPES,
-    score_transitions,
-    takes_values_from_no_grad,
-    with_values,
-)
+from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, score_transitions, takes_values_from_no_grad
 from flowrl.trainer.trained_rows import TrainedRows, with_padding
 
-# Where a grad pass's log-prob values come from: its own graph ("grad_pass"), a no-grad pass of
-# the same forwards run just before it ("value_pass"), or the old-log-prob recompute, which ran
-# that no-grad pass already ("recompute").
-ValueSource = Literal["grad_pass", "value_pass", "recompute"]
+# Where a grad pass's log-prob values come from: its own graph ("grad_pass"), or a no-grad pass
+# of the same forwards run just before it ("value_pass").
+ValueSource = Literal["grad_pass", "value_pass"]
 _LOSS_METRICS = ("policy_loss", "clipfrac", "ratio_mean", "approx_kl", "kl")
 
 
 @dataclass(frozen=True)
 class Scoring:
-    """The update's value sources: one until its first optimizer step, one after it."""
+    """How the update scores: where every grad pass takes its log-prob values from, and whether
+    the old-log-prob recompute runs with grad (so that it runs the grad graph those values come
+    from) or without."""
 
-    first_step: ValueSource
-    later_steps: ValueSource
+    values: ValueSource
+    recompute_with_grad: bool = False
 
     @classmethod
     def choose(cls, values_from_no_grad: bool, old_log_prob: OldLogProbSource, kl_beta: float) -> "Scoring":
         if not values_from_no_grad:
-            return cls("grad_pass", "grad_pass")
-        # The recompute ran the no-grad graph on epoch 0's micro-batches with these weights: until
-        # the first optimizer step its log-probs ARE the value pass's. It did not keep the mean's
-        # value, which the KL term needs: with a KL term the value pass runs.
+            # One graph (an eager model, or one with dropout): its own values; the recompute runs
+            # the same computation without grad, keeping no activations.
+            return cls("grad_pass")
         if old_log_prob == "recompute" and not kl_beta > 0:
-            return cls("recompute", "value_pass")
-        return cls("value_pass", "value_pass")
+            # Compiled, and nothing of the rollout's graph enters the loss: the ratio compares the
+            # grad graph with itself (the recompute runs it too, with grad, and drops the graph),
+            # so no value pass runs at all. The rollout-vs-trainer gap then measures the grad graph.
+            return cls("grad_pass", recompute_with_grad=True)
+        # The rollout's log-probs are the denominator, or the KL term compares the step's mean with
+        # the reference's from the no-grad graph: every value comes from that graph.
+        return cls("value_pass")
 
 
 @dataclass
@@ -116,10 +117,17 @@ class Plan:
         return [micro_batches for epoch in self.epochs for micro_batches in epoch]
 
     @property
-    def first_epoch_padding(self) -> int:
-        """Weight-0 micro-batches this rank adds to epoch 0 (the old-log-prob recompute runs its
-        micro-batches)."""
-        return sum(self.padding[: len(self.epochs[0])])
+    def recomputed_micro_batches(self) -> list[torch.Tensor]:
+        """The micro-batches the old-log-prob recompute scores: those of epoch 0's optimizer steps
+        after the first (the first one's grad passes give its rows' denominators), in their order,
+        so each row is recomputed in the batch composition it is trained in."""
+        return [rows for micro_batches in self.epochs[0][1:] for rows in micro_batches]
+
+    @property
+    def recompute_padding(self) -> int:
+        """Weight-0 micro-batches this rank adds to the recompute: those of epoch 0's optimizer
+        steps after the first (sharded weights; else 0)."""
+        return sum(self.padding[1 : len(self.epochs[0])])
 
 
 @dataclass
@@ -194,22 +202,19 @@ class PolicyUpdater:
         if rollout_log_probs is not None:
             rollout_log_probs = rollout_log_probs.gather(1, plan.train_steps).float()
 
-        # 2. the PPO denominator
-        first_epoch = [rows for micro_batches in plan.epochs[0] for rows in micro_batches]
-        old, gaps = self._old_log_probs(
-            tensors, specs, plan.train_steps, first_epoch, rollout_log_probs, plan.first_epoch_padding
-        )
+        # 2. the PPO denominator (the first optimizer step's rows get theirs from its own passes)
+        transformer = self.adapter.transformer
+        old, gaps = self._old_log_probs(tensors, specs, plan, rollout_log_probs)
         t_old = time.perf_counter()
-        measure_gap_in_first_step = rollout_log_probs is not None and self.algorithm.old_log_prob == "rollout"
+        first_step_scores_old = self.algorithm.old_log_prob == "recompute"
+        first_step_values: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
         # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch
         sums = dict.fromkeys(_LOSS_METRICS, 0.0)
         count, ratio_max = 0, -math.inf
         self.records = []
-        transformer = self.adapter.transformer
         transformer.train()
         for index, micro_batches in enumerate(plan.optimizer_steps):
-            source = self.scoring.first_step if index == 0 else self.scoring.later_steps
             rows_of_step = torch.cat(micro_batches) if micro_batches else torch.zeros(0, dtype=torch.long)
             # Every valid (row, step) pair of this optimizer step, on every rank, weighs 1 / normalizer.
             normalizer = plan.step_weights[index] * num_train
@@ -218,13 +223,19 @@ class PolicyUpdater:
                 row_specs = [specs[i] for i in rows.tolist()]
                 for k in range(num_train):
                     step_index = plan.train_steps[rows, k]
-                    result = self._score_with_grad(tensors, row_specs, rows, step_index, source, old[rows, k])
+                    result = self._score_with_grad(tensors, row_specs, rows, step_index, self.scoring.values)
+                    denominator = old[rows, k]
+                    if index == 0 and first_step_scores_old:
+                        # These weights are the ones the denominator is taken with: ratio exactly 1.
+                        denominator = result.log_prob.detach()
+                        if not is_padding:
+                            first_step_values.append((rows, k, denominator))
                     kl = None
                     if self.algorithm.kl_beta > 0:
                         kl = kl_to_reference(result, self._reference_mean(tensors, row_specs, rows, step_index))
                     out = clipped_policy_loss(
                         result.log_prob,
-                        result.log_prob.detach() if is_padding else old[rows, k],
+                        result.log_prob.detach() if is_padding else denominator,
                         advantages[rows],
                         self.algorithm.clip_range,
                         kl=kl,
@@ -235,7 +246,7 @@ class PolicyUpdater:
                     self._backward(out.loss)
                     if is_padding:
                         continue  # it ran only so that every rank runs as many forwards and backwards
-                    if measure_gap_in_first_step and index == 0:
+                    if rollout_log_probs is not None and index == 0:
                         gaps.append((result.log_prob.detach().cpu() - rollout_log_probs[rows, k]).abs())
                     _accumulate(sums, out)
                     loss_sum += float(out.loss.detach())
@@ -247,6 +258,9 @@ class PolicyUpdater:
             self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs))
             self.parallel.reduce_gradients(self.params)
             self.records[-1].grad_norm = self._optimizer_step()
+            for rows, k, values in first_step_values:
+                old[rows, k] = values.cpu()  # the later epochs' denominators of these rows
+            first_step_values.clear()
         transformer.eval()
 
         # 4. metrics (means over the trained pairs of every rank)
@@ -330,7 +344,7 @@ class PolicyUpdater:
         def probe():
             self.adapter.transformer.train()
             try:
-                return self._score_with_grad(tensors, row_specs, rows, train_steps[rows, 0], "grad_pass", None)
+                return self._score_with_grad(tensors, row_specs, rows, train_steps[rows, 0], "grad_pass")
             finally:
                 self.adapter.transformer.eval()
 
@@ -353,38 +367,49 @@ class PolicyUpdater:
         size = self.trainer.micro_batch_size
         return [torch.tensor(g[i : i + size]) for g in groups.values() for i in range(0, len(g), size)]
 
-    def _old_log_probs(
-        self, tensors, specs, train_steps, first_epoch, rollout_log_probs, padding: int = 0
-    ) -> tuple[torch.Tensor, list]:
-        """The PPO denominator (N, K), and the log-prob gaps it measured. The recompute uses epoch
-        0's micro-batches, so the first update's forwards see the same batch composition (ratio
-        exactly 1 on CPU); `padding` weight-0 ones are scored and dropped (sharded weights)."""
+    def _old_log_probs(self, tensors, specs, plan: Plan, rollout_log_probs) -> tuple[torch.Tensor, list]:
+        """The PPO denominator (N, K) as far as it is known before the update, and the log-prob
+        gaps it measured. With `recompute`, the rows of epoch 0's later optimizer steps are scored
+        in their micro-batches (the composition they are trained in: ratio exactly 1 on CPU until
+        an optimizer step changes the weights) and the first step's rows are left to it; the
+        recompute's `padding` weight-0 micro-batches are scored and dropped (sharded weights)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
                     "algorithm.old_log_prob=rollout needs rollout log-probs; set rollout.sampling.logprobs=true"
                 )
             return rollout_log_probs, []
+        train_steps = plan.train_steps
         old = torch.zeros(train_steps.shape)
         recomputed = torch.zeros(train_steps.shape[0], dtype=torch.bool)
-        for rows, is_padding in with_padding(first_epoch, padding):
-            row_specs = [specs[i] for i in rows.tolist()]
-            for k in range(train_steps.shape[1]):
-                log_prob = self._score_no_grad(tensors, row_specs, rows, train_steps[rows, k]).log_prob.cpu()
-                if not is_padding:
-                    old[rows, k] = log_prob
-            recomputed[rows] |= not is_padding
+        if self.scoring.recompute_with_grad:
+            self.adapter.transformer.train()  # the graph of the grad passes, mode included
+        try:
+            for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
+                row_specs = [specs[i] for i in rows.tolist()]
+                for k in range(train_steps.shape[1]):
+                    log_prob = self._score_denominator(tensors, row_specs, rows, train_steps[rows, k])
+                    if not is_padding:
+                        old[rows, k] = log_prob.cpu()
+                recomputed[rows] |= not is_padding
+        finally:
+            self.adapter.transformer.eval()
         gaps = []
         if rollout_log_probs is not None and recomputed.any():
             gaps = [(old[recomputed] - rollout_log_probs[recomputed]).abs().flatten()]
         return old, gaps
 
-    def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource, recomputed: torch.Tensor):
-        """Score micro-batch `rows` at `step_index` with grad, its values from `source`;
-        `recomputed`: these rows' recompute log-probs (used by source "recompute")."""
+    def _score_denominator(self, tensors, specs, rows, step_index) -> torch.Tensor:
+        """The recompute's log-probs of micro-batch `rows`, from the graph the update's values come
+        from: the no-grad one, or the grad one (run with grad, its autograd graph dropped)."""
+        if not self.scoring.recompute_with_grad:
+            return self._score_no_grad(tensors, specs, rows, step_index).log_prob
+        with torch.enable_grad():
+            return self._score_with_grad(tensors, specs, rows, step_index, "grad_pass").log_prob.detach()
+
+    def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource):
+        """Score micro-batch `rows` at `step_index` with grad, its values from `source`."""
         mb = {name: t[rows] for name, t in tensors.items()}
-        if source == "recompute":
-            return with_values(score_transitions(self.adapter, mb, step_index, specs, self.autocast_dtype), recomputed)
         return score_transitions(
             self.adapter, mb, step_index, specs, self.autocast_dtype, values_from_no_grad=source == "value_pass"
         )

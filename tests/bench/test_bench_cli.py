@@ -494,10 +494,11 @@ def test_profile_counts_each_kernel_once_on_gpu():
     assert 0.0 < span["share"] <= 1.0 and span["busy_ms"] <= span["span_ms"]
 
 
-def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
-    """Compiled, --old-log-prob recompute: the timed step takes the recompute's log-probs as its
-    values (as the trainer does before a step's first update) instead of running its own no-grad
-    forward, so it executes fewer FLOPs than the rollout-denominator step, which runs the value pass."""
+def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
+    """Compiled, --old-log-prob recompute: the timed step takes its values from its grad pass, as
+    the trainer does when it recomputes the denominator (in the grad graph), instead of running a
+    no-grad forward for them, so it executes fewer FLOPs than the rollout-denominator step, which
+    runs the value pass; the reported gap is then the grad pass's."""
 
     def bench(mode):
         out = tmp_path / f"{mode}.json"
@@ -537,6 +538,7 @@ def test_bench_logprob_recompute_step_reuses_the_recompute_values(tmp_path):
 
     rollout, recompute = bench("rollout"), bench("recompute")
     assert recompute["settings"]["old_log_prob"] == "recompute"
+    assert [r["gaps"][0]["trainer_values_from"] for r in (rollout, recompute)] == ["no_grad pass", "grad pass"]
     flops = [r["training_steps"][0]["flops_forward_backward"] for r in (rollout, recompute)]
     # fwd + bwd is about 3 forwards; the value pass adds a fourth
     assert flops[1] < 0.85 * flops[0], flops

@@ -202,13 +202,16 @@ def test_phase_flops_follow_the_algorithm():
     cfg = load_train_config(str(REPO / "recipes" / "qwen_image_ocr_lora.yaml"), ["trainer.prompts_per_step=2"])
     flops = phase_flops(units, cfg, rows_trained=20, val_images=4)
     assert flops["rollout"] == 32 * (10 * 2 * 10 + 3)  # 32 samples, 10 steps of 2 rows, one decode each
-    assert flops["old_log_prob"] == 20 * 2 * 2 * 10  # recompute: trained samples x window 2 x 2 rows
+    # recompute: the second optimizer step's samples (the first scores its own) x window 2 x 2 rows
+    assert flops["old_log_prob"] == 10 * 2 * 2 * 10
     assert flops["update"] == 20 * 2 * 25  # no KL term in this recipe
     assert flops["validation"] == 4 * (50 * 2 * 10 + 3)
     assert flops["reward_wait"] == flops["weight_sync"] == 0
     sd35 = load_train_config(str(REPO / "recipes" / "sd35_medium_ocr_lora.yaml"), [])
     flops = phase_flops(units, sd35, rows_trained=1)
     assert flops["update"] == 9 * (25 + 2 * 10)  # 9 trained steps, each with the KL reference's forward
+    assert flops["old_log_prob"] == 0  # its one sample is the first optimizer step's
+    assert phase_flops(units, sd35, rows_trained=5)["old_log_prob"] == 2 * 9 * 2 * 10  # 3 + 2 samples
     assert "validation" not in flops
 
 

@@ -127,11 +127,72 @@ def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make
         assert torch.equal(g, ref)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg, take_rollout, monkeypatch, compiled):
-    """With a compiled model the trainer takes log-prob values from the no-grad graph (the
-    rollout's): a grad graph that rounds differently then no longer moves the first update's ratio."""
+def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
+    """An update whose optimizer steps leave the weights as they are (zero advantages: zero
+    gradients; no weight decay): every ratio of it must be exactly 1, whatever step it is in."""
+    trainer.updater.optimizer.param_groups[0]["weight_decay"] = 0.0
+    return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
+
+
+@pytest.mark.parametrize(
+    "old_log_prob, kl_beta, scoring",
+    [
+        ("recompute", 0.0, None),  # chosen: grad-pass values, the recompute run with grad
+        ("recompute", 0.1, None),  # chosen: no-grad values (value pass), the recompute without grad
+        ("recompute", 0.0, ("grad_pass", False)),  # forced mismatch: the check must see it
+    ],
+)
+def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
+    make_cfg, take_rollout, monkeypatch, old_log_prob, kl_beta, scoring
+):
+    """A compiled model's grad graph may round differently from its no-grad graph: the recompute
+    of the later optimizer steps' denominators runs in the graph the update's values come from,
+    so with unchanged weights their ratios are exactly 1 (a recompute in the other graph moves
+    them, and a tiny clip range catches it)."""
     from flowrl.models.sd3 import SD3Adapter
+    from flowrl.trainer.update import Scoring
+
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
+    trainer = FlowGRPOTrainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=2",
+            "trainer.updates_per_step=2",
+            "trainer.lora.enabled=true",
+            f"algorithm.old_log_prob={old_log_prob}",
+            f"algorithm.kl_beta={kl_beta}",
+            "algorithm.clip_range=1e-6",
+            "engine.compile=true",
+        )
+    )
+    assert trainer.updater.values_from_no_grad
+    if scoring is not None:
+        trainer.updater.scoring = Scoring(*scoring)
+    tensors, specs = take_rollout(trainer)
+    _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
+    metrics = _unchanged_weights_update(trainer, tensors, specs, 4)
+    records = trainer.updater.records
+    assert len(records) == 2 and records[0].clipfrac == 0.0  # the first step's own values
+    if scoring is None:
+        assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/ratio_max"] == 1.0
+        assert metrics["actor/clipfrac"] == 0.0
+    else:
+        assert records[1].clipfrac > 0.0 and metrics["actor/ratio_mean"] != 1.0
+
+
+@pytest.mark.parametrize("compiled, kl_beta", [(False, 0.0), (True, 0.0), (True, 0.1)])
+def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
+    make_cfg, take_rollout, monkeypatch, compiled, kl_beta
+):
+    """old_log_prob=recompute over two optimizer steps: the first step's rows take their
+    denominators from its own passes (its ratios exactly 1, nothing clipped, even with a tiny clip
+    range), so the recompute scores only the second step's rows, in the graph of the update's
+    values: without grad for one graph (eager) and for a compiled model with a KL term (no-grad
+    values), with grad for a compiled model without one (grad-pass values, no value pass)."""
+    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.trainer.update import Scoring
 
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
@@ -139,21 +200,68 @@ def test_compiled_trainer_ratio_compares_the_no_grad_graph_with_itself(make_cfg,
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=2",
-            "trainer.micro_batch_size=4",
+            "trainer.micro_batch_size=2",
+            "trainer.updates_per_step=2",
+            "trainer.lora.enabled=true",
+            "trainer.lr=0.05",
             "algorithm.old_log_prob=recompute",
+            f"algorithm.kl_beta={kl_beta}",
             "algorithm.clip_range=1e-6",
             f"engine.compile={str(compiled).lower()}",
         )
     )
-    assert trainer.updater.values_from_no_grad is compiled
+    expected = {
+        (False, 0.0): Scoring("grad_pass"),
+        (True, 0.0): Scoring("grad_pass", recompute_with_grad=True),
+        (True, 0.1): Scoring("value_pass"),
+    }[compiled, kl_beta]
+    assert trainer.updater.scoring == expected
+    with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
+        for name, p in trainer.adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     tensors, specs = take_rollout(trainer)
-    _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
+    calls = {True: 0, False: 0}
+    velocity = SD3Adapter.velocity
+
+    def counted(self, *args, **kwargs):
+        calls[torch.is_grad_enabled()] += 1
+        return velocity(self, *args, **kwargs)
+
+    monkeypatch.setattr(SD3Adapter, "velocity", counted)
     metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
-    if compiled:
-        assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/clipfrac"] == 0.0
-    else:  # the grad graph's own values: the ratio moves by the perturbation and gets clipped
-        assert metrics["actor/ratio_mean"] != 1.0 and metrics["actor/clipfrac"] > 0.0
-    assert metrics["actor/grad_norm"] > 0.0
+    window = tensors["sigmas"].shape[1]  # one micro-batch per optimizer step, every window step trained
+    recompute, grad_passes = window, 2 * window
+    value_passes = grad_passes if expected.values == "value_pass" else 0
+    references = grad_passes if kl_beta > 0 else 0
+    with_grad_recompute = recompute if expected.recompute_with_grad else 0
+    assert calls[True] == grad_passes + with_grad_recompute
+    assert calls[False] == recompute - with_grad_recompute + value_passes + references
+    first, second = trainer.updater.records
+    assert first.clipfrac == 0.0 and second.clipfrac > 0.0  # the second step's ratios moved with the weights
+    assert metrics["actor/grad_norm"] > 0.0 and metrics["actor/logprob_gap_max"] < 1e-5
+
+
+def test_later_epochs_compare_with_the_first_steps_own_values(make_cfg, take_rollout):
+    """With two update epochs the rows of epoch 0's first optimizer step keep the denominators
+    that step scored: unchanged weights and one row per forward (the same batch composition in
+    both epochs) give ratios of exactly 1 in every step."""
+    trainer = FlowGRPOTrainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=1",
+            "trainer.updates_per_step=2",
+            "trainer.update_epochs=2",
+            "algorithm.old_log_prob=recompute",
+            "algorithm.clip_range=1e-6",
+        )
+    )
+    tensors, specs = take_rollout(trainer)
+    metrics = _unchanged_weights_update(trainer, tensors, specs, 4)
+    assert metrics["actor/num_optimizer_steps"] == 4
+    assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/ratio_max"] == 1.0
+    assert metrics["actor/clipfrac"] == 0.0
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -218,74 +326,14 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
         assert torch.equal(e.mask, mask[row, : e.embeds.shape[0]])
 
 
-@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
-def test_recompute_values_stand_in_for_the_value_pass_until_the_first_update(
-    make_cfg, take_rollout, monkeypatch, kl_beta
-):
-    """Compiled, old_log_prob=recompute, one optimizer step per training step: the recompute ran
-    the no-grad graph on the same micro-batches with the same weights, so the grad passes take its
-    values and no second no-grad forward runs; the update is the one the value pass gives. With a
-    KL term the mean's value is needed, so the value pass runs."""
-    from flowrl.models.sd3 import SD3Adapter
-    from flowrl.trainer.update import Scoring
-
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
-
-    def run(force_value_pass: bool):
-        trainer = FlowGRPOTrainer(
-            make_cfg(
-                "rollout.n=2",
-                "trainer.prompts_per_step=2",
-                "trainer.micro_batch_size=2",
-                "algorithm.old_log_prob=recompute",
-                "trainer.lora.enabled=true",
-                f"algorithm.kl_beta={kl_beta}",
-                "engine.compile=true",
-                output=f"run-{force_value_pass}",
-            )
-        )
-        with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
-            for name, p in trainer.adapter.transformer.named_parameters():
-                if "lora_B" in name:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        tensors, specs = take_rollout(trainer)
-        calls = {"no_grad": 0}
-        velocity = SD3Adapter.velocity
-
-        def counted(self, *args, **kwargs):
-            calls["no_grad"] += not torch.is_grad_enabled()
-            return velocity(self, *args, **kwargs)
-
-        # The strategy is chosen once: the recompute's values before the first optimizer step
-        # (no KL term), the value pass everywhere else.
-        reuses = kl_beta == 0
-        assert trainer.updater.scoring == Scoring("recompute" if reuses else "value_pass", "value_pass")
-        if force_value_pass:
-            trainer.updater.scoring = Scoring("value_pass", "value_pass")
-        with monkeypatch.context() as patch:
-            patch.setattr(SD3Adapter, "velocity", counted)
-            metrics = trainer.updater.update(
-                tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1
-            )
-        return metrics, calls["no_grad"], tensors["sigmas"].shape[1]
-
-    metrics, no_grad_forwards, window = run(False)
-    forced, forced_no_grad_forwards, _ = run(True)
-    scored = 2 * window  # 2 micro-batches x every window step
-    assert forced_no_grad_forwards == scored * (2 if kl_beta == 0 else 3)  # recompute + value pass (+ KL reference)
-    assert no_grad_forwards == (scored if kl_beta == 0 else forced_no_grad_forwards)
-    assert metrics["actor/ratio_max"] == 1.0 and metrics["actor/grad_norm"] > 0.0
-    assert metrics["actor/grad_norm"] == forced["actor/grad_norm"]
-
-
 @pytest.mark.parametrize(
     "values_from_no_grad, old_log_prob, kl_beta, expected",
     [
-        (False, "recompute", 0.0, ("grad_pass", "grad_pass")),  # eager: one graph, its own values
-        (True, "rollout", 0.0, ("value_pass", "value_pass")),  # no recompute to reuse
-        (True, "recompute", 0.0, ("recompute", "value_pass")),  # reused until the first optimizer step
-        (True, "recompute", 0.1, ("value_pass", "value_pass")),  # the KL needs the mean's value too
+        (False, "recompute", 0.0, ("grad_pass", False)),  # eager: one graph, its own values
+        (False, "rollout", 0.0, ("grad_pass", False)),
+        (True, "rollout", 0.0, ("value_pass", False)),  # the rollout's log-probs are the denominator
+        (True, "recompute", 0.0, ("grad_pass", True)),  # the grad graph against itself: no value pass
+        (True, "recompute", 0.1, ("value_pass", False)),  # the KL's reference comes from the no-grad graph
     ],
 )
 def test_scoring_is_chosen_once_from_the_settings(values_from_no_grad, old_log_prob, kl_beta, expected):
