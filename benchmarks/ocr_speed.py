@@ -7,7 +7,8 @@ the engine up once, then times the OcrReward on each image one at a time and pri
 image, plus the accuracy as a sanity check. Then it times a burst, every text image submitted at
 once to the trainer's AsyncRewardScorer (as an engine-batched group finishes), for each pool size
 in --workers (after one untimed burst that warms its engines up), so the speed-up of more workers is measured in
-one run.
+one run. Last, the same burst sent as one request to a reward server on the loopback
+(`flowrl reward-server`'s app) with each count in --workers as its --scoring-threads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import numpy as np
 
 from flowrl.data.render_text import render_text_image
 from flowrl.rewards.async_scoring import AsyncRewardScorer
+from flowrl.rewards.http_client import HttpReward
 from flowrl.rewards.ocr import OcrReward
+from flowrl.server.http import serve_in_background
+from flowrl.server.reward_app import create_reward_app
+from flowrl.server.score_request import ServerLimits
 
 TEXTS = (
     "HELLO WORLD",
@@ -72,6 +77,21 @@ def burst_seconds(num_workers: int, threads: int, images, targets, repeats: int)
         return (time.perf_counter() - start) / repeats
 
 
+def server_burst_seconds(scoring_threads: int, threads: int, images, targets, repeats: int) -> float:
+    """Mean seconds of one request holding every image, to a reward server scoring its rows on
+    `scoring_threads` threads (PNG encoding and decoding included)."""
+    app = create_reward_app(OcrReward(num_threads=threads), ServerLimits(scoring_threads=scoring_threads))
+    batch = np.stack(images)
+    metadata = [{"ground_truth": target} for target in targets]
+    with serve_in_background(app) as url:
+        remote = HttpReward(url, timeout_s=600)
+        remote(batch, [""] * len(targets), metadata)  # untimed: warms up every thread's engine
+        start = time.perf_counter()
+        for _ in range(repeats):
+            remote(batch, [""] * len(targets), metadata)
+        return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, default=8)
@@ -106,6 +126,16 @@ def main() -> None:
         print(
             f"burst of {len(texts)} images, {workers} scoring worker(s): {seconds:.2f} s "
             f"({speedup:.2f} x {args.workers[0]} worker(s))"
+        )
+    served = {
+        workers: server_burst_seconds(workers, args.threads, text_images, texts, args.repeats)
+        for workers in args.workers
+    }
+    for workers, seconds in served.items():
+        speedup = served[args.workers[0]] / seconds
+        print(
+            f"the same burst as one request to the reward server, {workers} scoring thread(s): {seconds:.2f} s "
+            f"({speedup:.2f} x {args.workers[0]} thread(s))"
         )
 
 

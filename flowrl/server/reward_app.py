@@ -13,8 +13,10 @@ Resource bounds (`ServerLimits`, checked as flowrl.server.score_request describe
 read in chunks and refused with 413 past `max_body_bytes` (the rest is drained unread, so the
 client gets the answer); decoding and scoring run in worker threads, at most `max_concurrency`
 requests at once, so the event loop only reads bodies and /health answers while a batch is
-scored. With `token` set, /score needs `Authorization: Bearer <token>` (401 otherwise), checked
-before the body is read.
+scored. A reward that scores rows one by one (OCR) has each request's rows cut into contiguous
+chunks scored at once on `scoring_threads` threads: a trainer's burst arrives as one request, and
+would otherwise be scored on one core. With `token` set, /score needs `Authorization: Bearer
+<token>` (401 otherwise), checked before the body is read.
 
 This package is the only place that imports fastapi/uvicorn.
 """
@@ -22,7 +24,10 @@ This package is the only place that imports fastapi/uvicorn.
 from __future__ import annotations
 
 import asyncio
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -35,14 +40,43 @@ from flowrl.server.score_request import BadRequest, ServerLimits, parse_score_re
 _BODY_FIX = "raise --max-body-mb, or send fewer images per request (the http reward's max_request_bytes option)"
 
 
+def score_in_chunks(
+    reward: Reward, images: np.ndarray, prompts: list, metadata: list, pool: ThreadPoolExecutor, chunks: int
+):
+    """`reward`'s (total, components) of a batch, scored as `chunks` contiguous chunks at once on
+    `pool` and put back in row order. A failure is the first failing chunk's, its row counted in
+    the whole batch, so it names the row a serial pass would have stopped at."""
+    bounds = np.linspace(0, len(prompts), min(chunks, len(prompts)) + 1).round().astype(int)
+    spans = [(int(start), int(end)) for start, end in zip(bounds[:-1], bounds[1:])]
+    futures = [
+        pool.submit(reward.score_with_components, images[start:end], prompts[start:end], metadata[start:end])
+        for start, end in spans
+    ]
+    results = []
+    for (start, _), future in zip(spans, futures):
+        try:
+            results.append(future.result())
+        except RewardError as error:
+            raise error.with_row_index(None if error.row_index is None else start + error.row_index) from error
+    total = np.concatenate([r[0] for r in results])
+    components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
+    return total, components
+
+
 def create_reward_app(reward: Reward, limits: ServerLimits | None = None, token: str | None = None) -> FastAPI:
     """A FastAPI app serving `reward` at /score (see the module docstring)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="flowrl reward service")
     slots = asyncio.Semaphore(limits.max_concurrency)
+    chunked = reward.scores_rows_one_by_one and limits.scoring_threads > 1
+    pool = ThreadPoolExecutor(limits.scoring_threads, thread_name_prefix="flowrl-reward-rows") if chunked else None
+    if pool is not None:  # its idle threads end with the app (uvicorn runs it without lifespan events)
+        weakref.finalize(app, pool.shutdown, wait=False, cancel_futures=True)
 
     def decode_and_score(body: bytes, content_type: str):
         images, prompts, metadata = parse_score_request(body, content_type, limits)
+        if pool is not None and len(prompts) > 1:
+            return score_in_chunks(reward, images, prompts, metadata, pool, limits.scoring_threads)
         return reward.score_with_components(images, prompts, metadata)
 
     @app.get("/health")

@@ -57,6 +57,21 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         ("--max-connections", 16, "connections served at once; past it the server answers 503, which clients retry"),
     ):
         limits.add_argument(flag, type=int, default=default, help=f"{meaning} (default: %(default)s)")
+    limits.add_argument(
+        "--scoring-threads",
+        default="auto",
+        help="threads a request's rows are cut over when the reward scores rows one by one (OCR), shared by "
+        "the requests scored at once; auto: the cores this process may use, less one (default: %(default)s)",
+    )
+
+
+def _thread_count(text: str) -> int | None:
+    """--scoring-threads as a count (auto resolved), or None when it is not one."""
+    from flowrl.rewards.async_scoring import scoring_workers
+
+    if text == "auto":
+        return scoring_workers("auto")
+    return int(text) if text.isdigit() and int(text) >= 1 else None
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -78,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--max-connections {args.max_connections} must be >= 1")
     if not args.max_body_mb > 0:
         return _fail(f"--max-body-mb {args.max_body_mb} must be > 0")
+    scoring_threads = _thread_count(args.scoring_threads)
+    if scoring_threads is None:
+        return _fail(f"--scoring-threads {args.scoring_threads} is not a thread count; use an integer >= 1 or auto")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     try:
         limits = ServerLimits(
@@ -86,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             max_image_pixels=args.max_image_pixels,
             max_request_pixels=args.max_request_pixels,
             max_concurrency=args.max_concurrency,
+            scoring_threads=scoring_threads,
         )
         reward = reward_from_args(args)
         app = create_reward_app(reward, limits, token=token or None)

@@ -41,6 +41,9 @@ class ServerLimits:
     max_request_pixels: summed width x height of a request's images [--max-request-pixels]: the
         decoded batch takes 3 bytes per pixel.
     max_concurrency: requests decoded and scored at once [--max-concurrency]; others wait, unread.
+    scoring_threads: threads the rows of a reward that scores rows one by one
+        (`Reward.scores_rows_one_by_one`, as OCR) are cut over, shared by the requests scored at
+        once [--scoring-threads]; a batched reward (one model call, as CLIP) scores on one.
     """
 
     max_body_bytes: int = 64 * 2**20
@@ -48,6 +51,7 @@ class ServerLimits:
     max_image_pixels: int = 4096 * 4096
     max_request_pixels: int = 2**27
     max_concurrency: int = 1
+    scoring_threads: int = 1
 
     def __post_init__(self):
         for field in fields(self):

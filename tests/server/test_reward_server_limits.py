@@ -218,6 +218,8 @@ def test_client_options_are_checked():
         ["--max-body-mb", "0"],
         ["--max-batch-size", "0"],
         ["--max-connections", "0"],
+        ["--scoring-threads", "0"],
+        ["--scoring-threads", "many"],
     ],
 )
 def test_bad_server_flags_exit_2_with_one_line(flags, capsys):
