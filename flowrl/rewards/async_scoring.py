@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,16 +192,29 @@ class AsyncRewardScorer:
     ) -> np.ndarray:
         return self.results_with_components(num_rows, timeout_s, stop_check)[0]
 
-    def close(self, drop_pending: bool = False) -> None:
+    def close(self, drop_pending: bool = False, join_timeout_s: float | None = None) -> bool:
         """Stop the workers and join them: after scoring every pending row, or, with drop_pending
-        (a run being stopped), after the batches already being scored only."""
+        (a run being stopped), after the batches already being scored only. `join_timeout_s`
+        bounds the wait for those (a hung reward, an unanswered HTTP request): workers still
+        scoring then are left to end with the process (daemon threads), with a warning on stderr.
+        Returns whether every worker ended."""
         with self._condition:
             self._is_closed = True
             if drop_pending:
                 self._pending.clear()
             self._condition.notify_all()
+        deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
         for worker in self._workers:
-            worker.join()
+            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        running = sum(worker.is_alive() for worker in self._workers)
+        if running:
+            print(
+                f"flowrl: reward {self.reward.name!r}: {running} scoring worker(s) still busy {join_timeout_s} s "
+                "after close; left to end with the process",
+                file=sys.stderr,
+                flush=True,
+            )
+        return not running
 
     def __enter__(self) -> AsyncRewardScorer:
         return self

@@ -65,6 +65,8 @@ from flowrl.waiting import call_abortably
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
 # The engine counters gathered over ranks (flowrl.trainer.step_rows).
 _ENGINE_COUNTERS = ("num_rows", "num_forwards", "images_per_second")
+# How long a stopped run waits for reward batches already being scored before it leaves them.
+_STOPPED_SCORING_WAIT_S = 10.0
 
 
 def _row_metadata(batch, row: int) -> dict:
@@ -554,7 +556,8 @@ class FlowGRPOTrainer:
     def _close(self, drop_pending: bool = False) -> None:
         self.rollouts.close()  # a pending early rollout is left behind; closing the backend ends it
         self.rollout_backend.close()
-        self.scorer.close(drop_pending=drop_pending)
+        # After a stop, a batch still being scored (a hung remote reward) does not hold the exit.
+        self.scorer.close(drop_pending=drop_pending, join_timeout_s=_STOPPED_SCORING_WAIT_S if drop_pending else None)
         if self.logger is not None:
             self.logger.close()
 

@@ -195,3 +195,27 @@ def test_close_dropping_pending_rows_returns_after_the_batch_in_flight():
     assert time.perf_counter() - start < 1.5  # not the 3 s that scoring all ten would take
     assert len(scorer.scored_batch_sizes) < 10
     assert set(threading.enumerate()) <= before  # the worker was joined
+
+
+def test_close_after_a_stop_leaves_a_hung_batch_within_its_timeout(capsys):
+    """A reward that never answers (an unanswered remote call) does not hold a stopped run's
+    close past `join_timeout_s`: the busy worker is left, with a warning naming the reward."""
+    started, release = threading.Event(), threading.Event()
+
+    class Hung(Reward):
+        name = "hung"
+
+        def score_batch(self, images, prompts, metadata):
+            started.set()
+            release.wait(30)
+            return np.zeros(len(prompts))
+
+    scorer = AsyncRewardScorer(Hung(), num_workers=1)
+    scorer.submit(0, np.zeros((3, 4, 4), np.uint8), "", {})
+    assert started.wait(10)
+    start = time.monotonic()
+    assert scorer.close(drop_pending=True, join_timeout_s=0.2) is False
+    assert time.monotonic() - start < 2.0
+    assert "reward 'hung': 1 scoring worker(s) still busy" in capsys.readouterr().err
+    release.set()
+    assert scorer.close() is True  # once it answered, every worker ended
