@@ -134,16 +134,37 @@ def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
     return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
 
 
+def _two_step_recompute_trainer(make_cfg, monkeypatch, compiled: bool, kl_beta: float, *overrides: str):
+    """A LoRA trainer over 2 prompts x 2 samples, old_log_prob=recompute, two optimizer steps of
+    one 2-row micro-batch each, a tiny clip range; `compiled` pretends engine.compile compiled it."""
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
+    return FlowGRPOTrainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=2",
+            "trainer.updates_per_step=2",
+            "trainer.lora.enabled=true",
+            "algorithm.old_log_prob=recompute",
+            f"algorithm.kl_beta={kl_beta}",
+            "algorithm.clip_range=1e-6",
+            f"engine.compile={str(compiled).lower()}",
+            *overrides,
+        )
+    )
+
+
 @pytest.mark.parametrize(
-    "old_log_prob, kl_beta, scoring",
+    "kl_beta, scoring",
     [
-        ("recompute", 0.0, None),  # chosen: grad-pass values, the recompute run with grad
-        ("recompute", 0.1, None),  # chosen: no-grad values (value pass), the recompute without grad
-        ("recompute", 0.0, ("grad_pass", False)),  # forced mismatch: the check must see it
+        (0.0, None),  # chosen: grad-pass values, the recompute run with grad
+        (0.1, None),  # chosen: no-grad values (value pass), the recompute without grad
+        (0.0, ("grad_pass", False)),  # forced mismatch: the check must see it
     ],
 )
 def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
-    make_cfg, take_rollout, monkeypatch, old_log_prob, kl_beta, scoring
+    make_cfg, take_rollout, monkeypatch, kl_beta, scoring
 ):
     """A compiled model's grad graph may round differently from its no-grad graph: the recompute
     of the later optimizer steps' denominators runs in the graph the update's values come from,
@@ -152,21 +173,7 @@ def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import Scoring
 
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
-    trainer = FlowGRPOTrainer(
-        make_cfg(
-            "rollout.n=2",
-            "trainer.prompts_per_step=2",
-            "trainer.micro_batch_size=2",
-            "trainer.updates_per_step=2",
-            "trainer.lora.enabled=true",
-            f"algorithm.old_log_prob={old_log_prob}",
-            f"algorithm.kl_beta={kl_beta}",
-            "algorithm.clip_range=1e-6",
-            "engine.compile=true",
-        )
-    )
+    trainer = _two_step_recompute_trainer(make_cfg, monkeypatch, True, kl_beta)
     assert trainer.updater.values_from_no_grad
     if scoring is not None:
         trainer.updater.scoring = Scoring(*scoring)
@@ -194,22 +201,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import Scoring
 
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
-    trainer = FlowGRPOTrainer(
-        make_cfg(
-            "rollout.n=2",
-            "trainer.prompts_per_step=2",
-            "trainer.micro_batch_size=2",
-            "trainer.updates_per_step=2",
-            "trainer.lora.enabled=true",
-            "trainer.lr=0.05",
-            "algorithm.old_log_prob=recompute",
-            f"algorithm.kl_beta={kl_beta}",
-            "algorithm.clip_range=1e-6",
-            f"engine.compile={str(compiled).lower()}",
-        )
-    )
+    trainer = _two_step_recompute_trainer(make_cfg, monkeypatch, compiled, kl_beta, "trainer.lr=0.05")
     expected = {
         (False, 0.0): Scoring("grad_pass"),
         (True, 0.0): Scoring("grad_pass", recompute_with_grad=True),
