@@ -86,8 +86,8 @@ def train_tiny_lora_run(model_path, out, *overrides):
         return result
 
     trainer.agent_loop.generate_sequences = recording
-    trainer.fit()
-    trainer.engine.shutdown()
+    with trainer:
+        trainer.fit()
     prompts = [row["raw_prompt"] for row in trainer.val_rows]
     return SimpleNamespace(dir=out, model=model_path, validation_images=validation_images, val_prompts=prompts)
 

@@ -17,7 +17,6 @@ import pytest
 from safetensors.torch import load_file
 
 from flowrl.trainer.interrupts import TrainingInterrupted
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 # Small and slow enough per phase that a signal sent on seeing a phase lands inside it.
 FAST_RUN = (
@@ -144,12 +143,12 @@ class _InterruptInStep:
         return self.reward.score_with_components(*args)
 
 
-def test_a_dropped_step_leaves_the_checkpoint_of_the_step_before(make_cfg):
+def test_a_dropped_step_leaves_the_checkpoint_of_the_step_before(build_trainer, make_cfg):
     from flowrl.rewards import build_reward_from_config
 
     overrides = ("trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.save_every=1")
     straight = make_cfg(*overrides, output="straight")
-    straight_trainer = FlowGRPOTrainer(straight)
+    straight_trainer = build_trainer(straight)
     straight_trainer.fit()
     straight_trainer.engine.shutdown()
     expected = Path(straight.trainer.output_dir) / "checkpoints" / "step_000001"
@@ -158,7 +157,7 @@ def test_a_dropped_step_leaves_the_checkpoint_of_the_step_before(make_cfg):
     cfg = make_cfg(*overrides, "trainer.save_every=0", output="stopped")
     trainer = None
     reward = _InterruptInStep(build_reward_from_config(cfg.reward), lambda: trainer.step, step=2)
-    trainer = FlowGRPOTrainer(cfg, reward=reward)
+    trainer = build_trainer(cfg, reward=reward)
     with pytest.raises(TrainingInterrupted) as stop:
         trainer.fit()
     assert stop.value.exit_code == 130 and stop.value.step == 1 and stop.value.saved_now
