@@ -30,26 +30,12 @@ SMALL = (
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny_sd3_path, tmp_path_factory):
+def trained_run(tiny_run_config, tmp_path_factory):
     """A 3-step run with a checkpoint after every step: (config builder, output folder)."""
-    from flowrl.trainer.cli import load_train_config
-
     root = tmp_path_factory.mktemp("integrity")
 
     def build(*overrides, output="run"):
-        return load_train_config(
-            None,
-            [
-                f"model.path={tiny_sd3_path}",
-                f"trainer.output_dir={root / output}",
-                "logging.tensorboard=false",
-                "logging.progress_bar=false",
-                "trainer.val_every=0",
-                "trainer.save_every=1",
-                *SMALL,
-                *overrides,
-            ],
-        )
+        return tiny_run_config(root / output, "trainer.save_every=1", *SMALL, *overrides)
 
     with FlowGRPOTrainer(build("trainer.total_steps=3")) as trainer:
         trainer.fit()

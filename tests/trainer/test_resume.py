@@ -3,12 +3,14 @@
 diffusers pipeline."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from flowrl.trainer.checkpoint import latest_checkpoint
+from flowrl.trainer.trainer import FlowGRPOTrainer
 
 SMALL = (
     "rollout.n=2",
@@ -118,9 +120,22 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(build_trainer, make_cfg):
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_applies_changeable_keys_and_reports_them(build_trainer, make_cfg, capsys):
-    build_trainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
-    capsys.readouterr()
+@pytest.fixture(scope="module")
+def one_step_run(tiny_run_config, tmp_path_factory):
+    """A 1-step run of SMALL with its checkpoint, trained once: the tests that resume from it
+    copy it to their own folder (`copy_to`)."""
+    out = tmp_path_factory.mktemp("one_step") / "run"
+    with FlowGRPOTrainer(tiny_run_config(out, *SMALL, "trainer.total_steps=1", "trainer.save_every=1")) as trainer:
+        trainer.fit()
+
+    def copy_to(tmp_path):
+        shutil.copytree(out, tmp_path / "run")
+
+    return copy_to
+
+
+def test_resume_applies_changeable_keys_and_reports_them(build_trainer, make_cfg, one_step_run, tmp_path, capsys):
+    one_step_run(tmp_path)
     cfg = make_cfg(
         *SMALL, "trainer.total_steps=2", "trainer.lr=0.003", "trainer.betas=[0.8,0.95]", "trainer.save_every=1"
     )
@@ -138,11 +153,11 @@ def test_resume_applies_changeable_keys_and_reports_them(build_trainer, make_cfg
     assert all(g["lr"] == 0.003 for g in state["optimizer"]["param_groups"])
 
 
-def test_resume_refuses_keys_that_change_what_the_checkpoint_means(build_trainer, make_cfg):
+def test_resume_refuses_keys_that_change_what_the_checkpoint_means(make_cfg, one_step_run, tmp_path):
     from flowrl.config import config_to_dict
     from flowrl.trainer.resume import plan_run
 
-    build_trainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
+    one_step_run(tmp_path)
     cfg = make_cfg(
         *SMALL,
         "trainer.total_steps=2",
