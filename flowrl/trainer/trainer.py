@@ -561,6 +561,19 @@ class FlowGRPOTrainer:
         if self.logger is not None:
             self.logger.close()
 
+    def close(self) -> None:
+        """Join the reward workers, close the rollout backend and the logger, and shut the engine
+        down: after `fit()`, or for a trainer that never trained (its reward workers start with
+        it). The trainer cannot roll out afterwards; calling it again does nothing."""
+        self._close()
+        self.engine.shutdown()
+
+    def __enter__(self) -> FlowGRPOTrainer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def summary(self) -> dict:
         """The exported weights and, on rank 0, the reward summary (every rank calls it)."""
         final = self.save_final()

@@ -3,23 +3,41 @@ the variants it times compute the same thing."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import re
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def run_script(name: str, *args: str) -> str:
-    """stdout of `python benchmarks/<name> ARGS --device cpu`, which must succeed."""
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args, "--device", "cpu"], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    """stdout of `python benchmarks/<name> ARGS --device cpu`, which must succeed. Run in this
+    process as `__main__` (a subprocess would pay the imports again for each script); the
+    logging levels it quiets and the compiled graphs it leaves are reset afterwards."""
+    levels = {name: logging.getLogger(name).level for name in ("diffusers", "transformers")}
+    stdout = io.StringIO()
+    argv = sys.argv
+    sys.argv = [str(BENCHMARKS / name), *args, "--device", "cpu"]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(stdout):
+            runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+    finally:
+        sys.argv = argv
+        for logger, level in levels.items():
+            logging.getLogger(logger).setLevel(level)
+        torch._dynamo.reset()
+    assert code in (0, None), stdout.getvalue()[-2000:]
+    return stdout.getvalue()
 
 
 def test_qwen_block_parts_script_runs_and_rotations_agree():

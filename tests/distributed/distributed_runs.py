@@ -191,8 +191,8 @@ def train_one_process(overrides, output: Path, record_dir=None) -> Path:
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
     cfg = load_train_config(None, [*overrides, f"trainer.output_dir={output}"])
-    with one_thread(), hooks(record_dir):
-        FlowGRPOTrainer(cfg).fit()
+    with one_thread(), hooks(record_dir), FlowGRPOTrainer(cfg) as trainer:
+        trainer.fit()
     return output
 
 

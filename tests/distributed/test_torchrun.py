@@ -26,7 +26,6 @@ from flowrl.config import config_to_dict
 from flowrl.trainer import resume
 from flowrl.trainer.checkpoint import CheckpointError, verify_checkpoint
 from flowrl.trainer.cli import load_train_config
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 def test_lora_over_two_nodes_equals_one_process(lora_two_nodes, lora_reference):
@@ -80,11 +79,11 @@ def test_sharded_checkpoint_is_verified_and_planned_as_any_other(full_two_ranks,
         resume.plan_run(cfg, config_to_dict(cfg))
 
 
-def test_sharded_checkpoint_resumes_at_world_size_one(full_two_ranks, full_args, tmp_path):
+def test_sharded_checkpoint_resumes_at_world_size_one(build_trainer, full_two_ranks, full_args, tmp_path):
     saved = full_two_ranks.output / "checkpoints" / "step_000001"
     cfg = load_train_config(None, [*full_args, f"trainer.output_dir={tmp_path / 'run'}", f"trainer.resume={saved}"])
     with one_thread():
-        trainer = FlowGRPOTrainer(cfg)
+        trainer = build_trainer(cfg)
         assert trainer.step == 1 and trainer.policy_version == 2 and trainer.ema.num_updates == 2
         trainer.fit()
     straight = {r["step"]: r for r in metrics(full_two_ranks.output)}

@@ -209,12 +209,11 @@ def _train_config(path, output, *overrides):
     )
 
 
-def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(tiny_flux_path, tmp_path):
+def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(build_trainer, tiny_flux_path, tmp_path):
     """With true CFG the trainer re-scores each row with its stored negative embeddings in the same
     forward (distilled guidance alone: the 3-step run below)."""
     from flowrl.engine.output import TransitionSpec
     from flowrl.rollout.batch import RolloutBatch
-    from flowrl.trainer.trainer import FlowGRPOTrainer
 
     cfg = _train_config(
         tiny_flux_path,
@@ -225,7 +224,7 @@ def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(tiny_flux_path,
         "algorithm.old_log_prob=recompute",
         "rollout.sampling.true_cfg_scale=2.0",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     rows = trainer.prompts.next_rows()
     for i, row in enumerate(rows):
         row["uid"] = f"u{i}"
@@ -242,12 +241,11 @@ def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(tiny_flux_path,
     assert metrics["actor/grad_norm"] > 0.0
 
 
-def test_three_step_lora_run_and_its_export_loaded_by_flux_pipeline(tiny_flux_path, tmp_path):
+def test_three_step_lora_run_and_its_export_loaded_by_flux_pipeline(build_trainer, tiny_flux_path, tmp_path):
     from diffusers import FluxPipeline
 
     from flowrl.models.flux import FluxAdapter
     from flowrl.trainer.checkpoint import latest_checkpoint
-    from flowrl.trainer.trainer import FlowGRPOTrainer
 
     targets = ",".join(FluxAdapter.default_lora_targets)  # Flow-GRPO's FLUX targets, every one present
     cfg = _train_config(
@@ -263,7 +261,7 @@ def test_three_step_lora_run_and_its_export_loaded_by_flux_pipeline(tiny_flux_pa
         "trainer.lr=0.05",
         f"trainer.lora.target_modules=[{targets}]",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     summary = trainer.fit()
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     steps = [r for r in records if "actor/grad_norm" in r]

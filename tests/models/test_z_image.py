@@ -12,7 +12,6 @@ import torch
 from flowrl.engine import DiffusionEngine, SamplingParams
 from flowrl.trainer.checkpoint import latest_checkpoint
 from flowrl.trainer.cli import load_train_config
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 PROMPT, NEGATIVE = "a photo of a cat", "blurry"
 ODE = SamplingParams(height=64, width=64, num_inference_steps=5, noise_level=0.0, logprobs=False, seed=3)
@@ -207,7 +206,7 @@ def _train_config(path, tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
-def test_rollout_log_probs_match_the_trainer_to_float32_rounding(tiny_z_image_path, tmp_path, guidance):
+def test_rollout_log_probs_match_the_trainer_to_float32_rounding(build_trainer, tiny_z_image_path, tmp_path, guidance):
     from flowrl.engine.output import TransitionSpec
     from flowrl.rollout.batch import RolloutBatch
 
@@ -219,7 +218,7 @@ def test_rollout_log_probs_match_the_trainer_to_float32_rounding(tiny_z_image_pa
         "algorithm.old_log_prob=recompute",
         f"rollout.sampling.guidance_scale={guidance}",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     rows = trainer.prompts.next_rows()
     for i, row in enumerate(rows):
         row["uid"] = f"u{i}"
@@ -233,7 +232,7 @@ def test_rollout_log_probs_match_the_trainer_to_float32_rounding(tiny_z_image_pa
     assert metrics["actor/grad_norm"] > 0.0
 
 
-def test_three_lora_steps_export_weights_the_pipeline_loads(tiny_z_image_path, tmp_path, pipe):
+def test_three_lora_steps_export_weights_the_pipeline_loads(build_trainer, tiny_z_image_path, tmp_path, pipe):
     from diffusers import ZImagePipeline
 
     cfg = _train_config(
@@ -245,7 +244,7 @@ def test_three_lora_steps_export_weights_the_pipeline_loads(tiny_z_image_path, t
         "trainer.lora.alpha=16",
         "rollout.sampling.guidance_scale=3.0",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     assert trainer.fit()["steps"] == 3
     lora_dir = latest_checkpoint(cfg.trainer.output_dir) / "lora"
 

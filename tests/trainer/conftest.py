@@ -5,17 +5,19 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture
-def make_cfg(tiny_sd3_path, tmp_path):
-    """make_cfg(*overrides, output=name) -> a FlowRLConfig of a very small tiny run."""
+@pytest.fixture(scope="session")
+def tiny_run_config(tiny_sd3_path):
+    """tiny_run_config(output_dir, *overrides) -> a FlowRLConfig of a very small run of the tiny
+    SD3 model (no tensorboard, bar, validation or checkpoints unless `overrides` ask for them);
+    for fixtures of any scope."""
     from flowrl.trainer.cli import load_train_config
 
-    def build(*overrides, output: str = "run"):
+    def build(output_dir, *overrides):
         return load_train_config(
             None,
             [
                 f"model.path={tiny_sd3_path}",
-                f"trainer.output_dir={tmp_path / output}",
+                f"trainer.output_dir={output_dir}",
                 "logging.tensorboard=false",
                 "logging.progress_bar=false",
                 "trainer.val_every=0",
@@ -23,6 +25,16 @@ def make_cfg(tiny_sd3_path, tmp_path):
                 *overrides,
             ],
         )
+
+    return build
+
+
+@pytest.fixture
+def make_cfg(tiny_run_config, tmp_path):
+    """make_cfg(*overrides, output=name) -> a FlowRLConfig of a very small tiny run."""
+
+    def build(*overrides, output: str = "run"):
+        return tiny_run_config(tmp_path / output, *overrides)
 
     return build
 
@@ -86,8 +98,8 @@ def train_tiny_lora_run(model_path, out, *overrides):
         return result
 
     trainer.agent_loop.generate_sequences = recording
-    trainer.fit()
-    trainer.engine.shutdown()
+    with trainer:
+        trainer.fit()
     prompts = [row["raw_prompt"] for row in trainer.val_rows]
     return SimpleNamespace(dir=out, model=model_path, validation_images=validation_images, val_prompts=prompts)
 

@@ -30,28 +30,15 @@ SMALL = (
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny_sd3_path, tmp_path_factory):
+def trained_run(tiny_run_config, tmp_path_factory):
     """A 3-step run with a checkpoint after every step: (config builder, output folder)."""
-    from flowrl.trainer.cli import load_train_config
-
     root = tmp_path_factory.mktemp("integrity")
 
     def build(*overrides, output="run"):
-        return load_train_config(
-            None,
-            [
-                f"model.path={tiny_sd3_path}",
-                f"trainer.output_dir={root / output}",
-                "logging.tensorboard=false",
-                "logging.progress_bar=false",
-                "trainer.val_every=0",
-                "trainer.save_every=1",
-                *SMALL,
-                *overrides,
-            ],
-        )
+        return tiny_run_config(root / output, "trainer.save_every=1", *SMALL, *overrides)
 
-    FlowGRPOTrainer(build("trainer.total_steps=3")).fit()
+    with FlowGRPOTrainer(build("trainer.total_steps=3")) as trainer:
+        trainer.fit()
     return build, root / "run"
 
 
@@ -123,17 +110,19 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_an_error(trained_run, tmp_pa
         plan_run(cfg, config_to_dict(cfg))
 
 
-def test_auto_resume_skips_damaged_checkpoints_and_matches_a_run_from_the_one_it_took(trained_run, tmp_path, capfd):
+def test_auto_resume_skips_damaged_checkpoints_and_matches_a_run_from_the_one_it_took(
+    build_trainer, trained_run, tmp_path, capfd
+):
     build, out = trained_run
     # Reference: the same run with only checkpoints 1 and 2, resumed to step 5.
     reference = _copy_run(out, tmp_path / "reference")
     shutil.rmtree(checkpoint_dir(reference, 3))
-    FlowGRPOTrainer(build("trainer.total_steps=5", "trainer.resume=auto", output=str(reference))).fit()
+    build_trainer(build("trainer.total_steps=5", "trainer.resume=auto", output=str(reference))).fit()
     capfd.readouterr()
 
     damaged = _copy_run(out, tmp_path / "damaged")
     _zero_4k(checkpoint_dir(damaged, 3) / "optimizer.safetensors")
-    trainer = FlowGRPOTrainer(build("trainer.total_steps=5", "trainer.resume=auto", output=str(damaged)))
+    trainer = build_trainer(build("trainer.total_steps=5", "trainer.resume=auto", output=str(damaged)))
     skipped = [line for line in capfd.readouterr().err.splitlines() if "skipping" in line]
     assert len(skipped) == 1 and "step_000003" in skipped[0] and "optimizer.safetensors" in skipped[0], skipped
     assert trainer.step == 2
@@ -145,13 +134,11 @@ def test_auto_resume_skips_damaged_checkpoints_and_matches_a_run_from_the_one_it
         assert torch.equal(want[name], got[name]), name
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(trained_run, tmp_path, capfd):
+def test_checkpoint_without_manifest_loads_with_a_warning(build_trainer, trained_run, tmp_path, capfd):
     build, out = trained_run
     run = _copy_run(out, tmp_path / "old")
     (checkpoint_dir(run, 3) / MANIFEST).unlink()
-    trainer = FlowGRPOTrainer(build("trainer.total_steps=4", "trainer.resume=auto", output=str(run)))
+    trainer = build_trainer(build("trainer.total_steps=4", "trainer.resume=auto", output=str(run)))
     assert trainer.step == 3
     err = capfd.readouterr().err
     assert "cannot be verified" in err and "step_000003" in err
-    trainer.scorer.close()
-    trainer.logger.close()

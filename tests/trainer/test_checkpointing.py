@@ -13,7 +13,6 @@ from flowrl.trainer.checkpointing import (
     saved_activation_bytes,
     set_checkpointing,
 )
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 def checkpointing_enabled(model: torch.nn.Module) -> bool:
@@ -124,15 +123,15 @@ def _trained_weights(trainer):
 
 
 @pytest.mark.parametrize("free_bytes", [10**12, 0], ids=["auto-off", "auto-on"])
-def test_auto_trains_exactly_as_the_fixed_setting_it_chose(make_cfg, monkeypatch, free_bytes):
+def test_auto_trains_exactly_as_the_fixed_setting_it_chose(build_trainer, make_cfg, monkeypatch, free_bytes):
     """Two steps with `auto` (memory plenty: off; none: on) give the weights and metrics of the
     same run with the setting fixed, and the blocks' switch is where the choice put it."""
     monkeypatch.setattr(checkpointing, "free_memory_bytes", lambda device: free_bytes)
     run = ("trainer.total_steps=2", "rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=2")
-    auto = FlowGRPOTrainer(make_cfg(*run, "trainer.gradient_checkpointing=auto", output="auto"))
+    auto = build_trainer(make_cfg(*run, "trainer.gradient_checkpointing=auto", output="auto"))
     auto.fit()
     expected = free_bytes == 0
-    fixed = FlowGRPOTrainer(make_cfg(*run, f"trainer.gradient_checkpointing={str(expected).lower()}", output="fixed"))
+    fixed = build_trainer(make_cfg(*run, f"trainer.gradient_checkpointing={str(expected).lower()}", output="fixed"))
     fixed.fit()
     assert auto.updater.checkpointing.measured and auto.updater.checkpointing.enabled is expected
     assert checkpointing_enabled(auto.adapter.transformer) is expected

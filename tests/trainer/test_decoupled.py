@@ -16,7 +16,6 @@ import torch
 from flowrl.server import wire
 from flowrl.trainer.interrupts import TrainingInterrupted
 from flowrl.trainer.lora import trainable_state_dict
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 TOKEN = "test-admin-token"
 # A small LoRA run: 2 prompts x 4 samples per step.
@@ -55,15 +54,15 @@ def run_steps(trainer, num_steps):
 
 
 def test_two_replicas_serve_the_trainers_weights_and_match_the_colocated_run(
-    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch, check_loopback_only
+    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch, check_loopback_only, build_trainer
 ):
     monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
     urls = rollout_servers(tiny_sd3_path, count=2, admin_token=TOKEN)
-    decoupled = FlowGRPOTrainer(make_cfg(*RUN, servers_override(urls), output="decoupled"))
+    decoupled = build_trainer(make_cfg(*RUN, servers_override(urls), output="decoupled"))
     syncs = record_syncs(decoupled)
     remote_metrics = run_steps(decoupled, 2)
     check_loopback_only()
-    colocated = FlowGRPOTrainer(make_cfg(*RUN, output="colocated"))
+    colocated = build_trainer(make_cfg(*RUN, output="colocated"))
     local_metrics = run_steps(colocated, 2)
 
     # 1. after each sync (after each update), both replicas serve the trainer's weights exactly
@@ -83,11 +82,13 @@ def test_two_replicas_serve_the_trainers_weights_and_match_the_colocated_run(
     decoupled.rollout_backend.close()
 
 
-def test_async_training_is_one_update_stale_and_off_policy(make_cfg, rollout_servers, tiny_sd3_path, monkeypatch):
+def test_async_training_is_one_update_stale_and_off_policy(
+    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch, build_trainer
+):
     monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
     urls = rollout_servers(tiny_sd3_path, count=2, admin_token=TOKEN)
     cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=3", output="async")
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     syncs = record_syncs(trainer)
     seen = []
     roll_out = trainer._roll_out
@@ -120,14 +121,14 @@ def test_async_training_is_one_update_stale_and_off_policy(make_cfg, rollout_ser
 
 
 def test_async_stop_finishes_the_step_and_saves_the_data_position_before_the_early_rollout(
-    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch
+    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch, build_trainer
 ):
     """A stop signal during step 2's update (step 3's rollout is out) drops no phase midway: step 2
     completes and its checkpoint has the data position from before step 3 drew its rows."""
     monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
     urls = rollout_servers(tiny_sd3_path, count=1, admin_token=TOKEN)
     cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=4", output="stop")
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     update = trainer.updater.update
 
     def signalled_in_step_2(*args, **kwargs):
@@ -157,9 +158,9 @@ def test_decoupled_config_errors(make_cfg):
     assert np.isfinite(make_cfg("rollout.num_replicas=2").rollout.request_timeout_s)
 
 
-def test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit(make_cfg, check_loopback_only):
+def test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit(build_trainer, make_cfg, check_loopback_only):
     cfg = make_cfg(*RUN, "rollout.num_replicas=2", "trainer.total_steps=2", output="started")
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     processes = trainer.rollout_backend.processes
     assert len(processes.processes) == 2 and all(p.poll() is None for p in processes.processes)
     check_loopback_only()

@@ -7,7 +7,6 @@ from safetensors.torch import load_file
 
 from flowrl.trainer.checkpoint import latest_checkpoint
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 def test_average_moves_every_update_every_steps_with_the_warm_up_decay():
@@ -49,7 +48,7 @@ def test_state_round_trip_and_mismatch_errors():
         ParameterEMA({"w": torch.nn.Parameter(torch.zeros(3))}, 0.9, 1).load_state_dict(tensors, meta)
 
 
-def test_validation_samples_with_the_average_and_checkpoints_save_it(make_cfg):
+def test_validation_samples_with_the_average_and_checkpoints_save_it(build_trainer, make_cfg):
     cfg = make_cfg(
         "rollout.n=2",
         "trainer.prompts_per_step=2",
@@ -61,7 +60,7 @@ def test_validation_samples_with_the_average_and_checkpoints_save_it(make_cfg):
         "trainer.total_steps=2",
         "trainer.save_every=2",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.train_step()
     trainer.train_step()
     ema, params = trainer.ema, dict(trainer.adapter.transformer.named_parameters())

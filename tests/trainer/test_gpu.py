@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.trainer.trainer import FlowGRPOTrainer
-
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("old_log_prob", ["rollout", "recompute"])
-def test_tiny_training_on_cuda_bf16(make_cfg, old_log_prob):
+def test_tiny_training_on_cuda_bf16(build_trainer, make_cfg, old_log_prob):
     cfg = make_cfg(
         "model.device=cuda",
         "model.dtype=bfloat16",
@@ -32,7 +30,7 @@ def test_tiny_training_on_cuda_bf16(make_cfg, old_log_prob):
         "trainer.val_every=3",
         output=f"gpu-{old_log_prob}",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     assert trainer.adapter.device.type == "cuda"
     summary = trainer.fit()
     records = [
@@ -56,7 +54,7 @@ def test_tiny_training_on_cuda_bf16(make_cfg, old_log_prob):
     "kind, old_log_prob",
     [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout"), ("z_image", "rollout")],
 )
-def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_log_prob):
+def test_compiled_training_on_cuda_bf16(build_trainer, make_cfg, tmp_path_factory, kind, old_log_prob):
     """The gap is the trainer's log-prob values against the rollout's: with old_log_prob=rollout
     from its no-grad graph (flowrl.trainer.policy's value pass), with recompute from its grad graph
     (flowrl.trainer.update.Scoring), in both cases in other batch compositions than the rollout's."""
@@ -77,7 +75,7 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
         "trainer.total_steps=3",
         output=f"gpu-compiled-{kind}-{old_log_prob}",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     assert trainer.engine.compiled_modules
     summary = trainer.fit()
     records = [
@@ -109,7 +107,9 @@ def test_compiled_training_on_cuda_bf16(make_cfg, tmp_path_factory, kind, old_lo
         assert records[0]["actor/ratio_max"] == 1.0 and records[0]["actor/clipfrac"] == 0.0
 
 
-def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_the_fixed_setting(make_cfg):
+def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_the_fixed_setting(
+    build_trainer, make_cfg
+):
     """trainer.gradient_checkpointing=auto with a compiled model on CUDA: the probe counts the
     compiled grad graph's activations (saved-tensor hooks and the allocator agree on a lower
     bound), a tiny model fits (off), and the run's weights are those of the same run with
@@ -127,7 +127,7 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
     )
     weights = {}
     for setting in ("auto", "false"):
-        trainer = FlowGRPOTrainer(make_cfg(*run, f"trainer.gradient_checkpointing={setting}", output=setting))
+        trainer = build_trainer(make_cfg(*run, f"trainer.gradient_checkpointing={setting}", output=setting))
         trainer.fit()
         weights[setting] = {
             n: p.detach().float().cpu() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad

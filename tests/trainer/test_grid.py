@@ -32,14 +32,14 @@ def test_grid_draws_every_caption_line_within_its_cell(tmp_path):
     assert cut.endswith("...") and draw.textlength(cut) <= cell - 4
 
 
-def test_validation_grid_shows_the_rows_target_text(make_cfg, tmp_path, monkeypatch):
+def test_validation_grid_shows_the_rows_target_text(build_trainer, make_cfg, tmp_path, monkeypatch):
     rows = [{"prompt": "a sign that says 'OPEN'", "ground_truth": "OPEN"}, {"prompt": "a cat", "ground_truth": "CAT"}]
     data = tmp_path / "val.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     seen = []
     monkeypatch.setattr(trainer_module, "grid_captions", lambda *a: seen.append(grid_captions(*a)) or seen[-1])
     cfg = make_cfg(f"data.train_path={data}", "trainer.num_val_images=2", "rollout.n=2", "trainer.prompts_per_step=2")
-    result = trainer_module.FlowGRPOTrainer(cfg).validate()
+    result = build_trainer(cfg).validate()
     assert (tmp_path / "run" / "val" / "step_000000.png").is_file() and "val/reward_mean" in result
     assert [caption.split("\n")[:2] for caption in seen[0]] == [
         [r["prompt"], f"target: {r['ground_truth']!r}"] for r in rows

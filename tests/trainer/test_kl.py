@@ -10,7 +10,6 @@ import torch
 
 from flowrl.models.base import PromptEncoding
 from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 def _reference_kl(trainer, tensors, specs) -> float:
@@ -50,8 +49,8 @@ def _reference_kl(trainer, tensors, specs) -> float:
     return sum(kls) / len(kls)
 
 
-def test_kl_equals_the_reference_form_on_a_perturbed_lora(make_cfg, take_rollout):
-    trainer = FlowGRPOTrainer(
+def test_kl_equals_the_reference_form_on_a_perturbed_lora(build_trainer, make_cfg, take_rollout):
+    trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=2",

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from flowrl.models.architectures import ARCHITECTURES
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
-def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(make_cfg, tmp_path, capsys):
+def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(build_trainer, make_cfg, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cube\na blue sphere\n")
     cfg = make_cfg(
@@ -26,7 +25,7 @@ def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(make_c
         "rollout.n=2",
         "rollout.sampling.num_inference_steps=3",
     )
-    summary = FlowGRPOTrainer(cfg).fit()
+    summary = build_trainer(cfg).fit()
     assert "RANDOM WEIGHTS" in capsys.readouterr().err
     assert summary["random_weights"] == "tiny-qwen" and summary["steps"] == 2
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
@@ -39,7 +38,7 @@ def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(make_c
 
 
 @pytest.mark.parametrize("name", [n for n in ARCHITECTURES if n.startswith("tiny-") and n != "tiny-qwen"])
-def test_every_tiny_random_architecture_trains_a_step(make_cfg, name):
+def test_every_tiny_random_architecture_trains_a_step(build_trainer, make_cfg, name):
     """`random:NAME` works for every family with an adapter: one step of each tiny row (tiny-qwen:
     the test above), guidance as the family takes it (FLUX.1 [dev]'s embedded, the others' CFG)."""
     cfg = make_cfg(
@@ -52,7 +51,7 @@ def test_every_tiny_random_architecture_trains_a_step(make_cfg, name):
         "rollout.sampling.guidance_scale=3.5",
         "model.max_sequence_length=16",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     assert trainer.random_weights == name and trainer.adapter.family == ARCHITECTURES[name][0]
     metrics = trainer.train_step()
     assert metrics["model/random_weights"] == 1.0 and metrics["adv/num_rows_trained"] == 2

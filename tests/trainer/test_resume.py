@@ -3,6 +3,7 @@
 diffusers pipeline."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -48,14 +49,14 @@ def _final_weights(output_dir, name="trainable"):
     return load_file(str(latest_checkpoint(output_dir) / f"{name}.safetensors"))
 
 
-def test_resume_equals_straight_run(make_cfg):
+def test_resume_equals_straight_run(build_trainer, make_cfg):
     straight_cfg = make_cfg(*SMALL, "trainer.total_steps=4", "trainer.save_every=4", output="straight")
-    FlowGRPOTrainer(straight_cfg).fit()
+    build_trainer(straight_cfg).fit()
 
     first = make_cfg(*SMALL, "trainer.total_steps=2", "trainer.save_every=2", output="resumed")
-    FlowGRPOTrainer(first).fit()
+    build_trainer(first).fit()
     second = make_cfg(*SMALL, "trainer.total_steps=4", "trainer.save_every=4", "trainer.resume=auto", output="resumed")
-    resumed = FlowGRPOTrainer(second)
+    resumed = build_trainer(second)
     assert resumed.step == 2 and resumed.policy_version == 4  # two optimizer steps per training step
     resumed.fit()
 
@@ -80,7 +81,7 @@ def test_resume_equals_straight_run(make_cfg):
             torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-7)
 
 
-def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
+def test_saved_lora_loads_into_the_diffusers_pipeline(build_trainer, make_cfg):
     from diffusers import StableDiffusion3Pipeline
 
     cfg = make_cfg(
@@ -93,7 +94,7 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
         "trainer.total_steps=2",
         "trainer.save_every=2",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.fit()
     lora_dir = latest_checkpoint(cfg.trainer.output_dir) / "lora"
     assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
@@ -119,13 +120,26 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(make_cfg):
     torch.testing.assert_close(with_lora, trained, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_applies_changeable_keys_and_reports_them(make_cfg, capsys):
-    FlowGRPOTrainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
-    capsys.readouterr()
+@pytest.fixture(scope="module")
+def one_step_run(tiny_run_config, tmp_path_factory):
+    """A 1-step run of SMALL with its checkpoint, trained once: the tests that resume from it
+    copy it to their own folder (`copy_to`)."""
+    out = tmp_path_factory.mktemp("one_step") / "run"
+    with FlowGRPOTrainer(tiny_run_config(out, *SMALL, "trainer.total_steps=1", "trainer.save_every=1")) as trainer:
+        trainer.fit()
+
+    def copy_to(tmp_path):
+        shutil.copytree(out, tmp_path / "run")
+
+    return copy_to
+
+
+def test_resume_applies_changeable_keys_and_reports_them(build_trainer, make_cfg, one_step_run, tmp_path, capsys):
+    one_step_run(tmp_path)
     cfg = make_cfg(
         *SMALL, "trainer.total_steps=2", "trainer.lr=0.003", "trainer.betas=[0.8,0.95]", "trainer.save_every=1"
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     out = capsys.readouterr().out
     report = [line for line in out.splitlines() if "config changes" in line]
     assert len(report) == 1, out
@@ -139,11 +153,11 @@ def test_resume_applies_changeable_keys_and_reports_them(make_cfg, capsys):
     assert all(g["lr"] == 0.003 for g in state["optimizer"]["param_groups"])
 
 
-def test_resume_refuses_keys_that_change_what_the_checkpoint_means(make_cfg):
+def test_resume_refuses_keys_that_change_what_the_checkpoint_means(make_cfg, one_step_run, tmp_path):
     from flowrl.config import config_to_dict
     from flowrl.trainer.resume import plan_run
 
-    FlowGRPOTrainer(make_cfg(*SMALL, "trainer.total_steps=1", "trainer.save_every=1")).fit()
+    one_step_run(tmp_path)
     cfg = make_cfg(
         *SMALL,
         "trainer.total_steps=2",

@@ -9,7 +9,6 @@ import pytest
 
 from flowrl.config import config_to_dict
 from flowrl.trainer.resume import RUN_FILES, plan_run
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 TINY = ("rollout.n=2", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4")
 
@@ -34,12 +33,12 @@ def _train_cli(tiny_sd3_path, output_dir, *overrides) -> int:
 
 
 @pytest.fixture
-def finished_run(make_cfg):
+def finished_run(build_trainer, make_cfg):
     """A finished 2-step run (validation, tensorboard, checkpoints): its config builder and folder."""
     cfg = make_cfg(
         *TINY, "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "logging.tensorboard=true"
     )
-    FlowGRPOTrainer(cfg).fit()
+    build_trainer(cfg).fit()
     return cfg.trainer.output_dir
 
 
@@ -67,14 +66,14 @@ def test_auto_without_a_checkpoint_in_a_used_folder_is_refused(make_cfg, tmp_pat
         _plan(cfg)
 
 
-def test_overwrite_deletes_the_run_files_only(make_cfg, finished_run, capfd):
+def test_overwrite_deletes_the_run_files_only(build_trainer, make_cfg, finished_run, capfd):
     from pathlib import Path
 
     out = Path(finished_run)
     (out / "notes.txt").write_text("mine")
     (out / "data").mkdir()
     cfg = make_cfg(*TINY, "trainer.total_steps=1", "trainer.overwrite=true", "trainer.save_every=1")
-    FlowGRPOTrainer(cfg).fit()
+    build_trainer(cfg).fit()
     assert "trainer.overwrite=true: deleted" in capfd.readouterr().err
     assert (out / "notes.txt").read_text() == "mine" and (out / "data").is_dir()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]  # the old step_000002 is gone

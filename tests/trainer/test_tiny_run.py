@@ -9,7 +9,6 @@ from pathlib import Path
 
 from flowrl.config import config_to_dict, load_config
 from flowrl.trainer.cli import load_train_config
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = (
@@ -32,10 +31,10 @@ REQUIRED_KEYS = (
 )
 
 
-def test_tiny_run_reward_rises(make_cfg):
+def test_tiny_run_reward_rises(build_trainer, make_cfg):
     # The embedded default with fewer steps (the full run has 60) and one validation at the end.
     cfg = make_cfg("trainer.total_steps=12", "trainer.val_every=12", "trainer.save_every=12")
-    summary = FlowGRPOTrainer(cfg).fit()
+    summary = build_trainer(cfg).fit()
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))

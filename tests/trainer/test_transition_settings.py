@@ -7,7 +7,6 @@ import torch
 
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer.policy import score_transitions
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 # Per prompt (each repeated over its group of 2). The window is fixed so that rows of different
 # step counts have equally many window steps (rows of a RolloutBatch stack into one tensor); it
@@ -20,8 +19,8 @@ OVERRIDES = [
 ]
 
 
-def _trainer(make_cfg, old_log_prob):
-    return FlowGRPOTrainer(
+def _trainer(build_trainer, make_cfg, old_log_prob):
+    return build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=4",
@@ -36,8 +35,8 @@ def _trainer(make_cfg, old_log_prob):
 
 
 @pytest.mark.parametrize("old_log_prob", ["recompute", "rollout"])
-def test_per_row_overrides_are_rescored_as_they_were_sampled(make_cfg, take_rollout, old_log_prob):
-    trainer = _trainer(make_cfg, old_log_prob)
+def test_per_row_overrides_are_rescored_as_they_were_sampled(build_trainer, make_cfg, take_rollout, old_log_prob):
+    trainer = _trainer(build_trainer, make_cfg, old_log_prob)
     tensors, specs = take_rollout(trainer, OVERRIDES)
     base = TransitionSpec.of(trainer.cfg.rollout.sampling)
     for row, spec in enumerate(specs):
@@ -60,8 +59,8 @@ def test_per_row_overrides_are_rescored_as_they_were_sampled(make_cfg, take_roll
         assert metrics["actor/clipfrac"] == 0.0
 
 
-def test_rows_of_different_step_types_are_scored_in_separate_micro_batches(make_cfg, take_rollout):
-    trainer = _trainer(make_cfg, "recompute")
+def test_rows_of_different_step_types_are_scored_in_separate_micro_batches(build_trainer, make_cfg, take_rollout):
+    trainer = _trainer(build_trainer, make_cfg, "recompute")
     tensors, specs = take_rollout(trainer, OVERRIDES)
     plan = trainer.updater.plan(tensors, specs, step=1)
     [micro_batches] = plan.optimizer_steps  # one optimizer step, 8 rows, micro-batches of up to 8

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from flowrl.rewards.base import Reward
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 class FirstPromptConstant(Reward):
@@ -20,9 +19,9 @@ class FirstPromptConstant(Reward):
 
 
 @pytest.mark.parametrize("policy", ["keep", "drop"])
-def test_zero_std_policy(make_cfg, policy):
+def test_zero_std_policy(build_trainer, make_cfg, policy):
     cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=2", f"algorithm.zero_std_policy={policy}")
-    trainer = FlowGRPOTrainer(cfg, reward=FirstPromptConstant())
+    trainer = build_trainer(cfg, reward=FirstPromptConstant())
     metrics = trainer.train_step()
     assert metrics["adv/zero_std_ratio"] == 0.5
     assert metrics["adv/num_rows_trained"] == (4 if policy == "keep" else 2)
@@ -38,9 +37,9 @@ class Constant(Reward):
         return np.zeros(len(images))
 
 
-def test_mostly_zero_spread_groups_warn_once_and_in_the_summary(make_cfg, capsys):
+def test_mostly_zero_spread_groups_warn_once_and_in_the_summary(build_trainer, make_cfg, capsys):
     cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.total_steps=3")
-    FlowGRPOTrainer(cfg, reward=Constant()).fit()
+    build_trainer(cfg, reward=Constant()).fit()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(lines) == 2, lines
     first, summary = lines
