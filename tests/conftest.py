@@ -81,11 +81,6 @@ def _note_flowrl_threads(request):
         _thread_started_in.setdefault(thread, request.node.nodeid)
 
 
-# Test files that still build trainers without closing them (owned by another change now): their
-# threads are not counted. Switch them to `build_trainer` and empty this set.
-NOT_YET_CLOSING = ("tests/trainer/test_policy.py", "tests/trainer/test_updates.py")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_flowrl_threads_left():
     """After every test and fixture has finished: no engine or reward thread may still run (each
@@ -93,7 +88,7 @@ def no_flowrl_threads_left():
     teardown, which runs before this one). A failure names the test each thread started in."""
     yield
     started_in = {thread: _thread_started_in.get(thread, "a fixture's setup") for thread in _flowrl_threads()}
-    left = sorted(f"{t.name} ({where})" for t, where in started_in.items() if not where.startswith(NOT_YET_CLOSING))
+    left = sorted(f"{t.name} ({where})" for t, where in started_in.items())
     if left:
         pytest.fail(
             f"{len(left)} flowrl threads outlived their tests (close the trainer, shut the engine down): "

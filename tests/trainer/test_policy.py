@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import flowrl.accel
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_rollout_log_probs_match_trainer_recompute(make_cfg, take_rollout, guidance):
+def test_rollout_log_probs_match_trainer_recompute(build_trainer, make_cfg, take_rollout, guidance):
     cfg = make_cfg(
         "rollout.n=3",
         "trainer.prompts_per_step=2",
@@ -19,7 +18,7 @@ def test_rollout_log_probs_match_trainer_recompute(make_cfg, take_rollout, guida
         f"rollout.sampling.guidance_scale={guidance}",
         "rollout.sampling.negative_prompt=blurry",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     tensors, specs = take_rollout(trainer)
     if guidance > 1:
         assert "negative_prompt_embeds" in tensors
@@ -33,7 +32,7 @@ def test_rollout_log_probs_match_trainer_recompute(make_cfg, take_rollout, guida
     assert metrics["actor/grad_norm"] > 0.0
 
 
-def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg, take_rollout):
+def test_rollout_denominator_gap_and_updates_change_the_policy(build_trainer, make_cfg, take_rollout):
     cfg = make_cfg(
         "rollout.n=2",
         "trainer.prompts_per_step=2",
@@ -43,7 +42,7 @@ def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg, take_ro
         "trainer.lr=0.05",
         "algorithm.clip_range=1e-6",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     tensors, specs = take_rollout(trainer)
     metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1)
     assert metrics["actor/logprob_gap_max"] < 1e-5  # measured before the first optimizer step
@@ -53,7 +52,7 @@ def test_rollout_denominator_gap_and_updates_change_the_policy(make_cfg, take_ro
     assert metrics["actor/clipfrac"] > 0.0
 
 
-def test_kl_reference_is_the_lora_disabled_model(make_cfg, take_rollout):
+def test_kl_reference_is_the_lora_disabled_model(build_trainer, make_cfg, take_rollout):
     cfg = make_cfg(
         "rollout.n=2",
         "trainer.prompts_per_step=1",
@@ -61,7 +60,7 @@ def test_kl_reference_is_the_lora_disabled_model(make_cfg, take_rollout):
         "trainer.lora.enabled=true",
         "algorithm.old_log_prob=recompute",
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = build_trainer(cfg)
     tensors, specs = take_rollout(trainer)
     adv = torch.tensor([1.0, -1.0])
     # LoRA B starts at zero: the policy IS the reference, so the KL is exactly 0.
@@ -87,11 +86,13 @@ def _grad_graph_rounds_differently(monkeypatch, adapter_cls, offset=1e-3):
     monkeypatch.setattr(adapter_cls, "velocity", perturbed)
 
 
-def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(make_cfg, take_rollout, monkeypatch):
+def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(
+    build_trainer, make_cfg, take_rollout, monkeypatch
+):
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.policy import score_transitions
 
-    trainer = FlowGRPOTrainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true"))
+    trainer = build_trainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true"))
     tensors, specs = take_rollout(trainer)
     adapter, params = trainer.adapter, trainer.updater.params
     with torch.no_grad():  # LoRA B starts at 0: move it so the LoRA weights get gradients of every kind
@@ -134,12 +135,12 @@ def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
     return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
 
 
-def _two_step_recompute_trainer(make_cfg, monkeypatch, compiled: bool, kl_beta: float, *overrides: str):
+def _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, compiled: bool, kl_beta: float, *overrides: str):
     """A LoRA trainer over 2 prompts x 2 samples, old_log_prob=recompute, two optimizer steps of
     one 2-row micro-batch each, a tiny clip range; `compiled` pretends engine.compile compiled it."""
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
-    return FlowGRPOTrainer(
+    return build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=2",
@@ -164,7 +165,7 @@ def _two_step_recompute_trainer(make_cfg, monkeypatch, compiled: bool, kl_beta: 
     ],
 )
 def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
-    make_cfg, take_rollout, monkeypatch, kl_beta, scoring
+    build_trainer, make_cfg, take_rollout, monkeypatch, kl_beta, scoring
 ):
     """A compiled model's grad graph may round differently from its no-grad graph: the recompute
     of the later optimizer steps' denominators runs in the graph the update's values come from,
@@ -173,7 +174,7 @@ def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import Scoring
 
-    trainer = _two_step_recompute_trainer(make_cfg, monkeypatch, True, kl_beta)
+    trainer = _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, True, kl_beta)
     assert trainer.updater.values_from_no_grad
     if scoring is not None:
         trainer.updater.scoring = Scoring(*scoring)
@@ -191,7 +192,7 @@ def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
 
 @pytest.mark.parametrize("compiled, kl_beta", [(False, 0.0), (True, 0.0), (True, 0.1)])
 def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
-    make_cfg, take_rollout, monkeypatch, compiled, kl_beta
+    build_trainer, make_cfg, take_rollout, monkeypatch, compiled, kl_beta
 ):
     """old_log_prob=recompute over two optimizer steps: the first step's rows take their
     denominators from its own passes (its ratios exactly 1, nothing clipped, even with a tiny clip
@@ -201,7 +202,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import Scoring
 
-    trainer = _two_step_recompute_trainer(make_cfg, monkeypatch, compiled, kl_beta, "trainer.lr=0.05")
+    trainer = _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, compiled, kl_beta, "trainer.lr=0.05")
     expected = {
         (False, 0.0): Scoring("grad_pass"),
         (True, 0.0): Scoring("grad_pass", recompute_with_grad=True),
@@ -234,11 +235,11 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     assert metrics["actor/grad_norm"] > 0.0 and metrics["actor/logprob_gap_max"] < 1e-5
 
 
-def test_later_epochs_compare_with_the_first_steps_own_values(make_cfg, take_rollout):
+def test_later_epochs_compare_with_the_first_steps_own_values(build_trainer, make_cfg, take_rollout):
     """With two update epochs the rows of epoch 0's first optimizer step keep the denominators
     that step scored: unchanged weights and one row per forward (the same batch composition in
     both epochs) give ratios of exactly 1 in every step."""
-    trainer = FlowGRPOTrainer(
+    trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=2",
@@ -257,13 +258,13 @@ def test_later_epochs_compare_with_the_first_steps_own_values(make_cfg, take_rol
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_lora_dropout_keeps_the_grad_pass_values(make_cfg, monkeypatch, dropout):
+def test_lora_dropout_keeps_the_grad_pass_values(build_trainer, make_cfg, monkeypatch, dropout):
     """With LoRA dropout the train-mode forward is random: a value pass would draw one dropout mask
     and the grad pass another, so a compiled trainer then keeps the grad pass's own values (and
     the recompute's values are not reused for it either)."""
     monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
-    trainer = FlowGRPOTrainer(
+    trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=1",

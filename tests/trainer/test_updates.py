@@ -4,7 +4,6 @@
 import torch
 
 from flowrl.trainer.policy import score_transitions
-from flowrl.trainer.trainer import FlowGRPOTrainer
 
 CLIP = 1e-4
 
@@ -45,8 +44,10 @@ def _capture_optimizer_steps(trainer, monkeypatch, on_step):
     monkeypatch.setattr(updater, "_optimizer_step", wrapped)
 
 
-def test_two_updates_per_batch_clip_in_the_second_and_optimize_its_mini_batch_mean(make_cfg, take_rollout, monkeypatch):
-    trainer = FlowGRPOTrainer(
+def test_two_updates_per_batch_clip_in_the_second_and_optimize_its_mini_batch_mean(
+    build_trainer, make_cfg, take_rollout, monkeypatch
+):
+    trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=4",
@@ -84,8 +85,10 @@ def test_two_updates_per_batch_clip_in_the_second_and_optimize_its_mini_batch_me
         assert record.clipfrac == direct[index][1]
 
 
-def test_uneven_micro_batches_give_the_single_pass_mean_over_valid_pairs(make_cfg, take_rollout, monkeypatch):
-    trainer = FlowGRPOTrainer(
+def test_uneven_micro_batches_give_the_single_pass_mean_over_valid_pairs(
+    build_trainer, make_cfg, take_rollout, monkeypatch
+):
+    trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=3",
