@@ -26,7 +26,8 @@
 #   z-image-vs-pipeline  Z-Image's rollout (as z-image), the pipeline at batch 16 and the compiled
 #             engine only (the measured row of docs/performance.md)                       ~3 min
 #   sd35-large-logprob  SD3.5-large's bf16 log-prob gap and LoRA training step at its recipe's
-#             settings (CFG 4.5, LoRA r32, bf16 autocast, compiled, gradient checkpointing) ~6-8 min
+#             settings (CFG 4.5, LoRA r32, bf16 autocast, compiled, gradient checkpointing,
+#             recompute, KL 0.04)                                                            ~6-8 min
 #   qwen-cfg  Qwen-Image rollout with true CFG 4.0 (batched modes), then the Qwen-Image
 #             log-prob gap (micro-batches 1, 4, 8) and a LoRA training step                  ~5-7 min
 #   qwen-compiled      the qwen rollout, compiled engine modes only, 3 repeats, a profile   ~5 min
@@ -46,7 +47,8 @@
 #                      2, 4 (the recipe's) and 8, each profiled: what a sample costs and how busy
 #                      the GPU is at each size (host-bound work: run it with GPUS=1)            ~5 min
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
-#                      (bf16 autocast, CFG 4.5, gradient checkpointing), micro-batch 8 (16 rows),
+#                      (bf16 autocast, CFG 4.5, gradient checkpointing, recompute, KL 0.04: the value
+#                      pass and the reference's forward), micro-batch 8 (16 rows),
 #                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
 #   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
@@ -245,7 +247,7 @@ suite() {
     sd35-large-logprob)
       run sd35-large-logprob 520 "$log" logprob --model sd35-large -n 16 --steps 10 --size 512 --guidance-scale 4.5 \
         --lora-rank 32 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 --train-micro-batch 4 \
-        --old-log-prob recompute ;;
+        --old-log-prob recompute --kl-beta 0.04 ;;
     qwen-cfg)
       run qwen-cfg-rollout 420 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --guidance-scale 4.0 \
         --modes pipeline-batched,engine-batched,engine-batched-compiled --repeats 1
@@ -281,7 +283,8 @@ suite() {
       local compiled="--compile --profile"; [[ $s == *-eager ]] && compiled=""
       # shellcheck disable=SC2086  # $compiled is a list of flags
       run $s 520 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
-        --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 $compiled ;;
+        --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 --old-log-prob recompute \
+        --kl-beta 0.04 $compiled ;;
     train-step)
       suite "$log" train-step-qwen
       suite "$log" train-step-sd35-eager ;;

@@ -173,6 +173,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "kernels, and the share of the step's wall time the GPU was busy",
     )
     logprob.add_argument(
+        "--kl-beta",
+        type=float,
+        default=0.0,
+        help="the KL term's weight (as algorithm.kl_beta; the SD3.5 recipes use 0.04): > 0 adds the "
+        "LoRA-disabled reference's forward to the timed step and, compiled, keeps the trainer's values "
+        "in the no-grad pass; needs --lora-rank > 0",
+    )
+    logprob.add_argument(
         "--old-log-prob",
         default="rollout",
         choices=["rollout", "recompute"],

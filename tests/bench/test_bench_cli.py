@@ -206,6 +206,9 @@ def test_bench_logprob_bad_micro_batches():
         main(["bench", "logprob", "--model", "tiny-sd3", "--train-micro-batches", "1,0"])
     with pytest.raises(ValueError, match="--train-micro-batches='2,8'.*raise -n \\(now 4\\)"):
         main(["bench", "logprob", "--model", "tiny-sd3", "-n", "4", "--train-micro-batches", "2,8"])
+    for bad in (["--kl-beta", "-0.1"], ["--kl-beta", "0.04", "--lora-rank", "0"]):
+        with pytest.raises(ValueError, match="--kl-beta=.*--lora-rank > 0"):
+            main(["bench", "logprob", "--model", "tiny-sd3", *bad])
 
 
 def test_bench_logprob_flop_count_out_of_memory_falls_back_to_one_sample(tmp_path, monkeypatch, capsys):
@@ -498,10 +501,11 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
     """Compiled, --old-log-prob recompute: the timed step takes its values from its grad pass, as
     the trainer does when it recomputes the denominator (in the grad graph), instead of running a
     no-grad forward for them, so it executes fewer FLOPs than the rollout-denominator step, which
-    runs the value pass; the reported gap is then the grad pass's."""
+    runs the value pass; the reported gap is then the grad pass's. A KL term (--kl-beta) keeps the
+    values in the no-grad pass, as the trainer does, and adds the reference's forward."""
 
-    def bench(mode):
-        out = tmp_path / f"{mode}.json"
+    def bench(mode, *extra):
+        out = tmp_path / f"{mode}{len(extra)}.json"
         assert (
             main(
                 [
@@ -528,6 +532,7 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
                     "aot_eager",
                     "--old-log-prob",
                     mode,
+                    *extra,
                     "--json",
                     str(out),
                 ]
@@ -537,6 +542,9 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
         return json.loads(out.read_text())
 
     rollout, recompute = bench("rollout"), bench("recompute")
+    kl = bench("recompute", "--kl-beta", "0.04")
+    assert kl["settings"]["kl_beta"] == 0.04 and kl["gaps"][0]["trainer_values_from"] == "no_grad pass"
+    assert kl["training_steps"][0]["flops_forward_backward"] > recompute["training_steps"][0]["flops_forward_backward"]
     assert recompute["settings"]["old_log_prob"] == "recompute"
     assert [r["gaps"][0]["trainer_values_from"] for r in (rollout, recompute)] == ["no_grad pass", "grad pass"]
     flops = [r["training_steps"][0]["flops_forward_backward"] for r in (rollout, recompute)]
