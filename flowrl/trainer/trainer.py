@@ -149,7 +149,6 @@ class FlowGRPOTrainer:
         # Validation samples in this process, with the trainer's weights (or their EMA).
         decoupled = self.rollout_backend.is_decoupled
         self.val_agent_loop = AgentLoop(self.engine, cfg.rollout) if decoupled else self.agent_loop
-        self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
@@ -164,6 +163,8 @@ class FlowGRPOTrainer:
             self.logger = MetricsLogger(
                 self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
             )
+        # Last: its worker threads run until close(), so a failure above leaves none behind.
+        self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
 
     def _print(self, line: str) -> None:
         if self.world.is_main:

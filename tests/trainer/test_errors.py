@@ -48,3 +48,23 @@ def test_cli_reports_bad_input_with_exit_code_2(tiny_sd3_path, tmp_path, capsys,
     code = main(["train", f"model.path={tmp_path / 'nowhere'}", f"trainer.output_dir={tmp_path / 'out'}"])
     assert code == 2
     assert "model.path" in capsys.readouterr().err
+
+
+def test_a_trainer_that_fails_to_build_leaves_no_reward_workers(make_cfg, monkeypatch):
+    """The reward scorer's threads start last in FlowGRPOTrainer.__init__, so a failure before it
+    (here: the metrics logger) leaves no worker behind that nothing could close."""
+    import threading
+
+    import flowrl.trainer.trainer as trainer_module
+
+    def broken_logger(*args, **kwargs):
+        raise OSError("metrics folder not writable")
+
+    def reward_workers():
+        return {t for t in threading.enumerate() if t.name.startswith("reward-worker-")}
+
+    before = reward_workers()
+    monkeypatch.setattr(trainer_module, "MetricsLogger", broken_logger)
+    with pytest.raises(OSError, match="not writable"):
+        FlowGRPOTrainer(make_cfg())
+    assert reward_workers() == before
