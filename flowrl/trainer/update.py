@@ -246,7 +246,7 @@ class PolicyUpdater:
                     self._backward(out.loss)
                     if is_padding:
                         continue  # it ran only so that every rank runs as many forwards and backwards
-                    if rollout_log_probs is not None and index == 0:
+                    if rollout_log_probs is not None and index == 0 and not first_step_scores_old:
                         gaps.append((result.log_prob.detach().cpu() - rollout_log_probs[rows, k]).abs())
                     _accumulate(sums, out)
                     loss_sum += float(out.loss.detach())
@@ -258,8 +258,10 @@ class PolicyUpdater:
             self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs))
             self.parallel.reduce_gradients(self.params)
             self.records[-1].grad_norm = self._optimizer_step()
-            for rows, k, values in first_step_values:
+            for rows, k, values in first_step_values:  # one copy each, after the step's kernels
                 old[rows, k] = values.cpu()  # the later epochs' denominators of these rows
+                if rollout_log_probs is not None:
+                    gaps.append((old[rows, k] - rollout_log_probs[rows, k]).abs())
             first_step_values.clear()
         transformer.eval()
 
