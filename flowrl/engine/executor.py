@@ -22,7 +22,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import DiffusionOutput, TransitionSpec
 from flowrl.engine.sample import SampleState
-from flowrl.models.base import FlowModelAdapter, rows_to_device
+from flowrl.models.base import FlowModelAdapter, host_to_device, rows_to_device
 
 
 class Executor:
@@ -41,10 +41,7 @@ class Executor:
     def _host_to_device(self, rows: list[list[float]]) -> torch.Tensor:
         """Per-row scalars (one list per quantity) as ONE (len(rows), B) float32 device tensor:
         a single pinned, non-blocking copy per step, so the host never waits for the device."""
-        t = torch.tensor(rows, dtype=torch.float32)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return host_to_device(torch.tensor(rows, dtype=torch.float32), self.device)
 
     def prepare(self, sample: SampleState) -> None:
         """Admission: the sample's generator, schedule and starting noise."""

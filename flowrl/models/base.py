@@ -78,16 +78,21 @@ def pad_encodings(encodings: list[PromptEncoding]) -> tuple[torch.Tensor, torch.
     return embeds, mask, pooled
 
 
-def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
-    """A (len(rows),) int64 index tensor on `device` without a host sync.
+def host_to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (as `dtype`, when given) without a host sync.
 
-    `torch.tensor(list, device="cuda")` copies from pageable memory and waits for the stream (a
-    full host sync inside the step loop); a pinned staging tensor with a non-blocking copy does not.
-    """
-    host = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    A copy from pageable host memory (`t.to("cuda")`, `torch.tensor(list, device="cuda")`) waits
+    for the stream, a full host sync inside a loop of forwards; a host tensor staged in pinned
+    memory and copied without blocking does not (the pinned block is reused only after its copy)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, dtype)
+
+
+def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """A (len(rows),) int64 index tensor on `device` without a host sync (host_to_device)."""
+    return host_to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def with_cfg_rows(per_row: torch.Tensor, cfg_rows: list[int]) -> torch.Tensor:

@@ -20,19 +20,24 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.models.base import host_to_device
+
 
 @dataclass
 class PolicyLossOutput:
     """loss: scalar tensor with grad (policy loss + kl_beta * kl, both divided by the normalizer
-    when one is given); the rest are detached floats, means over this call's counted rows."""
+    when one is given). The metrics are detached 0-d tensors on the loss's device, means over this
+    call's counted rows (with none: the on-policy values, ratio 1 and the rest 0): reading them
+    waits for the device, so a loop of forwards reads them once, after the loop. num_rows: the
+    counted rows, a host int (from host weights: no device read)."""
 
     loss: torch.Tensor
-    policy_loss: float
-    clipfrac: float
-    ratio_mean: float
-    ratio_max: float
-    approx_kl: float
-    kl: float
+    policy_loss: torch.Tensor
+    clipfrac: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_max: torch.Tensor
+    approx_kl: torch.Tensor
+    kl: torch.Tensor
     num_rows: int
 
 
@@ -54,14 +59,18 @@ def clipped_policy_loss(
 
     kl: per-row KL to the reference (None when kl_beta is 0). weights: 1 for rows that count,
     0 for excluded rows (None: all count). normalizer: what the loss's weighted sums divide by
-    (module docstring); None: this call's own weight, a plain weighted mean.
+    (module docstring); None: this call's own weight, a plain weighted mean. Nothing here waits
+    for the device when `weights` is a host tensor (or None): host inputs are copied to the
+    log-prob's device without blocking.
     """
     if not clip_range > 0:
         raise ValueError(f"algorithm.clip_range={clip_range} must be > 0 (e.g. 1e-4)")
+    device = log_prob.device
+    num_rows = int(log_prob.shape[0]) if weights is None else int((weights > 0).sum())
     log_prob = log_prob.float()
-    old_log_prob = old_log_prob.float().to(log_prob.device).detach()
-    advantages = advantages.float().to(log_prob.device)
-    weights = torch.ones_like(log_prob) if weights is None else weights.float().to(log_prob.device)
+    old_log_prob = host_to_device(old_log_prob.detach(), device, torch.float32)
+    advantages = host_to_device(advantages, device, torch.float32)
+    weights = torch.ones_like(log_prob) if weights is None else host_to_device(weights, device, torch.float32)
 
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = -advantages * ratio
@@ -70,20 +79,23 @@ def clipped_policy_loss(
     objective = surrogate if kl is None else surrogate + kl_beta * kl.float()
     scale = weights.sum().clamp_min(1.0) if normalizer is None else max(float(normalizer), 1e-12)
     loss = (objective * weights).sum() / scale
-    policy_loss = _weighted_mean(surrogate, weights)
-    kl_value = 0.0 if kl is None else float(_weighted_mean(kl.float(), weights).detach())
 
     with torch.no_grad():
-        counted = weights > 0
-        ratio_counted = ratio[counted] if counted.any() else ratio.new_ones(1)
-        delta = (log_prob - old_log_prob)[counted] if counted.any() else ratio.new_zeros(1)
+        counted = (weights > 0).float()
+        share = counted / max(num_rows, 1)  # a mean over the counted rows (0 with none)
+        delta = log_prob - old_log_prob
+        if num_rows:
+            ratio_mean = (ratio * share).sum()
+            ratio_max = torch.where(counted > 0, ratio, torch.full_like(ratio, -torch.inf)).max()
+        else:
+            ratio_mean = ratio_max = torch.ones((), device=device)
         return PolicyLossOutput(
             loss=loss,
-            policy_loss=float(policy_loss.detach()),
-            clipfrac=float(((ratio_counted - 1.0).abs() > clip_range).float().mean()),
-            ratio_mean=float(ratio_counted.mean()),
-            ratio_max=float(ratio_counted.max()),
-            approx_kl=float(0.5 * (delta**2).mean()),
-            kl=kl_value,
-            num_rows=int(counted.sum()),
+            policy_loss=_weighted_mean(surrogate, weights).detach(),
+            clipfrac=(((ratio - 1.0).abs() > clip_range).float() * share).sum(),
+            ratio_mean=ratio_mean,
+            ratio_max=ratio_max,
+            approx_kl=0.5 * (delta**2 * share).sum(),
+            kl=torch.zeros((), device=device) if kl is None else _weighted_mean(kl.float(), weights).detach(),
+            num_rows=num_rows,
         )

@@ -39,7 +39,7 @@ import torch
 from flowrl import sampler
 from flowrl.config.sections import MixedPrecision
 from flowrl.engine.output import TransitionSpec
-from flowrl.models.base import FlowModelAdapter, PromptEncoding
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
 
 # trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
 # of the rollout engine's: DiffusionEngine.set_mixed_precision).
@@ -53,18 +53,17 @@ MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
 def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
     """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
     its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
-    engine padded its forward. Each stacked tensor goes to the device in one copy and the rows
-    are views of it: a copy per row and tensor would block the host once per row, tensor and
-    scored step."""
+    engine padded its forward. Each stacked tensor goes to the device in one copy that does not
+    wait for the device (host_to_device), and the rows are views of it."""
     mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
     width = mask.shape[1]
     # Lengths from the host mask (no device read-back); an all-False row keeps the full width.
     last_true = width - 1 - mask.flip(1).int().argmax(dim=1)
     lengths = torch.where(mask.any(dim=1), last_true + 1, torch.full_like(last_true, width)).tolist()
-    embeds = tensors[f"{prefix}prompt_embeds"].to(device)
-    mask = mask.to(device)
+    embeds = host_to_device(tensors[f"{prefix}prompt_embeds"], device)
+    mask = host_to_device(mask, device)
     pooled = tensors.get(f"{prefix}pooled_prompt_embeds")
-    pooled = None if pooled is None else pooled.to(device)
+    pooled = None if pooled is None else host_to_device(pooled, device)
     return [
         PromptEncoding(embeds[row, :length], mask[row, :length], None if pooled is None else pooled[row])
         for row, length in enumerate(lengths)
@@ -74,10 +73,10 @@ def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[Pr
 def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, device):
     """(latents, next_latents, sigma, sigma_next) of window step step_index[row] for each row."""
     rows = torch.arange(step_index.shape[0])
-    latents = tensors["all_latents"][rows, step_index].to(device, torch.float32)
-    next_latents = tensors["all_latents"][rows, step_index + 1].to(device, torch.float32)
-    sigma = tensors["sigmas"][rows, step_index].to(device, torch.float32)
-    sigma_next = tensors["next_sigmas"][rows, step_index].to(device, torch.float32)
+    latents = host_to_device(tensors["all_latents"][rows, step_index], device, torch.float32)
+    next_latents = host_to_device(tensors["all_latents"][rows, step_index + 1], device, torch.float32)
+    sigma = host_to_device(tensors["sigmas"][rows, step_index], device, torch.float32)
+    sigma_next = host_to_device(tensors["next_sigmas"][rows, step_index], device, torch.float32)
     return latents, next_latents, sigma, sigma_next
 
 
@@ -140,15 +139,18 @@ def _step_inputs(
         uncond = [neg if adapter.rows_per_sample(spec) > 1 else None for neg, spec in zip(negative, specs)]
     # sigma_1 of each row's own schedule (cached by the adapter), as the engine's step used it.
     first = [_sigma_first(adapter.sigmas(s.num_inference_steps, s.height, s.width)) for s in specs]
-    per_row = torch.tensor(
-        [
-            [adapter.cfg_scale(s) for s in specs],
-            [s.guidance_scale for s in specs],
-            [s.noise_level for s in specs],
-            first,
-        ],
-        dtype=torch.float32,
-    ).to(device)
+    per_row = host_to_device(
+        torch.tensor(
+            [
+                [adapter.cfg_scale(s) for s in specs],
+                [s.guidance_scale for s in specs],
+                [s.noise_level for s in specs],
+                first,
+            ],
+            dtype=torch.float32,
+        ),
+        device,
+    )
     cfg_scale, guidance, noise_level, sigma_first = per_row.unbind(0)
     height, width, sde_type = keys.pop()
     return _StepInputs(

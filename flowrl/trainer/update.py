@@ -209,7 +209,9 @@ class PolicyUpdater:
         first_step_scores_old = self.algorithm.old_log_prob == "recompute"
         first_step_values: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
-        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch
+        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch. The
+        # micro-batch loop never waits for the device: its metrics and gaps stay there until the
+        # optimizer step, which reads them once.
         sums = dict.fromkeys(_LOSS_METRICS, 0.0)
         count, ratio_max = 0, -math.inf
         self.records = []
@@ -218,7 +220,8 @@ class PolicyUpdater:
             rows_of_step = torch.cat(micro_batches) if micro_batches else torch.zeros(0, dtype=torch.long)
             # Every valid (row, step) pair of this optimizer step, on every rank, weighs 1 / normalizer.
             normalizer = plan.step_weights[index] * num_train
-            loss_sum, clipped_sum = 0.0, 0.0
+            outputs: list[PolicyLossOutput] = []
+            rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
             for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
                 row_specs = [specs[i] for i in rows.tolist()]
                 for k in range(num_train):
@@ -247,19 +250,23 @@ class PolicyUpdater:
                     if is_padding:
                         continue  # it ran only so that every rank runs as many forwards and backwards
                     if rollout_log_probs is not None and index == 0 and not first_step_scores_old:
-                        gaps.append((result.log_prob.detach().cpu() - rollout_log_probs[rows, k]).abs())
-                    _accumulate(sums, out)
-                    loss_sum += float(out.loss.detach())
-                    clipped_sum += out.clipfrac * out.num_rows
-                    ratio_max = max(ratio_max, out.ratio_max)
-                    count += out.num_rows
+                        rollout_gaps.append((rows, k, result.log_prob.detach()))
+                    outputs.append(out)
+            self.parallel.reduce_gradients(self.params)
+            grad_norm = self._optimizer_step()
+            # The step's reads from the device, after its kernels are queued.
+            step_sums, loss_sum, clipped_sum, step_ratio_max = _read_outputs(outputs)
+            for name in _LOSS_METRICS:
+                sums[name] += step_sums[name]
+            count += sum(out.num_rows for out in outputs)
+            ratio_max = max(ratio_max, step_ratio_max)
             pairs = normalizer if normalizer > 0 else 1.0
             # The loss and clipped share of this rank's pairs (each a share of the step's mean).
-            self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs))
-            self.parallel.reduce_gradients(self.params)
-            self.records[-1].grad_norm = self._optimizer_step()
-            for rows, k, values in first_step_values:  # one copy each, after the step's kernels
-                old[rows, k] = values.cpu()  # the later epochs' denominators of these rows
+            self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs, grad_norm))
+            for rows, k, values in _to_host(rollout_gaps):
+                gaps.append((values - rollout_log_probs[rows, k]).abs())
+            for rows, k, values in _to_host(first_step_values):
+                old[rows, k] = values  # the later epochs' denominators of these rows
                 if rollout_log_probs is not None:
                     gaps.append((old[rows, k] - rollout_log_probs[rows, k]).abs())
             first_step_values.clear()
@@ -384,6 +391,7 @@ class PolicyUpdater:
         train_steps = plan.train_steps
         old = torch.zeros(train_steps.shape)
         recomputed = torch.zeros(train_steps.shape[0], dtype=torch.bool)
+        scored: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         if self.scoring.recompute_with_grad:
             self.adapter.transformer.train()  # the graph of the grad passes, mode included
         try:
@@ -392,10 +400,12 @@ class PolicyUpdater:
                 for k in range(train_steps.shape[1]):
                     log_prob = self._score_denominator(tensors, row_specs, rows, train_steps[rows, k])
                     if not is_padding:
-                        old[rows, k] = log_prob.cpu()
+                        scored.append((rows, k, log_prob))
                 recomputed[rows] |= not is_padding
         finally:
             self.adapter.transformer.eval()
+        for rows, k, values in _to_host(scored):  # read after every recompute forward is queued
+            old[rows, k] = values
         gaps = []
         if rollout_log_probs is not None and recomputed.any():
             gaps = [(old[recomputed] - rollout_log_probs[recomputed]).abs().flatten()]
@@ -462,7 +472,32 @@ def _probe_rows(tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec
     return torch.tensor([row for row in order if specs[row].group_key == key][:count])
 
 
-def _accumulate(sums: dict[str, float], out: PolicyLossOutput) -> None:
-    """Add a micro-batch's metrics, each weighted by the rows it counted."""
-    for name in _LOSS_METRICS:
-        sums[name] += getattr(out, name) * out.num_rows
+def _to_host(parts: list[tuple[torch.Tensor, int, torch.Tensor]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(rows, k, values) triples with their device values (float32) on the host, read in one copy."""
+    if not parts:
+        return []
+    values = torch.cat([v.detach().float() for _, _, v in parts]).cpu()
+    return [(rows, k, v) for (rows, k, _), v in zip(parts, values.split([len(v) for _, _, v in parts]))]
+
+
+def _read_outputs(outputs: list[PolicyLossOutput]) -> tuple[dict[str, float], float, float, float]:
+    """One optimizer step's micro-batch metrics, read from the device in one copy: the sums of
+    each metric weighted by the rows it counted, the sum of the losses, the sum of the clipped
+    shares weighted likewise, and the largest ratio (-inf with no micro-batch)."""
+    if not outputs:
+        return dict.fromkeys(_LOSS_METRICS, 0.0), 0.0, 0.0, -math.inf
+    table = torch.stack(
+        [
+            torch.stack(
+                [
+                    *(getattr(out, name).float() * out.num_rows for name in _LOSS_METRICS),
+                    out.loss.detach().float(),
+                    out.ratio_max.float(),
+                ]
+            )
+            for out in outputs
+        ]
+    ).cpu()
+    totals = table.sum(dim=0).tolist()
+    sums = dict(zip(_LOSS_METRICS, totals))
+    return sums, totals[len(_LOSS_METRICS)], sums["clipfrac"], float(table[:, -1].max())

@@ -138,3 +138,59 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
             print(choice.describe())
     for name, value in weights["auto"].items():
         torch.testing.assert_close(value, weights["false"][name], msg=name)
+
+
+@pytest.mark.parametrize(
+    "kind, compiled, old_log_prob, kl_beta",
+    [
+        ("sd3", False, "rollout", 0.0),
+        ("sd3", True, "recompute", 0.04),  # value pass and the reference's forward
+        ("qwen_image", True, "recompute", 0.0),  # the recompute with grad, no value pass
+    ],
+)
+def test_the_update_waits_for_the_device_once_per_optimizer_step(
+    build_trainer, make_cfg, take_rollout, tmp_path_factory, kind, compiled, old_log_prob, kl_beta
+):
+    """cuda sync debug mode 'warn' warns at every host sync (a read of a device value, a copy from
+    pageable memory): an update's count of them is the same with 1-row micro-batches as with
+    4-row ones, which run a quarter of the forwards, so none of them is inside the micro-batch
+    loop (the optimizer steps and the recompute's end read the device)."""
+    import warnings
+
+    from flowrl.models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
+    cfg = make_cfg(
+        f"model.path={path}",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        f"engine.compile={str(compiled).lower()}",
+        "trainer.gradient_checkpointing=false",
+        "trainer.lora.enabled=true",
+        "rollout.n=4",
+        "trainer.prompts_per_step=2",
+        "trainer.updates_per_step=2",
+        f"algorithm.old_log_prob={old_log_prob}",
+        f"algorithm.kl_beta={kl_beta}",
+        "rollout.sampling.guidance_scale=2.0",
+        output=f"gpu-syncs-{kind}-{old_log_prob}",
+    )
+    trainer = build_trainer(cfg)
+    tensors, specs = take_rollout(trainer)
+    num_rows = len(specs)
+    advantages = torch.linspace(-1.0, 1.0, num_rows)
+    syncs = {}
+    for micro_batch_size in (4, 1, 4):  # the first 4 compiles
+        trainer.updater.trainer.micro_batch_size = micro_batch_size
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.updater.update(tensors, specs, advantages, torch.ones(num_rows), step=1)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[micro_batch_size] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(kind, compiled, old_log_prob, kl_beta, {k: len(v) for k, v in syncs.items()})
+    assert len(syncs[1]) == len(syncs[4]), syncs[1]
