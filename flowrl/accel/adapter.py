@@ -26,7 +26,8 @@ from flowrl.console import allow_tracing_cached_checks
 @dataclass(frozen=True)
 class FamilyFastPath:
     """block_lists: the transformer's ModuleLists of blocks, each block compiled in place.
-    extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks.
+    extra_regions: dotted paths (on the adapter) of modules compiled besides the blocks, without
+    kernel tuning (compile_in_place's tune_kernels).
     install(adapter, options): the family's own fast path, installed before compiling.
     no_grad_inductor_options: inductor settings of its no-grad (rollout) graphs, on top of
     regional_compile.INDUCTOR_OPTIONS: a setting that pays on one model's rollout kernels need not
@@ -89,8 +90,11 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
         family.install(adapter, options)
     fuse_gelu_epilogues(adapter.transformer, options)
     fold_lora_projections(adapter.transformer, options)
-    for _, module in regions:
-        compile_in_place(module, backend, rounding, family.no_grad_inductor_options)
+    for name, module in regions:
+        # Extra regions (the VAE decoder) run once per sample, not once per denoising step: their
+        # kernels are not worth timing launch configurations for at compile time.
+        block = not any(name == path for path in family.extra_regions)
+        compile_in_place(module, backend, rounding, family.no_grad_inductor_options, tune_kernels=block)
     # Gradient checkpointing enabled before this call (as the trainer does) takes its checkpoints
     # inside the compiled blocks; enabled later, diffusers' own wraps them.
     take_checkpoints_inside(adapter.transformer)

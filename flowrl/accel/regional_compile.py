@@ -65,7 +65,11 @@ def _first_row(value):
 
 
 def compile_in_place(
-    module: torch.nn.Module, backend: str = "inductor", rounding: str = "eager", no_grad_options: dict | None = None
+    module: torch.nn.Module,
+    backend: str = "inductor",
+    rounding: str = "eager",
+    no_grad_options: dict | None = None,
+    tune_kernels: bool = True,
 ) -> bool:
     """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
     Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
@@ -83,6 +87,9 @@ def compile_in_place(
     (the rollout, old-log-prob recompute): those calls run a second compiled function with
     them, calls with grad the plain one (a family's settings, e.g. flowrl.accel.qwen_image).
     A module compiled already with other settings is an error, not silently kept.
+    tune_kernels: False compiles without INDUCTOR_OPTIONS' coordinate-descent tuning, which times
+    candidate launch configurations of every generated kernel (for a module of many distinct
+    large kernels, such as a VAE decoder, that is most of its compile time).
 
     Gradient checkpointing: `module._flowrl_checkpointed_call(*args)` runs a grad call with the
     checkpoint inside a third compiled function (see `checkpoint_inside`).
@@ -98,7 +105,11 @@ def compile_in_place(
             )
         return False
     options = (
-        {**INDUCTOR_OPTIONS, "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding]}
+        {
+            **INDUCTOR_OPTIONS,
+            "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding],
+            **({} if tune_kernels else {"coordinate_descent_tuning": False}),
+        }
         if backend == "inductor"
         else None
     )

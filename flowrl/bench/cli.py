@@ -177,8 +177,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="the KL term's weight (as algorithm.kl_beta; the SD3.5 recipes use 0.04): > 0 adds the "
-        "LoRA-disabled reference's forward to the timed step and, compiled, keeps the trainer's values "
-        "in the no-grad pass; needs --lora-rank > 0",
+        "LoRA-disabled reference's forward and the KL loss to the timed step; needs --lora-rank > 0",
     )
     logprob.add_argument(
         "--old-log-prob",

@@ -74,18 +74,15 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _scoring(adapter, old_log_prob_mode: str, kl_beta: float) -> Scoring:
-    """How the trainer scores this model at algorithm.old_log_prob=`old_log_prob_mode` and
-    algorithm.kl_beta=`kl_beta`."""
-    return Scoring.choose(takes_values_from_no_grad(adapter), old_log_prob_mode, kl_beta)
+def _scoring(adapter, old_log_prob_mode: str) -> Scoring:
+    """How the trainer scores this model at algorithm.old_log_prob=`old_log_prob_mode`."""
+    return Scoring.choose(takes_values_from_no_grad(adapter), old_log_prob_mode)
 
 
-def measure_gap(
-    adapter, tensors, spec, micro_batch: int, autocast_dtype, old_log_prob_mode: str = "rollout", kl_beta: float = 0.0
-) -> dict:
+def measure_gap(adapter, tensors, spec, micro_batch: int, autocast_dtype, old_log_prob_mode: str = "rollout") -> dict:
     """|trainer log-prob - rollout log-prob| per window step, from a no-grad and a grad pass over
     each micro-batch. The top-level figures are those of the pass whose values the trainer uses at
-    `old_log_prob_mode` and `kl_beta` (flowrl.trainer.update.Scoring); both passes are reported."""
+    `old_log_prob_mode` (flowrl.trainer.update.Scoring); both passes are reported."""
     from flowrl.trainer.policy import score_transitions
 
     num_samples, window = tensors["all_log_probs"].shape
@@ -102,7 +99,7 @@ def measure_gap(
                 with torch.set_grad_enabled(grad):
                     log_prob = score_transitions(adapter, mb, step_index, spec, autocast_dtype).log_prob.detach()
                 diffs[mode][rows, step] = (log_prob.double().cpu() - rollout).abs()
-    values_from = "no_grad" if _scoring(adapter, old_log_prob_mode, kl_beta).values == "value_pass" else "grad"
+    values_from = "no_grad" if _scoring(adapter, old_log_prob_mode).values == "value_pass" else "grad"
     trainer = diffs[values_from]
     return {
         "micro_batch": micro_batch,
@@ -136,10 +133,10 @@ def time_training_step(
 ) -> dict:
     """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA),
     scored as the trainer scores a later optimizer step at algorithm.old_log_prob=
-    `old_log_prob_mode` and algorithm.kl_beta=`kl_beta` (flowrl.trainer.update.Scoring: with or
-    without its value pass, against a denominator recomputed in the graph of its values or the
-    rollout's; with a KL term, plus the LoRA-disabled reference's no-grad forward and the KL
-    loss, as flowrl.trainer.update adds them); with `profile`, also one
+    `old_log_prob_mode` (flowrl.trainer.update.Scoring: with or without its value pass, against a
+    denominator recomputed in the graph of its values or the rollout's); with algorithm.kl_beta=
+    `kl_beta` > 0, plus the LoRA-disabled reference's no-grad forward and the KL loss, as
+    flowrl.trainer.update adds them; with `profile`, also one
     profiled step (see the module docstring). `on_timed(result)` gets the
     timings as soon as they are measured, before the FLOP count, so a count that fails (it runs the
     step eagerly under a dispatch mode) cannot take the timings with it."""
@@ -151,7 +148,7 @@ def time_training_step(
     # AdamW for LoRA-sized training; full fine-tuning of a big model would need its optimizer
     # states (several times the weights) just to time a step.
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
-    scoring = _scoring(adapter, old_log_prob_mode, kl_beta)
+    scoring = _scoring(adapter, old_log_prob_mode)
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
 
     def make_forward_backward(rows: torch.Tensor):
@@ -323,7 +320,7 @@ def run_logprob(args) -> int:
     # 2. Gap per micro-batch size.
     for size in sizes:
         try:
-            gap = measure_gap(adapter, tensors, spec, size, autocast_dtype, args.old_log_prob, args.kl_beta)
+            gap = measure_gap(adapter, tensors, spec, size, autocast_dtype, args.old_log_prob)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other sizes
             if not _is_oom(exc):
                 traceback.print_exc()

@@ -231,6 +231,13 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
             f"{_checkpointing(flowrl.get('steps', []))}"
         )
+    warmup = flowrl.get("warmup")
+    if warmup:
+        lines.append(
+            f"- flowrl's first step (it compiles, as a run's first step does): {warmup['step_seconds']:.1f} s ("
+            + ", ".join(f"{phase} {s:.1f}" for phase, s in warmup["seconds"].items())
+            + ")"
+        )
     if peer.get("phases"):
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "

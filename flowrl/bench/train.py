@@ -126,6 +126,7 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         "flops": phase_flops(units, cfg, rows, validated),
         "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
         "logprob_gap_max": metrics.get("actor/logprob_gap_max"),
+        "kl": metrics.get("actor/kl"),  # the KL term's mean (0 without one)
         # What trainer.gradient_checkpointing ran with ("auto": decided at the first update).
         "gradient_checkpointing": (
             bool(metrics["memory/gradient_checkpointing"]) if "memory/gradient_checkpointing" in metrics else None
@@ -262,10 +263,12 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             torch.cuda.empty_cache()  # the peer's optimizer states and cached blocks, back before flowrl's run
     trainer = FlowGRPOTrainer(cfg, engine=engine, reward=prepared.reward)
     try:
-        _flowrl_step(trainer, units, cfg)  # warm-up: compiles
+        warmup = _flowrl_step(trainer, units, cfg)  # compiles: what a run's first step costs
+        shown = ", ".join(f"{p} {s:.2f}" for p, s in warmup["seconds"].items())
+        print(f"[bench] flowrl warm-up step: {warmup['step_seconds']:.2f}s ({shown})", flush=True)
         reset_peak_memory(device)
         steps = []
-        report.data["flowrl"] = {"steps": steps}
+        report.data["flowrl"] = {"warmup": warmup, "steps": steps}
         for _ in range(args.steps):
             steps.append(_flowrl_step(trainer, units, cfg))
             report.save()  # a run cut short keeps the steps it timed

@@ -81,18 +81,19 @@ class Scoring:
     recompute_with_grad: bool = False
 
     @classmethod
-    def choose(cls, values_from_no_grad: bool, old_log_prob: OldLogProbSource, kl_beta: float) -> "Scoring":
+    def choose(cls, values_from_no_grad: bool, old_log_prob: OldLogProbSource) -> "Scoring":
         if not values_from_no_grad:
             # One graph (an eager model, or one with dropout): its own values; the recompute runs
             # the same computation without grad, keeping no activations.
             return cls("grad_pass")
-        if old_log_prob == "recompute" and not kl_beta > 0:
-            # Compiled, and nothing of the rollout's graph enters the loss: the ratio compares the
-            # grad graph with itself (the recompute runs it too, with grad, and drops the graph),
-            # so no value pass runs at all. The rollout-vs-trainer gap then measures the grad graph.
+        if old_log_prob == "recompute":
+            # Compiled, and the ratio compares the grad graph with itself (the recompute runs it
+            # too, with grad, and drops the graph), so no value pass runs at all. The rollout-vs-
+            # trainer gap then measures the grad graph. A KL term compares the step's mean with the
+            # reference's, a no-grad forward with the LoRA switched off: another graph whichever
+            # graph the step's mean comes from, so the value pass would not make the two agree.
             return cls("grad_pass", recompute_with_grad=True)
-        # The rollout's log-probs are the denominator, or the KL term compares the step's mean with
-        # the reference's from the no-grad graph: every value comes from that graph.
+        # The rollout's log-probs are the denominator: every value comes from the rollout's graph.
         return cls("value_pass")
 
 
@@ -173,7 +174,7 @@ class PolicyUpdater:
         self.records: list[UpdateRecord] = []  # the last update's optimizer steps
         # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
         self.values_from_no_grad = takes_values_from_no_grad(adapter)
-        self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob, algorithm_cfg.kl_beta)
+        self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob)
         # trainer.gradient_checkpointing: "auto" is measured at this process's first update.
         self.checkpointing: CheckpointingChoice | None = None
 

@@ -42,6 +42,24 @@ def test_regions_and_idempotence(sd3):
         compile_adapter(sd3, "aot_eager")
 
 
+def test_blocks_tune_their_kernels_and_the_decoder_does_not(sd3, monkeypatch):
+    """inductor's coordinate-descent tuning times every generated kernel at compile time: the
+    blocks (run every denoising step) get it, the VAE decoder (once per sample) does not."""
+    options_of = {}
+
+    def record(fn, backend=None, dynamic=None, options=None):
+        owner = getattr(fn, "__self__", None)
+        options_of.setdefault(id(owner), []).append(dict(options or {}))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    compile_adapter(sd3, "inductor")
+    decoder = options_of[id(sd3.vae.decoder)]
+    block = options_of[id(sd3.transformer.transformer_blocks[0])]
+    assert decoder and all(not o["coordinate_descent_tuning"] for o in decoder)
+    assert block and all(o["coordinate_descent_tuning"] for o in block)
+
+
 def test_flux_compiles_its_double_and_single_stream_blocks():
     adapter = build_bench_model("tiny-flux", "cpu", torch.float32).adapter
     transformer = adapter.transformer

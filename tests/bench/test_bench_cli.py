@@ -501,8 +501,8 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
     """Compiled, --old-log-prob recompute: the timed step takes its values from its grad pass, as
     the trainer does when it recomputes the denominator (in the grad graph), instead of running a
     no-grad forward for them, so it executes fewer FLOPs than the rollout-denominator step, which
-    runs the value pass; the reported gap is then the grad pass's. A KL term (--kl-beta) keeps the
-    values in the no-grad pass, as the trainer does, and adds the reference's forward."""
+    runs the value pass; the reported gap is then the grad pass's. A KL term (--kl-beta) scores
+    the same way, as the trainer does, and adds the reference's forward."""
 
     def bench(mode, *extra):
         out = tmp_path / f"{mode}{len(extra)}.json"
@@ -543,7 +543,7 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
 
     rollout, recompute = bench("rollout"), bench("recompute")
     kl = bench("recompute", "--kl-beta", "0.04")
-    assert kl["settings"]["kl_beta"] == 0.04 and kl["gaps"][0]["trainer_values_from"] == "no_grad pass"
+    assert kl["settings"]["kl_beta"] == 0.04 and kl["gaps"][0]["trainer_values_from"] == "grad pass"
     assert kl["training_steps"][0]["flops_forward_backward"] > recompute["training_steps"][0]["flops_forward_backward"]
     assert recompute["settings"]["old_log_prob"] == "recompute"
     assert [r["gaps"][0]["trainer_values_from"] for r in (rollout, recompute)] == ["no_grad pass", "grad pass"]

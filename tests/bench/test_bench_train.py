@@ -75,6 +75,9 @@ def test_sd35_recipe_step_with_the_peer_and_validation(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "RANDOM WEIGHTS" in printed.err
     assert "| update |" in printed.out and "the peer's training step takes" in printed.out
+    # The warm-up step (what a run's first step costs) is kept apart from the timed ones.
+    assert flowrl["warmup"]["step"] == 1 and [s["step"] for s in flowrl["steps"]] == [2, 3]
+    assert "flowrl's first step" in printed.out
 
 
 def test_qwen_recipe_step_without_the_peer(tmp_path, capsys):

@@ -194,3 +194,56 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
         syncs[micro_batch_size] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     print(kind, compiled, old_log_prob, kl_beta, {k: len(v) for k, v in syncs.items()})
     assert len(syncs[1]) == len(syncs[4]), syncs[1]
+
+
+@pytest.mark.parametrize("kind", ["sd3", "qwen_image"])
+def test_kl_at_the_reference_weights_is_the_compiled_graphs_rounding(
+    build_trainer, make_cfg, take_rollout, tmp_path_factory, kind
+):
+    """The LoRA starts with B = 0, so the policy is the reference. Compiled, the KL term compares
+    the grad graph's step mean (flowrl.trainer.update.Scoring, old_log_prob=recompute) with the
+    reference's no-grad forward with the LoRA off, another graph: its value at these weights is
+    the graphs' rounding apart. Printed next to what a no-grad pass's step mean would give (the
+    value pass the trainer no longer runs for it), both bounded."""
+    from flowrl.models.tiny import build_tiny_checkpoint
+    from flowrl.sampler import kl_to_reference
+    from flowrl.trainer.lora import adapter_disabled
+    from flowrl.trainer.policy import score_transitions
+
+    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
+    cfg = make_cfg(
+        f"model.path={path}",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        "engine.compile=true",
+        "trainer.lora.enabled=true",
+        "algorithm.old_log_prob=recompute",
+        "algorithm.kl_beta=0.04",
+        "rollout.sampling.guidance_scale=4.5",
+        output=f"gpu-kl-floor-{kind}",
+    )
+    trainer = build_trainer(cfg)
+    adapter, transformer = trainer.adapter, trainer.adapter.transformer
+    assert trainer.updater.scoring.values == "grad_pass"
+    assert all(float(p.abs().max()) == 0.0 for n, p in transformer.named_parameters() if "lora_B" in n)
+    tensors, specs = take_rollout(trainer)
+    dtype = trainer.updater.autocast_dtype
+    floors = {}
+    for k in range(tensors["sigmas"].shape[1]):
+        step_index = torch.full((len(specs),), k, dtype=torch.long)
+        transformer.train()
+        try:
+            with torch.enable_grad():
+                graded = score_transitions(adapter, tensors, step_index, specs, dtype)
+            with torch.no_grad():
+                value = score_transitions(adapter, tensors, step_index, specs, dtype)
+                with adapter_disabled(transformer):
+                    reference = score_transitions(adapter, tensors, step_index, specs, dtype).mean
+        finally:
+            transformer.eval()
+        for name, result in (("grad graph", graded), ("no-grad pass", value)):
+            kl = float(kl_to_reference(result, reference).detach().mean())
+            floors[name] = max(floors.get(name, 0.0), kl)
+    print(kind, "largest KL at the reference's weights, per step mean:", floors)
+    assert all(0.0 <= kl < 1e-3 for kl in floors.values()), floors

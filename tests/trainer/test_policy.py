@@ -129,9 +129,10 @@ def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(
 
 
 def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
-    """An update whose optimizer steps leave the weights as they are (zero advantages: zero
-    gradients; no weight decay): every ratio of it must be exactly 1, whatever step it is in."""
-    trainer.updater.optimizer.param_groups[0]["weight_decay"] = 0.0
+    """An update whose optimizer steps leave the weights as they are (learning rate 0; zero
+    advantages too): every ratio of it must be exactly 1, whatever step it is in. A KL term's
+    gradient need not be zero at these weights (its reference is another graph)."""
+    trainer.updater.optimizer.param_groups[0]["lr"] = 0.0
     return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
 
 
@@ -160,7 +161,7 @@ def _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, compiled: 
     "kl_beta, scoring",
     [
         (0.0, None),  # chosen: grad-pass values, the recompute run with grad
-        (0.1, None),  # chosen: no-grad values (value pass), the recompute without grad
+        (0.1, None),  # chosen: the same, with the KL term (its reference a no-grad forward)
         (0.0, ("grad_pass", False)),  # forced mismatch: the check must see it
     ],
 )
@@ -197,8 +198,8 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     """old_log_prob=recompute over two optimizer steps: the first step's rows take their
     denominators from its own passes (its ratios exactly 1, nothing clipped, even with a tiny clip
     range), so the recompute scores only the second step's rows, in the graph of the update's
-    values: without grad for one graph (eager) and for a compiled model with a KL term (no-grad
-    values), with grad for a compiled model without one (grad-pass values, no value pass)."""
+    values: without grad for one graph (eager), with grad for a compiled model, with a KL term
+    or without (grad-pass values, no value pass; the KL's reference is a no-grad forward)."""
     from flowrl.models.sd3 import SD3Adapter
     from flowrl.trainer.update import Scoring
 
@@ -206,7 +207,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     expected = {
         (False, 0.0): Scoring("grad_pass"),
         (True, 0.0): Scoring("grad_pass", recompute_with_grad=True),
-        (True, 0.1): Scoring("value_pass"),
+        (True, 0.1): Scoring("grad_pass", recompute_with_grad=True),
     }[compiled, kl_beta]
     assert trainer.updater.scoring == expected
     with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
@@ -326,10 +327,25 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
         (False, "rollout", 0.0, ("grad_pass", False)),
         (True, "rollout", 0.0, ("value_pass", False)),  # the rollout's log-probs are the denominator
         (True, "recompute", 0.0, ("grad_pass", True)),  # the grad graph against itself: no value pass
-        (True, "recompute", 0.1, ("value_pass", False)),  # the KL's reference comes from the no-grad graph
+        (True, "recompute", 0.1, ("grad_pass", True)),  # the KL's reference is another graph anyway
     ],
 )
-def test_scoring_is_chosen_once_from_the_settings(values_from_no_grad, old_log_prob, kl_beta, expected):
+def test_scoring_is_chosen_once_from_the_settings(
+    build_trainer, make_cfg, monkeypatch, values_from_no_grad, old_log_prob, kl_beta, expected
+):
     from flowrl.trainer.update import Scoring
 
-    assert Scoring.choose(values_from_no_grad, old_log_prob, kl_beta) == Scoring(*expected)
+    assert Scoring.choose(values_from_no_grad, old_log_prob) == Scoring(*expected)
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: values_from_no_grad)
+    trainer = build_trainer(
+        make_cfg(
+            "rollout.n=2",
+            "trainer.prompts_per_step=1",
+            "trainer.lora.enabled=true",
+            f"algorithm.old_log_prob={old_log_prob}",
+            f"algorithm.kl_beta={kl_beta}",
+            f"engine.compile={str(values_from_no_grad).lower()}",
+        )
+    )
+    assert trainer.updater.scoring == Scoring(*expected)  # the trainer's choice, from its config
