@@ -47,18 +47,18 @@
 #                      2, 4 (the recipe's) and 8, each profiled: what a sample costs and how busy
 #                      the GPU is at each size (host-bound work: run it with GPUS=1)            ~5 min
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
-#                      (bf16 autocast, CFG 4.5, gradient checkpointing, recompute, KL 0.04: the value
-#                      pass and the reference's forward), micro-batch 8 (16 rows),
-#                      profiled; its VAE decoder compile alone takes 196-250 s               ~6-8 min
+#                      (bf16 autocast, CFG 4.5, gradient checkpointing, recompute, KL 0.04: the
+#                      reference's forward), micro-batch 8 (16 rows), profiled                ~6-8 min
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
 #   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
 #             on random weights, jpeg_compressibility reward, embedded prompts: the Qwen-Image
 #             recipe at 2 prompts x 16 samples, compiled as the recipe runs (~6-7 min), then the
-#             SD3.5-medium recipe at 1 prompt x 16 with engine.compile=false (~1.5 min: its VAE
-#             decoder compile alone takes 196-250 s, which train-step-sd35 spends); more than one
-#             10-minute device command holds: run the two as separate commands              ~8-9 min
-#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6-7 / ~7 min
-#             (train-step-qwen without its peer: ~5 min)
+#             SD3.5-medium recipe at 1 prompt x 16 with engine.compile=false (~1.5 min: its
+#             compiled first step alone takes about 7 minutes, which train-step-sd35 spends); more
+#             than one 10-minute device command holds: run the two as separate commands      ~8-9 min
+#   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
+#             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
+#             compiles, took 419 s on an H200)
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
