@@ -13,6 +13,21 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def _tiny_bf16_cuda_cfg(make_cfg, tmp_path_factory, kind: str, *overrides: str, output: str):
+    """A config training a tiny random `kind` checkpoint on CUDA in bf16 with bf16 autocast."""
+    from flowrl.models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
+    return make_cfg(
+        f"model.path={path}",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "trainer.mixed_precision=bf16",
+        *overrides,
+        output=output,
+    )
+
+
 @pytest.mark.parametrize("old_log_prob", ["rollout", "recompute"])
 def test_tiny_training_on_cuda_bf16(build_trainer, make_cfg, old_log_prob):
     cfg = make_cfg(
@@ -58,14 +73,10 @@ def test_compiled_training_on_cuda_bf16(build_trainer, make_cfg, tmp_path_factor
     """The gap is the trainer's log-prob values against the rollout's: with old_log_prob=rollout
     from its no-grad graph (flowrl.trainer.policy's value pass), with recompute from its grad graph
     (flowrl.trainer.update.Scoring), in both cases in other batch compositions than the rollout's."""
-    from flowrl.models.tiny import build_tiny_checkpoint
-
-    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
-    cfg = make_cfg(
-        f"model.path={path}",
-        "model.device=cuda",
-        "model.dtype=bfloat16",
-        "trainer.mixed_precision=bf16",
+    cfg = _tiny_bf16_cuda_cfg(
+        make_cfg,
+        tmp_path_factory,
+        kind,
         "engine.compile=true",
         "trainer.gradient_checkpointing=true",
         "trainer.lora.enabled=true",
@@ -157,14 +168,10 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
     loop (the optimizer steps and the recompute's end read the device)."""
     import warnings
 
-    from flowrl.models.tiny import build_tiny_checkpoint
-
-    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
-    cfg = make_cfg(
-        f"model.path={path}",
-        "model.device=cuda",
-        "model.dtype=bfloat16",
-        "trainer.mixed_precision=bf16",
+    cfg = _tiny_bf16_cuda_cfg(
+        make_cfg,
+        tmp_path_factory,
+        kind,
         f"engine.compile={str(compiled).lower()}",
         "trainer.gradient_checkpointing=false",
         "trainer.lora.enabled=true",
@@ -205,17 +212,14 @@ def test_kl_at_the_reference_weights_is_the_compiled_graphs_rounding(
     reference's no-grad forward with the LoRA off, another graph: its value at these weights is
     the graphs' rounding apart. Printed next to what a no-grad pass's step mean would give (the
     value pass the trainer no longer runs for it), both bounded."""
-    from flowrl.models.tiny import build_tiny_checkpoint
     from flowrl.sampler import kl_to_reference
     from flowrl.trainer.lora import adapter_disabled
     from flowrl.trainer.policy import score_transitions
 
-    path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
-    cfg = make_cfg(
-        f"model.path={path}",
-        "model.device=cuda",
-        "model.dtype=bfloat16",
-        "trainer.mixed_precision=bf16",
+    cfg = _tiny_bf16_cuda_cfg(
+        make_cfg,
+        tmp_path_factory,
+        kind,
         "engine.compile=true",
         "trainer.lora.enabled=true",
         "algorithm.old_log_prob=recompute",

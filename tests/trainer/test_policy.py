@@ -136,11 +136,17 @@ def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
     return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
 
 
+def _pretend_compiled(monkeypatch, compiled: bool) -> None:
+    """engine.compile=true without compiling: the trainer then sees a model that `compiled` says
+    is compiled (or not)."""
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
+
+
 def _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, compiled: bool, kl_beta: float, *overrides: str):
     """A LoRA trainer over 2 prompts x 2 samples, old_log_prob=recompute, two optimizer steps of
     one 2-row micro-batch each, a tiny clip range; `compiled` pretends engine.compile compiled it."""
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
+    _pretend_compiled(monkeypatch, compiled)
     return build_trainer(
         make_cfg(
             "rollout.n=2",
@@ -263,8 +269,7 @@ def test_lora_dropout_keeps_the_grad_pass_values(build_trainer, make_cfg, monkey
     """With LoRA dropout the train-mode forward is random: a value pass would draw one dropout mask
     and the grad pass another, so a compiled trainer then keeps the grad pass's own values (and
     the recompute's values are not reused for it either)."""
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: True)
+    _pretend_compiled(monkeypatch, True)
     trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
@@ -336,8 +341,7 @@ def test_scoring_is_chosen_once_from_the_settings(
     from flowrl.trainer.update import Scoring
 
     assert Scoring.choose(values_from_no_grad, old_log_prob) == Scoring(*expected)
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
-    monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: values_from_no_grad)
+    _pretend_compiled(monkeypatch, values_from_no_grad)
     trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
