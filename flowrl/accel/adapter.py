@@ -93,8 +93,8 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
     for name, module in regions:
         # Extra regions (the VAE decoder) run once per sample, not once per denoising step: their
         # kernels are not worth timing launch configurations for at compile time.
-        block = not any(name == path for path in family.extra_regions)
-        compile_in_place(module, backend, rounding, family.no_grad_inductor_options, tune_kernels=block)
+        tune = name not in family.extra_regions
+        compile_in_place(module, backend, rounding, family.no_grad_inductor_options, tune_kernels=tune)
     # Gradient checkpointing enabled before this call (as the trainer does) takes its checkpoints
     # inside the compiled blocks; enabled later, diffusers' own wraps them.
     take_checkpoints_inside(adapter.transformer)

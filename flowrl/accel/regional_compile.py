@@ -88,8 +88,8 @@ def compile_in_place(
     them, calls with grad the plain one (a family's settings, e.g. flowrl.accel.qwen_image).
     A module compiled already with other settings is an error, not silently kept.
     tune_kernels: False compiles without INDUCTOR_OPTIONS' coordinate-descent tuning, which times
-    candidate launch configurations of every generated kernel (for a module of many distinct
-    large kernels, such as a VAE decoder, that is most of its compile time).
+    candidate launch configurations of every generated kernel: a long compile for a module of many
+    distinct large kernels, such as a VAE decoder.
 
     Gradient checkpointing: `module._flowrl_checkpointed_call(*args)` runs a grad call with the
     checkpoint inside a third compiled function (see `checkpoint_inside`).

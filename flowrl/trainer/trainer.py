@@ -134,8 +134,8 @@ class FlowGRPOTrainer:
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
             self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
-                "rollout, validation and update take longer (on an H200 the first training step took about "
-                "3.5 minutes for Qwen-Image, 7 for SD3.5-medium)"
+                "rollout, validation and update take longer (minutes on a GPU; docs/performance.md gives the "
+                "measured first-step times)"
             )
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
