@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import flowrl.accel.flux as flux
 import flowrl.accel.qwen_image as qwen_image
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
@@ -46,8 +47,13 @@ FAMILIES = {
     "qwen_image": FamilyFastPath(
         install=qwen_image.install, no_grad_inductor_options=qwen_image.NO_GRAD_INDUCTOR_OPTIONS
     ),
-    # Double-stream blocks, then single-stream ones (each list shares one compiled graph).
-    "flux": FamilyFastPath(block_lists=("transformer_blocks", "single_transformer_blocks")),
+    # Double-stream blocks, then single-stream ones (each list shares one compiled graph); the
+    # single-stream blocks without their concatenation (flowrl.accel.flux); the same VAE as SD3.
+    "flux": FamilyFastPath(
+        block_lists=("transformer_blocks", "single_transformer_blocks"),
+        extra_regions=("vae.decoder",),
+        install=flux.install,
+    ),
     # One stream of blocks, in the order the forward runs them: image tokens, text tokens, joint.
     "z_image": FamilyFastPath(block_lists=("noise_refiner", "context_refiner", "layers")),
 }

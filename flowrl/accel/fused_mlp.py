@@ -63,16 +63,21 @@ def _backward(ctx, grad: torch.Tensor):
 linear_gelu_tanh.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    proj = self.net[0].proj
-    fusable = (
-        self._flowrl_accel.gelu_epilogue
+def epilogue_applies(proj: torch.nn.Module, x: torch.Tensor, options: AccelOptions) -> bool:
+    """Whether `linear_gelu_tanh` can stand for gelu_tanh(proj(x)): a plain biased nn.Linear
+    (LoRA wraps it otherwise) in x's dtype, autocast off, `options.gelu_epilogue` on."""
+    return (
+        options.gelu_epilogue
         and type(proj) is torch.nn.Linear
         and proj.bias is not None
-        and proj.weight.dtype == hidden_states.dtype
-        and not torch.is_autocast_enabled(hidden_states.device.type)
+        and proj.weight.dtype == x.dtype
+        and not torch.is_autocast_enabled(x.device.type)
     )
-    if not fusable:
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    proj = self.net[0].proj
+    if not epilogue_applies(proj, hidden_states, self._flowrl_accel):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     hidden_states = linear_gelu_tanh(hidden_states, proj.weight, proj.bias)
     for layer in self.net[1:]:

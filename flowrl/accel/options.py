@@ -38,6 +38,8 @@ class AccelOptions:
         hand-written kernel (flowrl.accel.qwen_image.modulated_norm).
     modulation_table: Qwen-Image rollout forwards read each block's modulation from a
         per-timestep table (flowrl.accel.qwen_image.modulation).
+    split_output: FLUX single-stream blocks project their attention and MLP branches with the two
+        halves of the output projection instead of concatenating them (flowrl.accel.flux).
     """
 
     gelu_epilogue: bool = True
@@ -48,6 +50,7 @@ class AccelOptions:
     joint_v: bool = True
     norm_kernel: bool = True
     modulation_table: bool = True
+    split_output: bool = True
 
     @classmethod
     def from_switches(cls, **switches) -> "AccelOptions":

@@ -60,14 +60,14 @@ def test_blocks_tune_their_kernels_and_the_decoder_does_not(sd3, monkeypatch):
     assert block and all(o["coordinate_descent_tuning"] for o in block)
 
 
-def test_flux_compiles_its_double_and_single_stream_blocks():
+def test_flux_compiles_its_double_and_single_stream_blocks_and_its_decoder():
     adapter = build_bench_model("tiny-flux", "cpu", torch.float32).adapter
     transformer = adapter.transformer
     expected = [f"transformer.transformer_blocks.{i}" for i in range(len(transformer.transformer_blocks))]
     expected += [
         f"transformer.single_transformer_blocks.{i}" for i in range(len(transformer.single_transformer_blocks))
     ]
-    assert compile_adapter(adapter, "eager") == expected and len(expected) == 4
+    assert compile_adapter(adapter, "eager") == expected + ["vae.decoder"] and len(expected) == 4
 
 
 def test_qwen_layout_is_fixed_by_the_first_call():
