@@ -17,6 +17,8 @@
 #   qwen      Qwen-Image rollout: 16 samples, 50 steps, no CFG, eager + compiled          ~5-7 min
 #   flux      FLUX.1 [dev] rollout: 16 samples, 28 steps, guidance 3.5 (the guidance embedding:
 #             one row per sample), 512 px, eager + compiled                                  ~6-8 min
+#   flux-vs-pipeline  the same, the diffusers pipeline at batch 16 and the compiled engine only, with a
+#             profile of 2 steps (the measured row of docs/performance.md)                 ~5 min
 #   flux-logprob  FLUX.1 [dev]'s bf16 log-prob gap and LoRA training step at the FLUX recipe's
 #             settings (6 steps, noise 0.9, guidance 3.5, LoRA r64, bf16 autocast, compiled,
 #             gradient checkpointing), micro-batches 1, 8                                   ~5-7 min
@@ -231,6 +233,10 @@ suite() {
     flux)
       run flux-rollout 540 "$log" rollout --model flux-dev -n 16 --steps 28 --size 512 --guidance-scale 3.5 --compile \
         --serial-samples 2 --repeats 1 ;;
+    flux-vs-pipeline)
+      run flux-vs-pipeline 420 "$log" rollout --model flux-dev -n 16 --steps 28 --size 512 --guidance-scale 3.5 \
+        --compile --repeats 2 --modes pipeline-batched,engine-batched-compiled --profile engine-batched-compiled \
+        --profile-steps 2 ;;
     flux-logprob)
       run flux-logprob 520 "$log" logprob --model flux-dev -n 16 --steps 6 --size 512 --guidance-scale 3.5 \
         --noise-level 0.9 --lora-rank 64 --autocast bf16 --compile --gradient-checkpointing --micro-batches 1,8 \

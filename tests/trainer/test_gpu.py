@@ -155,7 +155,7 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
     "kind, compiled, old_log_prob, kl_beta",
     [
         ("sd3", False, "rollout", 0.0),
-        ("sd3", True, "recompute", 0.04),  # value pass and the reference's forward
+        ("sd3", True, "recompute", 0.04),  # the recompute with grad and the reference's forward
         ("qwen_image", True, "recompute", 0.0),  # the recompute with grad, no value pass
     ],
 )
