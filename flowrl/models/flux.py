@@ -15,6 +15,14 @@ prompt, with the same guidance value) to the same forward, v = v_u + g (v_c - v_
 Timestep: the pipeline's timestep is sigma * 1000 in float32, cast to the model dtype and divided
 by 1000 there; the transformer multiplies by 1000 again. The adapter passes the same value, so the
 rounding matches the pipeline's in every dtype.
+Attention gradients: a single-stream block concatenates its attention output with its MLP branch,
+so the gradient reaching its attention is a strided slice, while the double-stream blocks' is
+contiguous, at the same shapes. cuDNN's attention backward (seen with torch 2.11 and cuDNN 9.19 on
+an H200) reuses the plan it built for a shape whatever that gradient's strides, and a plan built on
+the strided one read out of bounds on the contiguous one: an eager training step ended with an
+illegal memory access. The adapter hands each single-stream block's attention gradient on
+contiguous (`contiguous_gradient`), in the layout of the attention's output; the forward is the
+same tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +43,25 @@ from flowrl.models.packed import PackedLatentAdapter, unpack_2x2
 
 # FluxPipeline refuses longer T5 prompts (its check_inputs).
 MAX_T5_TOKENS = 512
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity; its backward hands the gradient on contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_gradient(module, args, output):
+    """Forward hook on a single-stream block's attention (module docstring, "Attention gradients")."""
+    if torch.is_tensor(output) and output.requires_grad:
+        return _ContiguousGradient.apply(output)
+    return output
 
 
 class FluxAdapter(PackedLatentAdapter):
@@ -67,6 +94,8 @@ class FluxAdapter(PackedLatentAdapter):
         self.has_guidance_embedding = bool(self.transformer.config.guidance_embeds)
         self._position_ids: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
+        for block in self.transformer.single_transformer_blocks:
+            block.attn.register_forward_hook(contiguous_gradient)
 
     @classmethod
     def from_pretrained(

@@ -285,3 +285,62 @@ def test_three_step_lora_run_and_its_export_loaded_by_flux_pipeline(build_traine
     with_lora = sample(pipe)
     assert (with_lora - base).abs().max() > 1e-4
     torch.testing.assert_close(with_lora, sample(trainer.adapter.pipeline), rtol=1e-4, atol=1e-5)
+
+
+def test_every_attention_backward_gets_its_gradient_in_the_outputs_layout():
+    """cuDNN's attention backward (torch 2.11, cuDNN 9.19 on an H200) reuses the plan it built for
+    one shape whatever the strides of the output's gradient; a single-stream block's gradient, a
+    slice of its concatenation's, is strided unlike the double-stream blocks', and the reused plan
+    read out of bounds (an eager FLUX training step died with an illegal memory access). The
+    adapter hands every attention output's gradient on contiguous, in the output's own layout."""
+    import torch.nn.functional as F
+
+    from flowrl.bench.models import build_bench_model
+
+    adapter = build_bench_model("tiny-flux", "cpu", torch.float32).adapter
+    adapter.transformer.requires_grad_(True)
+    sdpa = F.scaled_dot_product_attention
+    layouts = []
+
+    def spy(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        out.register_hook(lambda grad, out_strides=out.stride(): layouts.append((grad.stride(), out_strides)))
+        return out
+
+    latents = torch.randn((2, *adapter.latent_shape(64, 64)))
+    enc = adapter.encode_prompts(["a", "b"])
+    guidance = adapter.guidance_embedding_kwargs(torch.full((2,), 3.5))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", spy)
+        velocity = adapter.velocity(
+            latents, torch.tensor([0.9, 0.3]), enc, [None, None], torch.ones(2), 64, 64, **guidance
+        )
+        velocity.square().sum().backward()
+    transformer = adapter.transformer
+    assert len(layouts) == len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+    assert all(grad == out for grad, out in layouts), layouts
+
+
+@pytest.mark.gpu
+def test_eager_bf16_training_backward_on_cuda_with_cudnn_attention_first():
+    """The eager training step that died in cuDNN's attention backward (the test above says why),
+    on the tiny model: bf16 autocast, cuDNN attention preferred, every gradient finite."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flowrl.bench.models import build_bench_model
+
+    adapter = build_bench_model("tiny-flux", "cuda", torch.bfloat16).adapter
+    adapter.transformer.requires_grad_(True)
+    latents = torch.randn((3, *adapter.latent_shape(64, 64)), device="cuda")
+    enc = adapter.encode_prompts(["a", "b", "c"])
+    guidance = adapter.guidance_embedding_kwargs(torch.full((3,), 3.5, device="cuda"))
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    sigmas = torch.tensor([0.9, 0.5, 0.3], device="cuda")
+    with sdpa_kernel(backends, set_priority=True), torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(2):  # the second backward reuses the first one's attention plans
+            velocity = adapter.velocity(
+                latents, sigmas, enc, [None] * 3, torch.ones(3, device="cuda"), 64, 64, **guidance
+            )
+            velocity.float().square().mean().backward()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad).all() for p in adapter.transformer.parameters() if p.grad is not None)
