@@ -61,6 +61,12 @@
 #   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
 #             compiles, took 419 s on an H200)
+#   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
+#             CPUs; its wheels in .whl/, benchmarks/README.md) on `flowrl data ocr` prompts, zero-spread
+#             groups kept (random weights draw noise, which reads as little or no text: groups of equal
+#             rewards, which the recipe's drop would leave untrained and the update untimed); no peer.
+#             Noise is a light OCR load (few text boxes to recognize): its reward phase is a lower
+#             bound of real images'                                                       ~5 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -297,6 +303,11 @@ suite() {
     train-step-qwen)
       run train-step-qwen 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         $RANDOM_RUN trainer.prompts_per_step=2 --steps 1 --peer-steps 1 ;;
+    train-step-qwen-ocr)
+      python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
+      run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
+        data.train_path="$OUT/ocr_train.jsonl" data.val_path=null algorithm.zero_std_policy=keep \
+        trainer.prompts_per_step=2 --steps 1 --peer-steps 0 ;;
     train-step-sd35|train-step-sd35-eager)
       local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $eager are lists of overrides
