@@ -61,6 +61,8 @@
 #   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
 #             compiles, took 419 s on an H200)
+#   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
+#             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
 #             CPUs; its wheels in .whl/, benchmarks/README.md) on `flowrl data ocr` prompts, zero-spread
 #             groups kept (random weights draw noise, which reads as little or no text: groups of equal
@@ -308,11 +310,13 @@ suite() {
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         data.train_path="$OUT/ocr_train.jsonl" data.val_path=null algorithm.zero_std_policy=keep \
         trainer.prompts_per_step=2 --steps 1 --peer-steps 0 ;;
-    train-step-sd35|train-step-sd35-eager)
-      local eager=""; [[ $s == *-eager ]] && eager="engine.compile=false"
-      # shellcheck disable=SC2086  # $RANDOM_RUN and $eager are lists of overrides
+    train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3)
+      local variant=""
+      [[ $s == *-eager ]] && variant="engine.compile=false"
+      [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
+      # shellcheck disable=SC2086  # $RANDOM_RUN and $variant are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
-        $RANDOM_RUN trainer.prompts_per_step=1 $eager --steps 1 --peer-steps 1 ;;
+        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps 1 --peer-steps 1 ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \

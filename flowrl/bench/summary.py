@@ -26,6 +26,12 @@ def lora_label(settings: dict) -> str:
     return f"LoRA rank {settings['lora_rank']}, " if settings.get("lora_rank") else ""
 
 
+def _steps_per_forward(settings: dict) -> str:
+    """' at S trained steps per forward' where the update scored several at once, else ""."""
+    steps = settings.get("steps_per_forward", 1)
+    return f" at {steps} trained steps per forward" if steps and steps > 1 else ""
+
+
 def _gpu(data: dict) -> str:
     env = data.get("environment", {})
     return env.get("gpu") or env.get("device", "?")
@@ -189,7 +195,8 @@ def train_markdown(name: str, data: dict) -> list[str]:
         f"### {name}: {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
         f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {s.get('size')}px, guidance "
         f"{s.get('guidance_scale')}, {s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank "
-        f"{s.get('lora_rank')}, micro-batch {s.get('micro_batch_size')}, {'compiled' if s.get('compile') else 'eager'}, "
+        f"{s.get('lora_rank')}, micro-batch {s.get('micro_batch_size')}{_steps_per_forward(s)}, "
+        f"{'compiled' if s.get('compile') else 'eager'}, "
         f"{_gpu(data)}",
         "",
     ]

@@ -222,6 +222,7 @@ def _settings(args, cfg, adapter) -> dict:
         "window": window_size(s),
         "trained_steps_per_sample": trained_steps_per_sample(cfg),
         "micro_batch_size": tcfg.micro_batch_size,
+        "steps_per_forward": tcfg.steps_per_forward,
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,
         "gradient_checkpointing": tcfg.gradient_checkpointing,

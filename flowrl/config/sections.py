@@ -397,6 +397,9 @@ class TrainerConfig:
         is slightly off-policy, which is where the PPO clip acts (the references use 2).
     micro_batch_size: samples per forward/backward in the update; gradients accumulate over a
         mini-batch's micro-batches, every trained (sample, step) pair weighing the same.
+    steps_per_forward: trained window steps of a micro-batch's samples scored in one forward (its
+        rows: samples x steps x CFG rows); 1 runs one forward + backward per trained step. More
+        rows per forward launch fewer, larger kernels, and keep that many times the activations.
     gradient_checkpointing: recompute each block's forward in the backward instead of keeping its
         activations (less memory, about half a forward more work per trained pair): true, false,
         or "auto": on only when one micro-batch's activations, measured at the first update, do
@@ -420,6 +423,7 @@ class TrainerConfig:
     update_epochs: int = 1
     updates_per_step: int = 1
     micro_batch_size: int = 8
+    steps_per_forward: int = 1
     lr: float = 1e-3
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
@@ -446,6 +450,7 @@ class TrainerConfig:
             "update_epochs",
             "updates_per_step",
             "micro_batch_size",
+            "steps_per_forward",
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)

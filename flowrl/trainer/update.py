@@ -11,10 +11,11 @@
    current policy's, before any update (`recompute`). The first optimizer step scores its own rows
    with exactly those weights, so its values are its rows' denominators (its ratios are exactly
    1); only the rows of the later optimizer steps are re-scored before the update;
-3. for each optimizer step, for each micro-batch and each trained step: recomputes the log-prob
-   with grad, each row with the settings it was drawn with (`specs`), adds the clipped loss
-   (+ KL to the LoRA-disabled reference) and backpropagates; then clips the gradient, takes one
-   AdamW step and, with `trainer.ema`, updates the moving average.
+3. for each optimizer step, for each micro-batch and each group of `trainer.steps_per_forward`
+   trained steps (one forward: the micro-batch's rows at each step of the group): recomputes the
+   log-prob with grad, each row with the settings it was drawn with (`specs`), adds the clipped
+   loss (+ KL to the LoRA-disabled reference) and backpropagates; then clips the gradient, takes
+   one AdamW step and, with `trainer.ema`, updates the moving average.
 
 Every valid (sample, trained step) pair of an optimizer step weighs the same: each micro-batch's
 loss is its share of the mean over the whole mini-batch's pairs (flowrl.trainer.loss,
@@ -215,6 +216,7 @@ class PolicyUpdater:
         # optimizer step, which reads them once.
         sums = dict.fromkeys(_LOSS_METRICS, 0.0)
         count, ratio_max = 0, -math.inf
+        step_groups = self._step_groups(num_train)
         self.records = []
         transformer.train()
         for index, micro_batches in enumerate(plan.optimizer_steps):
@@ -224,34 +226,33 @@ class PolicyUpdater:
             outputs: list[PolicyLossOutput] = []
             rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
             for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
-                row_specs = [specs[i] for i in rows.tolist()]
-                for k in range(num_train):
-                    step_index = plan.train_steps[rows, k]
-                    result = self._score_with_grad(tensors, row_specs, rows, step_index, self.scoring.values)
-                    denominator = old[rows, k]
+                for steps in step_groups:
+                    pairs, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
+                    result = self._score_with_grad(tensors, pair_specs, pairs, step_index, self.scoring.values)
+                    denominator = torch.cat([old[rows, k] for k in steps])
                     if index == 0 and first_step_scores_old:
                         # These weights are the ones the denominator is taken with: ratio exactly 1.
                         denominator = result.log_prob.detach()
                         if not is_padding:
-                            first_step_values.append((rows, k, denominator))
+                            first_step_values += _per_step(rows, steps, denominator)
                     kl = None
                     if self.algorithm.kl_beta > 0:
-                        kl = kl_to_reference(result, self._reference_mean(tensors, row_specs, rows, step_index))
+                        kl = kl_to_reference(result, self._reference_mean(tensors, pair_specs, pairs, step_index))
                     out = clipped_policy_loss(
                         result.log_prob,
                         result.log_prob.detach() if is_padding else denominator,
-                        advantages[rows],
+                        advantages[pairs],
                         self.algorithm.clip_range,
                         kl=kl,
                         kl_beta=self.algorithm.kl_beta,
-                        weights=torch.zeros(len(rows)) if is_padding else weights[rows],
+                        weights=torch.zeros(len(pairs)) if is_padding else weights[pairs],
                         normalizer=normalizer,
                     )
                     self._backward(out.loss)
                     if is_padding:
                         continue  # it ran only so that every rank runs as many forwards and backwards
                     if rollout_log_probs is not None and index == 0 and not first_step_scores_old:
-                        rollout_gaps.append((rows, k, result.log_prob.detach()))
+                        rollout_gaps += _per_step(rows, steps, result.log_prob.detach())
                     outputs.append(out)
             self.parallel.reduce_gradients(self.params)
             grad_norm = self._optimizer_step()
@@ -363,10 +364,17 @@ class PolicyUpdater:
             self.adapter.transformer,
             probe,
             probe_samples=len(rows),
-            micro_batch_size=self.trainer.micro_batch_size,
+            # A forward holds the micro-batch's samples at up to steps_per_forward trained steps.
+            micro_batch_size=self.trainer.micro_batch_size * min(self.trainer.steps_per_forward, train_steps.shape[1]),
             device=self.adapter.device,
             agree_max=self.world.max,
         )
+
+    def _step_groups(self, num_train: int) -> list[list[int]]:
+        """The trained-step indices 0..num_train-1 in groups of trainer.steps_per_forward, each
+        group scored in one forward."""
+        size = self.trainer.steps_per_forward
+        return [list(range(start, min(start + size, num_train))) for start in range(0, num_train, size)]
 
     def _micro_batches(self, rows: torch.Tensor, specs: Sequence[TransitionSpec]) -> list[torch.Tensor]:
         """`rows` cut into micro-batches of at most trainer.micro_batch_size rows, each holding
@@ -380,8 +388,8 @@ class PolicyUpdater:
     def _old_log_probs(self, tensors, specs, plan: Plan, rollout_log_probs) -> tuple[torch.Tensor, list]:
         """The PPO denominator (N, K) as far as it is known before the update, and the log-prob
         gaps it measured. With `recompute`, the rows of epoch 0's later optimizer steps are scored
-        in their micro-batches (the composition they are trained in: ratio exactly 1 on CPU until
-        an optimizer step changes the weights) and the first step's rows are left to it; the
+        in their micro-batches and step groups (the composition they are trained in: ratio exactly
+        1 on CPU until an optimizer step changes the weights) and the first step's rows are left to it; the
         recompute's `padding` weight-0 micro-batches are scored and dropped (sharded weights)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
@@ -397,11 +405,11 @@ class PolicyUpdater:
             self.adapter.transformer.train()  # the graph of the grad passes, mode included
         try:
             for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
-                row_specs = [specs[i] for i in rows.tolist()]
-                for k in range(train_steps.shape[1]):
-                    log_prob = self._score_denominator(tensors, row_specs, rows, train_steps[rows, k])
+                for steps in self._step_groups(train_steps.shape[1]):
+                    pairs, pair_specs, step_index = _pairs(rows, steps, train_steps, specs)
+                    log_prob = self._score_denominator(tensors, pair_specs, pairs, step_index)
                     if not is_padding:
-                        scored.append((rows, k, log_prob))
+                        scored += _per_step(rows, steps, log_prob)
                 recomputed[rows] |= not is_padding
         finally:
             self.adapter.transformer.eval()
@@ -471,6 +479,23 @@ def _probe_rows(tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec
     order = torch.argsort(length, descending=True, stable=True).tolist()
     key = specs[order[0]].group_key
     return torch.tensor([row for row in order if specs[row].group_key == key][:count])
+
+
+def _pairs(rows: torch.Tensor, steps: list[int], train_steps: torch.Tensor, specs: Sequence[TransitionSpec]):
+    """One forward's (sample, trained step) pairs: `rows` at each trained step k of `steps`, step
+    by step (the first len(rows) pairs at steps[0], and so on): their rows, specs and window-step
+    indices."""
+    pairs = rows.repeat(len(steps))
+    step_index = torch.cat([train_steps[rows, k] for k in steps])
+    return pairs, [specs[i] for i in pairs.tolist()], step_index
+
+
+def _per_step(
+    rows: torch.Tensor, steps: list[int], values: torch.Tensor
+) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(rows, k, values of rows at trained step k) for each k of `steps`, from one forward's
+    values over `_pairs(rows, steps, ...)`."""
+    return [(rows, k, part) for k, part in zip(steps, values.split(len(rows)))]
 
 
 def _to_host(parts: list[tuple[torch.Tensor, int, torch.Tensor]]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
