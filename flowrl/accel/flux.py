@@ -3,9 +3,9 @@
 A diffusers FluxSingleTransformerBlock runs attention and an MLP side by side on the same normed
 tokens, concatenates the attention output (width D) and the GELU'd MLP activation (width 4D) into
 one (tokens, 5D) tensor and projects it back with `proj_out`. Compiled, the concatenation is a
-kernel that reads both branches and writes the 5D-wide tensor (with the GELU folded into it): in a
-profiled 512 px rollout on an H200 it was 4% of the device time, the largest kernel after the GEMMs
-and attention. The same projection is a sum of two GEMMs over the halves of `proj_out`'s weight:
+kernel that reads both branches and writes the 5D-wide tensor (with the GELU folded into it), the
+largest kernel of a profiled rollout after the GEMMs and attention (docs/performance.md). The same
+projection is a sum of two GEMMs over the halves of `proj_out`'s weight:
 
     proj_out(cat(a, m)) = a @ W[:, :D]^T + m @ W[:, D:]^T + b
 

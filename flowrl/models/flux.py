@@ -17,10 +17,10 @@ by 1000 there; the transformer multiplies by 1000 again. The adapter passes the 
 rounding matches the pipeline's in every dtype.
 Attention gradients: a single-stream block concatenates its attention output with its MLP branch,
 so the gradient reaching its attention is a strided slice, while the double-stream blocks' is
-contiguous, at the same shapes. cuDNN's attention backward (seen with torch 2.11 and cuDNN 9.19 on
-an H200) reuses the plan it built for a shape whatever that gradient's strides, and a plan built on
-the strided one read out of bounds on the contiguous one: an eager training step ended with an
-illegal memory access. The adapter hands each single-stream block's attention gradient on
+contiguous, at the same shapes. cuDNN's attention backward reuses the plan it built for a shape
+whatever that gradient's strides, and a plan built on the strided one read out of bounds on the
+contiguous one: an eager training step ended with an illegal memory access (docs/performance.md
+says where it was seen). The adapter hands each single-stream block's attention gradient on
 contiguous (`contiguous_gradient`), in the layout of the attention's output; the forward is the
 same tensor.
 """
