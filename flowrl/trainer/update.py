@@ -227,8 +227,8 @@ class PolicyUpdater:
             rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
             for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
                 for steps in step_groups:
-                    pairs, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
-                    result = self._score_with_grad(tensors, pair_specs, pairs, step_index, self.scoring.values)
+                    pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
+                    result = self._score_with_grad(tensors, pair_specs, pair_rows, step_index, self.scoring.values)
                     denominator = torch.cat([old[rows, k] for k in steps])
                     if index == 0 and first_step_scores_old:
                         # These weights are the ones the denominator is taken with: ratio exactly 1.
@@ -237,15 +237,15 @@ class PolicyUpdater:
                             first_step_values += _per_step(rows, steps, denominator)
                     kl = None
                     if self.algorithm.kl_beta > 0:
-                        kl = kl_to_reference(result, self._reference_mean(tensors, pair_specs, pairs, step_index))
+                        kl = kl_to_reference(result, self._reference_mean(tensors, pair_specs, pair_rows, step_index))
                     out = clipped_policy_loss(
                         result.log_prob,
                         result.log_prob.detach() if is_padding else denominator,
-                        advantages[pairs],
+                        advantages[pair_rows],
                         self.algorithm.clip_range,
                         kl=kl,
                         kl_beta=self.algorithm.kl_beta,
-                        weights=torch.zeros(len(pairs)) if is_padding else weights[pairs],
+                        weights=torch.zeros(len(pair_rows)) if is_padding else weights[pair_rows],
                         normalizer=normalizer,
                     )
                     self._backward(out.loss)
@@ -389,8 +389,9 @@ class PolicyUpdater:
         """The PPO denominator (N, K) as far as it is known before the update, and the log-prob
         gaps it measured. With `recompute`, the rows of epoch 0's later optimizer steps are scored
         in their micro-batches and step groups (the composition they are trained in: ratio exactly
-        1 on CPU until an optimizer step changes the weights) and the first step's rows are left to it; the
-        recompute's `padding` weight-0 micro-batches are scored and dropped (sharded weights)."""
+        1 on CPU until an optimizer step changes the weights) and the first step's rows are left
+        to it; the recompute's `padding` weight-0 micro-batches are scored and dropped (sharded
+        weights)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
@@ -406,8 +407,8 @@ class PolicyUpdater:
         try:
             for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
                 for steps in self._step_groups(train_steps.shape[1]):
-                    pairs, pair_specs, step_index = _pairs(rows, steps, train_steps, specs)
-                    log_prob = self._score_denominator(tensors, pair_specs, pairs, step_index)
+                    pair_rows, pair_specs, step_index = _pairs(rows, steps, train_steps, specs)
+                    log_prob = self._score_denominator(tensors, pair_specs, pair_rows, step_index)
                     if not is_padding:
                         scored += _per_step(rows, steps, log_prob)
                 recomputed[rows] |= not is_padding
@@ -485,9 +486,9 @@ def _pairs(rows: torch.Tensor, steps: list[int], train_steps: torch.Tensor, spec
     """One forward's (sample, trained step) pairs: `rows` at each trained step k of `steps`, step
     by step (the first len(rows) pairs at steps[0], and so on): their rows, specs and window-step
     indices."""
-    pairs = rows.repeat(len(steps))
+    pair_rows = rows.repeat(len(steps))
     step_index = torch.cat([train_steps[rows, k] for k in steps])
-    return pairs, [specs[i] for i in pairs.tolist()], step_index
+    return pair_rows, [specs[i] for i in pair_rows.tolist()], step_index
 
 
 def _per_step(

@@ -1,6 +1,8 @@
 """Optimizer steps per rollout batch (`trainer.updates_per_step`) and the weight of each trained
 (sample, step) pair: checked against direct computations of the PPO objective."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -129,74 +131,73 @@ def test_uneven_micro_batches_give_the_single_pass_mean_over_valid_pairs(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-8)
 
 
-def _update_with(build_trainer, make_cfg, take_rollout, *overrides):
+def _update_with(build_trainer, make_cfg, take_rollout, monkeypatch, *overrides) -> SimpleNamespace:
+    """One update of 6 rows (two mini-batches of 3, micro-batches of 2), recording the rows of
+    every grad forward and each optimizer step's accumulated gradients."""
     trainer = build_trainer(
         make_cfg(
             "rollout.n=2",
             "trainer.prompts_per_step=3",
-            "trainer.micro_batch_size=2",  # 6 rows: micro-batches of 2
+            "trainer.micro_batch_size=2",
             "trainer.updates_per_step=2",
             f"algorithm.clip_range={CLIP}",
             *overrides,
         )
     )
     tensors, specs = take_rollout(trainer)
-    window = tensors["sigmas"].shape[1]
-    forwards = []
+    run = SimpleNamespace(trainer=trainer, forwards=[], grads=[], window=tensors["sigmas"].shape[1])
     original = trainer.updater._score_with_grad
 
     def counted(tensors_, specs_, rows, step_index, source):
-        forwards.append(len(rows))
+        run.forwards.append(len(rows))
         return original(tensors_, specs_, rows, step_index, source)
 
-    trainer.updater._score_with_grad = counted
-    trainer.grads = []
-    original_step = trainer.updater._optimizer_step
-
-    def optimizer_step():
-        trainer.grads.append([p.grad.clone() for p in trainer.updater.params])
-        return original_step()
-
-    trainer.updater._optimizer_step = optimizer_step
+    monkeypatch.setattr(trainer.updater, "_score_with_grad", counted)
+    _capture_optimizer_steps(
+        trainer, monkeypatch, lambda index: run.grads.append([p.grad.clone() for p in trainer.updater.params])
+    )
+    plan = trainer.updater.plan(tensors, specs, step=1)
+    run.sizes = [len(rows) for micro_batches in plan.optimizer_steps for rows in micro_batches]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     weights = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    plan = trainer.updater.plan(tensors, specs, step=1)
-    sizes = [len(rows) for micro_batches in plan.optimizer_steps for rows in micro_batches]
-    metrics = trainer.updater.update(tensors, specs, advantages, weights, step=1)
-    return trainer, metrics, forwards, (window, sizes)
+    run.metrics = trainer.updater.update(tensors, specs, advantages, weights, step=1)
+    return run
 
 
 @pytest.mark.parametrize("old_log_prob", ["rollout", "recompute"])
 def test_steps_per_forward_scores_several_trained_steps_in_one_forward_and_trains_the_same(
-    build_trainer, make_cfg, take_rollout, old_log_prob
+    build_trainer, make_cfg, take_rollout, monkeypatch, old_log_prob
 ):
     """trainer.steps_per_forward=S scores a micro-batch at S trained steps in one forward: fewer
     forwards of S times the rows, and the same update (gradients, loss, clipped share, gaps) up to
     batch-shape rounding; the recompute scores in the same groups, so the first optimizer step's
     ratios stay exactly 1."""
-    runs = {}
-    for per_forward in (1, 2):
-        runs[per_forward] = _update_with(
+    one, two = (
+        _update_with(
             build_trainer,
             make_cfg,
             take_rollout,
+            monkeypatch,
             f"algorithm.old_log_prob={old_log_prob}",
             "rollout.sampling.sde_window_size=3",
             f"trainer.steps_per_forward={per_forward}",
         )
-    (one, metrics_one, forwards_one, (window, sizes)), (two, metrics_two, forwards_two, _) = runs[1], runs[2]
-    assert window == 3 and sizes == [2, 1, 2, 1]  # two mini-batches of 3 samples, micro-batches of 2
-    assert forwards_one == [m for m in sizes for _ in range(3)]  # one forward per trained step
-    assert forwards_two == [rows for m in sizes for rows in (2 * m, m)]  # steps (0, 1) together, then 2
-    assert one.updater.records[0].clipfrac == two.updater.records[0].clipfrac == 0.0
-    for a, b in zip(one.updater.records, two.updater.records):
+        for per_forward in (1, 2)
+    )
+    sizes = one.sizes
+    assert one.window == 3 and sizes == [2, 1, 2, 1]  # two mini-batches of 3 samples, micro-batches of 2
+    assert one.forwards == [m for m in sizes for _ in range(3)]  # one forward per trained step
+    assert two.forwards == [rows for m in sizes for rows in (2 * m, m)]  # steps (0, 1) together, then 2
+    records_one, records_two = one.trainer.updater.records, two.trainer.updater.records
+    assert records_one[0].clipfrac == records_two[0].clipfrac == 0.0
+    for a, b in zip(records_one, records_two):
         assert torch.equal(a.rows, b.rows)
         assert abs(a.loss - b.loss) < 1e-6 and a.clipfrac == b.clipfrac
         assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm  # the same gradient
     for name in ("actor/policy_loss", "actor/ratio_mean", "actor/clipfrac"):
-        assert abs(metrics_one[name] - metrics_two[name]) < 1e-6, name
-    if "actor/logprob_gap_max" in metrics_one:
-        assert abs(metrics_one["actor/logprob_gap_max"] - metrics_two["actor/logprob_gap_max"]) < 1e-5
+        assert abs(one.metrics[name] - two.metrics[name]) < 1e-6, name
+    if "actor/logprob_gap_max" in one.metrics:
+        assert abs(one.metrics["actor/logprob_gap_max"] - two.metrics["actor/logprob_gap_max"]) < 1e-5
     for step_one, step_two in zip(one.grads, two.grads):  # each optimizer step's accumulated gradients
         for a, b in zip(step_one, step_two):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
@@ -209,18 +210,19 @@ def test_steps_per_forward_below_one_names_the_field():
         load_config(None, ["trainer.steps_per_forward=0"])
 
 
-def test_auto_checkpointing_plans_for_every_step_a_forward_holds(build_trainer, make_cfg, take_rollout):
+def test_auto_checkpointing_plans_for_every_step_a_forward_holds(build_trainer, make_cfg, take_rollout, monkeypatch):
     needed = {}
     for per_forward in (1, 3):
-        trainer, *_ = _update_with(
+        run = _update_with(
             build_trainer,
             make_cfg,
             take_rollout,
+            monkeypatch,
             "rollout.sampling.sde_window_size=3",
             "trainer.gradient_checkpointing=auto",
             f"trainer.steps_per_forward={per_forward}",
         )
-        choice = trainer.updater.checkpointing
+        choice = run.trainer.updater.checkpointing
         assert choice.measured and choice.sample_bytes > 0
         needed[per_forward] = choice.needed_bytes / choice.sample_bytes
     assert needed[3] == pytest.approx(3 * needed[1])  # micro-batch 2 at 3 steps: 6 samples' activations
