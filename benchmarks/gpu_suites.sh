@@ -66,9 +66,10 @@
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
 #             CPUs; its wheels in .whl/, benchmarks/README.md) on `flowrl data ocr` prompts, zero-spread
 #             groups kept (random weights draw noise, which reads as little or no text: groups of equal
-#             rewards, which the recipe's drop would leave untrained and the update untimed); no peer.
-#             Noise is a light OCR load (few text boxes to recognize): its reward phase is a lower
-#             bound of real images'                                                       ~5 min
+#             rewards, which the recipe's drop would leave untrained and the update untimed); no peer;
+#             then one more step profiled phase by phase (--profile: how busy the GPU was, the host ops
+#             running while it idled). Noise is a light OCR load (few text boxes to recognize): its
+#             reward phase is a lower bound of real images'                               ~5.5 min
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
@@ -309,7 +310,7 @@ suite() {
       python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         data.train_path="$OUT/ocr_train.jsonl" data.val_path=null algorithm.zero_std_policy=keep \
-        trainer.prompts_per_step=2 --steps 1 --peer-steps 0 ;;
+        trainer.prompts_per_step=2 --steps 1 --peer-steps 0 --profile ;;
     train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3)
       local variant=""
       [[ $s == *-eager ]] && variant="engine.compile=false"

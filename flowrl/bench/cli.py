@@ -209,6 +209,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"
     )
+    train.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more flowrl step after the timed ones (not in the medians): per phase its wall time, "
+        "how busy the GPU was, its kernel categories, and the host ops running while the GPU idled",
+    )
     add_report_arguments(train)
 
 

@@ -138,6 +138,12 @@ _KERNEL_CATEGORIES = (
 )
 
 
+def kernel_category(name: str) -> str:
+    """The category (_KERNEL_CATEGORIES) of a kernel's or an op's name; "other" if none matches."""
+    name = name.lower()
+    return next((c for c, keys in _KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+
+
 def device_events(events) -> list:
     """The GPU's own work among a profile's key_averages: kernels, memsets and copies. Left out:
     the host's ops (an eager op called on the profiled thread carries its kernels' time as its
@@ -211,8 +217,7 @@ def profile_summary(fn, device: torch.device, row_limit: int = 15) -> dict:
     total = sum(self_time(e) for e in kernels) or 1.0
     categories: dict[str, float] = {}
     for e in kernels:
-        name = e.key.lower()
-        category = next((c for c, keys in _KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        category = kernel_category(e.key)
         categories[category] = categories.get(category, 0.0) + self_time(e)
     top = sorted(kernels, key=self_time, reverse=True)[:row_limit]
     span = busy_within_span(prof.events()) if on_gpu else None

@@ -186,6 +186,30 @@ def _checkpointing(steps: list[dict]) -> str:
     return f", gradient checkpointing {state}{measured}"
 
 
+def _ms_list(ops: list[dict]) -> str:
+    return ", ".join(f"{op['name']} {op['ms']:.1f}" for op in ops) or "none"
+
+
+def _step_profile_lines(profile: dict | None) -> list[str]:
+    """flowrl.bench.step_profile's result, a line per phase ('' without a profile)."""
+    if not profile:
+        return []
+    lines = []
+    for phase, p in profile["phases"].items():
+        head = f"- profiled step, {_PHASE_LABELS.get(phase, phase)}: {p['wall_ms']:.0f} ms"
+        if "gpu_busy" not in p:
+            lines.append(f"{head}; host ops by their own CPU time (ms): {_ms_list(p['host_ops_self_ms'])}")
+            continue
+        longest = ", ".join(f"{ms:.2f}" for ms in p["longest_gaps_ms"])
+        shares = ", ".join(f"{c} {v:.0%}" for c, v in p["share_by_category"].items())
+        lines.append(
+            f"{head}, GPU busy {p['gpu_busy']:.1%} (idle {p['idle_ms']:.0f} ms in {p['gaps']} gaps, the longest "
+            f"{longest} ms); kernels: {shares}; host ops running while the GPU idled (ms, callees included): "
+            f"{_ms_list(p['host_ops_in_idle_ms'])}"
+        )
+    return lines
+
+
 def train_markdown(name: str, data: dict) -> list[str]:
     """A `flowrl bench train` result: the phases of flowrl's and the peer's step against their
     FLOP limits, the whole step, memory and the projection."""
@@ -245,6 +269,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
             + ", ".join(f"{phase} {s:.1f}" for phase, s in warmup["seconds"].items())
             + ")"
         )
+    lines += _step_profile_lines(flowrl.get("profile"))
     if peer.get("phases"):
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "

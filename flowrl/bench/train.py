@@ -10,7 +10,9 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
    step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
 4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
-5. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
+5. With --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
+   the medians.
+6. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
    validation), its FLOPs, its limit (those FLOPs at the measured peak) and its MFU; the whole
    step's images per second, its time over the sum of the phases' limits, the peak GPU memory,
@@ -31,6 +33,7 @@ import torch
 
 from flowrl.bench import flops as flop_count
 from flowrl.bench.report import JsonReport, environment, median, peak_memory_gb, quiet_libraries, reset_peak_memory
+from flowrl.bench.step_profile import profile_step
 from flowrl.bench.train_flops import (
     count_unit_flops,
     phase_flops,
@@ -232,6 +235,7 @@ def _settings(args, cfg, adapter) -> dict:
         "reward": cfg.reward.name or [c["name"] for c in cfg.reward.components],
         "timed_steps": args.steps,
         "peer_steps": args.peer_steps,
+        "profile": args.profile,
     }
 
 
@@ -276,6 +280,9 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
+        if args.profile:
+            report.data["flowrl"]["profile"] = profile_step(lambda: _flowrl_step(trainer, units, cfg), device)
+            report.save()
     finally:
         trainer.scorer.close()
         trainer.logger.close()

@@ -186,7 +186,8 @@ class FlowGRPOTrainer:
         t0 = time.perf_counter()
         step = self.step + 1
         # 1. the step's rollout and rewards (self._roll_out, now or started during the last step)
-        collected = self.rollouts.collect(step)
+        with torch.profiler.record_function("flowrl/rollout"):  # flowrl bench train --profile
+            collected = self.rollouts.collect(step)
         rollout, everyone = collected.rollout, collected.rows
         t_rollout = time.perf_counter()
 

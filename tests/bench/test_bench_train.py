@@ -80,14 +80,22 @@ def test_sd35_recipe_step_with_the_peer_and_validation(tmp_path, capsys):
     assert "flowrl's first step" in printed.out
 
 
-def test_qwen_recipe_step_without_the_peer(tmp_path, capsys):
-    code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", QWEN, "--peer-steps", "0")
+def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys):
+    code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", QWEN, "--peer-steps", "0", "--profile")
     assert code == 0, report.get("error")
     assert "peer" not in report and "peer_over_flowrl" not in report
     assert report["settings"]["window"] == 2 and report["settings"]["rows_per_sample"] == 2
     assert "validation" not in report["flowrl"]["phases"]  # val_every 50 > the steps run
     assert not report["projection"]["validation_included"]
-    assert "the peer" not in capsys.readouterr().out
+    # One more step, profiled phase by phase, is kept out of the timed steps' medians.
+    flowrl = report["flowrl"]
+    assert [s["step"] for s in flowrl["steps"]] == [2, 3]
+    profile = flowrl["profile"]
+    assert profile["clock"] == "cpu" and set(profile["phases"]) == {"rollout", "old_log_prob", "update"}
+    update = profile["phases"]["update"]
+    assert update["wall_ms"] > 0 and any(op["name"].startswith("aten::") for op in update["host_ops_self_ms"])
+    printed = capsys.readouterr().out
+    assert "the peer" not in printed and "profiled step, update:" in printed
 
 
 @pytest.mark.parametrize(
@@ -252,7 +260,11 @@ def test_bench_train_on_cuda_in_bf16(tmp_path):
     out = tmp_path / "train.json"
     recipe = str(REPO / "recipes" / "qwen_image_ocr_lora.yaml")
     argv = ["bench", "train", "--config", recipe, *cuda, *QWEN, "model.device=cuda", "model.dtype=bfloat16"]
-    assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out)]) == 0
+    assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out), "--profile"]) == 0
     report = json.loads(out.read_text())
     assert report["flowrl"]["peak_memory_gb"] > 0 and report["peer"]["peak_memory_gb"] > 0
     assert report["peer_over_flowrl"] > 0
+    # The profiled step's phases saw the GPU's kernels.
+    phases = report["flowrl"]["profile"]["phases"]
+    assert all(0 < phases[name]["gpu_busy"] <= 1 for name in ("rollout", "update"))
+    assert phases["update"]["share_by_category"].get("matmul", 0) > 0

@@ -1,0 +1,141 @@
+"""`flowrl bench train --profile`: one more training step under torch.profiler, phase by phase.
+
+The trainer marks its phases with `torch.profiler.record_function` ranges (PHASE_RANGES). For each
+phase the profile reports its wall time and, on a GPU: the share of that time the GPU was running
+anything, its idle gaps, the device time per kernel category, and which host ops were running on
+the threads that launch the phase's kernels while the GPU was idle. Where a phase is bound by the
+host launching work (the GPU waits for it), those ops are the host work a faster phase has to cut;
+where the GPU is busy throughout, the kernels are. Host ops nest (an autograd node holds the ops
+it calls), so each op's figure is the idle time it was running, its callees' included. On a CPU
+run each phase lists its ops by their own (self) CPU time instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from flowrl.bench.report import kernel_category, synchronize
+
+# phase -> the name of the trainer's record_function range around it (flowrl.trainer.trainer,
+# flowrl.trainer.update)
+PHASE_RANGES = {
+    "rollout": "flowrl/rollout",
+    "old_log_prob": "flowrl/old_log_prob",
+    "update": "flowrl/update",
+}
+_RANGE_NAMES = frozenset(PHASE_RANGES.values())
+
+
+def profile_step(fn, device: torch.device, top: int = 8) -> dict:
+    """Run fn() (a training step) under torch.profiler; return {"clock": "device"|"cpu", "phases":
+    {phase: phase_summary(...)}} for every phase range fn ran (the last one, if one ran twice)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+        fn()
+        synchronize(device)
+    events = prof.events()
+    host = torch.autograd.DeviceType.CPU
+    ranges = {e.name: e for e in events if e.device_type == host and e.name in _RANGE_NAMES}
+    phases = {
+        phase: phase_summary(events, ranges[name].time_range.start, ranges[name].time_range.end, on_gpu, top)
+        for phase, name in PHASE_RANGES.items()
+        if name in ranges
+    }
+    return {"clock": "device" if on_gpu else "cpu", "phases": phases}
+
+
+def _all_threads():
+    """A profiler config that records the host ops of every thread (the engine's rollout thread
+    started before the profiler), where this torch has the option; else None (the calling thread
+    and the autograd threads it runs backwards on)."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
+
+
+def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) -> dict:
+    """One phase's figures from a profile's events (torch.autograd.profiler FunctionEvents; times in
+    microseconds) within [start, end]: see the module docstring."""
+    host = torch.autograd.DeviceType.CPU
+    inside = [e for e in events if e.time_range.start < end and e.time_range.end > start]
+    host_ops = [e for e in inside if e.device_type == host and e.name not in _RANGE_NAMES]
+    out = {"wall_ms": (end - start) / 1000.0}
+    if not on_gpu:
+        own = {}
+        for e in host_ops:
+            own[e.name] = own.get(e.name, 0.0) + float(e.self_cpu_time_total)
+        out["host_ops_self_ms"] = _top_ms(own, top)
+        return out
+    host_names = {e.name for e in events if e.device_type == host}
+    device_work = [
+        (max(e.time_range.start, start), min(e.time_range.end, end), e.name)
+        for e in inside
+        if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start
+    ]
+    busy, gaps = busy_and_gaps(device_work, start, end)
+    categories: dict[str, float] = {}
+    for a, b, name in device_work:
+        category = kernel_category(name)
+        categories[category] = categories.get(category, 0.0) + (b - a)
+    kernel_time = sum(categories.values()) or 1.0
+    # The threads that launch this phase's kernels (an op's `kernels` are those it launched; the CUDA
+    # runtime's launch calls are host events of their own).
+    launchers = {e.thread for e in host_ops if e.kernels or "LaunchKernel" in e.name}
+    idle = host_time_in_gaps([e for e in host_ops if e.thread in launchers], gaps)
+    idle_total = sum(b - a for a, b in gaps)
+    out.update(
+        gpu_busy=busy / max(end - start, 1e-9),
+        idle_ms=idle_total / 1000.0,
+        gaps=len(gaps),
+        longest_gaps_ms=sorted(((b - a) / 1000.0 for a, b in gaps), reverse=True)[:5],
+        share_by_category={c: t / kernel_time for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
+        host_ops_in_idle_ms=_top_ms(idle, top),
+    )
+    return out
+
+
+def busy_and_gaps(intervals, start: float, end: float) -> tuple[float, list[tuple[float, float]]]:
+    """The time within [start, end] covered by the union of `intervals` ((a, b, ...) tuples), and
+    the uncovered stretches as sorted (a, b) gaps (the edges of the window included)."""
+    busy, gaps, covered = 0.0, [], start
+    for a, b, *_ in sorted(intervals):
+        if a > covered:
+            gaps.append((covered, a))
+        if b > covered:
+            busy += b - max(a, covered)
+            covered = b
+    if end > covered:
+        gaps.append((covered, end))
+    return busy, gaps
+
+
+def host_time_in_gaps(host_ops, gaps: list[tuple[float, float]]) -> dict[str, float]:
+    """Per host op name, the time its calls overlap the sorted, disjoint `gaps`."""
+    starts = [a for a, _ in gaps]
+    time: dict[str, float] = {}
+    for e in host_ops:
+        a, b = e.time_range.start, e.time_range.end
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        overlap = 0.0
+        while i < len(gaps) and gaps[i][0] < b:
+            overlap += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
+            i += 1
+        if overlap > 0:
+            time[e.name] = time.get(e.name, 0.0) + overlap
+    return time
+
+
+def _top_ms(times_us: dict[str, float], top: int) -> list[dict]:
+    return [
+        {"name": name[:120], "ms": us / 1000.0}
+        for name, us in sorted(times_us.items(), key=lambda kv: -kv[1])[:top]
+        if us > 0
+    ]
