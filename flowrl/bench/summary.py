@@ -194,6 +194,8 @@ def _step_profile_lines(profile: dict | None) -> list[str]:
     """flowrl.bench.step_profile's result, a line per phase ('' without a profile)."""
     if not profile:
         return []
+    if "error" in profile:
+        return [f"- the profiled step failed: {profile['error']}"]
     lines = []
     for phase, p in profile["phases"].items():
         head = f"- profiled step, {_PHASE_LABELS.get(phase, phase)}: {p['wall_ms']:.0f} ms"

@@ -281,7 +281,11 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
         if args.profile:
-            report.data["flowrl"]["profile"] = profile_step(lambda: _flowrl_step(trainer, units, cfg), device)
+            try:
+                report.data["flowrl"]["profile"] = profile_step(lambda: _flowrl_step(trainer, units, cfg), device)
+            except Exception as exc:  # noqa: BLE001 - the timed steps are still worth reporting
+                traceback.print_exc()
+                report.data["flowrl"]["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
             report.save()
     finally:
         trainer.scorer.close()
