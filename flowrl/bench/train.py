@@ -130,6 +130,8 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
         "logprob_gap_max": metrics.get("actor/logprob_gap_max"),
         "kl": metrics.get("actor/kl"),  # the KL term's mean (0 without one)
+        # the share of the recompute's forwards scored while the rewards were computed
+        "old_log_prob_early_share": metrics.get("actor/old_log_prob_early_share"),
         # What trainer.gradient_checkpointing ran with ("auto": decided at the first update).
         "gradient_checkpointing": (
             bool(metrics["memory/gradient_checkpointing"]) if "memory/gradient_checkpointing" in metrics else None

@@ -147,6 +147,11 @@ class AsyncRewardScorer:
             return error
 
     # -- consumer side -----------------------------------------------------------------------
+    def is_done(self) -> bool:
+        """Whether every submitted row is scored (results_with_components would not wait)."""
+        with self._condition:
+            return not self._pending and not self._num_in_flight
+
     def results_with_components(
         self, num_rows: int | None = None, timeout_s: float | None = None, stop_check: StopCheck | None = None
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -34,12 +34,14 @@ from flowrl.waiting import run_in_thread
 class CollectedRollout:
     """One step's rollout as the update takes it: this rank's batch, the step's rows of every rank
     with their rewards and engine counters (flowrl.trainer.step_rows.StepRows), and the seconds
-    spent rolling out and then waiting for rewards."""
+    spent rolling out, then scoring the update's recompute while the rewards were still being
+    computed (flowrl.trainer.early_denominators), then waiting for the rewards."""
 
     rollout: object
     rows: object
     rollout_s: float
     reward_wait_s: float
+    early_recompute_s: float = 0.0
 
 
 def schedule_for(trainer):

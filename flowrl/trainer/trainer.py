@@ -233,6 +233,10 @@ class FlowGRPOTrainer:
         metrics["timing/rollout_s"] = collected.rollout_s
         metrics["timing/rollout_wait_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = collected.reward_wait_s
+        if collected.early_recompute_s:
+            # The recompute scored while the rewards were computed is the old log-prob's time too.
+            metrics["timing/old_log_prob_early_s"] = collected.early_recompute_s
+            metrics["timing/old_log_prob_s"] = metrics.get("timing/old_log_prob_s", 0.0) + collected.early_recompute_s
         metrics["timing/step_s"] = time.perf_counter() - t0
         if self.world.device.type == "cuda":
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
@@ -275,11 +279,36 @@ class FlowGRPOTrainer:
         self.agent_loop.rows_generated = first_row + len(rows) * n
         t_rollout = time.perf_counter()
         stats = self.rollout_backend.stats()
+        scored_early = self._score_denominators_early(step, rollout, stop_check)
+        t_early = time.perf_counter() if scored_early else t_rollout
         rewards, components = self.scorer.results_with_components(len(rollout), stop_check=stop_check)
         t_reward = time.perf_counter()
         counters = {} if stats is None else {name: stats.get(name, 0) for name in _ENGINE_COUNTERS}
         everyone = gather_step_rows(self.world, rollout, rewards, components, counters)
-        return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_rollout)
+        return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_early, t_early - t_rollout)
+
+    def _score_denominators_early(self, step: int, rollout, stop_check) -> bool:
+        """While the rewards are still being scored, the update's old-log-prob recompute as planned
+        with every row trained (flowrl.trainer.early_denominators; with algorithm.old_log_prob=
+        recompute, after the first update); whether it ran. The plan needs every rank's rows: a
+        collective, run by every rank alike (the condition is the same on all of them)."""
+        if self.rollouts.is_async or not self.updater.scores_denominators_early:
+            return False
+        provisional = gather_step_rows(self.world, rollout, np.zeros(len(rollout)), {}, {})
+
+        def keep_going() -> bool:
+            if stop_check is not None:
+                stop_check()  # a stop signal ends the wait for rewards, this included
+            return not self.scorer.is_done()
+
+        self.updater.score_denominators_early(
+            {k: v for k, v in rollout.batch.items() if k != "images"},
+            TransitionSpec.from_columns(rollout.non_tensor_batch),
+            step,
+            provisional.trained(np.ones(len(provisional.owner), dtype=bool)),
+            keep_going,
+        )
+        return True
 
     def _staleness_metrics(self, collected: CollectedRollout) -> dict:
         """How many training steps the weights being trained are ahead of those that drew each row

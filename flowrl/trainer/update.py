@@ -10,7 +10,9 @@
 2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or the
    current policy's, before any update (`recompute`). The first optimizer step scores its own rows
    with exactly those weights, so its values are its rows' denominators (its ratios are exactly
-   1); only the rows of the later optimizer steps are re-scored before the update;
+   1); only the rows of the later optimizer steps are re-scored before the update, or earlier,
+   while the step's rewards are still being scored (`score_denominators_early`,
+   flowrl.trainer.early_denominators);
 3. for each optimizer step, for each micro-batch and each group of `trainer.steps_per_forward`
    trained steps (one forward: the micro-batch's rows at each step of the group): recomputes the
    log-prob with grad, each row with the settings it was drawn with (`specs`), adds the clipped
@@ -61,6 +63,7 @@ from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.sampler import kl_to_reference
 from flowrl.trainer.checkpointing import CheckpointingChoice, choose_checkpointing
+from flowrl.trainer.early_denominators import EarlyDenominators
 from flowrl.trainer.lora import adapter_disabled
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, score_transitions, takes_values_from_no_grad
@@ -178,6 +181,7 @@ class PolicyUpdater:
         self.scoring = Scoring.choose(self.values_from_no_grad, algorithm_cfg.old_log_prob)
         # trainer.gradient_checkpointing: "auto" is measured at this process's first update.
         self.checkpointing: CheckpointingChoice | None = None
+        self.early: EarlyDenominators | None = None  # score_denominators_early's, for the next update
 
     # -- the update -----------------------------------------------------------------------------
     def update(
@@ -207,7 +211,7 @@ class PolicyUpdater:
         # 2. the PPO denominator (the first optimizer step's rows get theirs from its own passes)
         transformer = self.adapter.transformer
         with torch.profiler.record_function("flowrl/old_log_prob"):  # flowrl bench train --profile
-            old, gaps = self._old_log_probs(tensors, specs, plan, rollout_log_probs)
+            old, gaps, early_share = self._old_log_probs(tensors, specs, plan, rollout_log_probs, step)
         t_old = time.perf_counter()
         first_step_scores_old = self.algorithm.old_log_prob == "recompute"
         first_step_values: list[tuple[torch.Tensor, int, torch.Tensor]] = []
@@ -288,6 +292,8 @@ class PolicyUpdater:
         metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
         metrics.update(self.checkpointing.metrics())
+        if early_share is not None:
+            metrics["actor/old_log_prob_early_share"] = early_share
         if gap_count:
             metrics["actor/logprob_gap_mean"] = gap_sum / gap_count
             metrics["actor/logprob_gap_max"] = gap_max
@@ -389,30 +395,40 @@ class PolicyUpdater:
         size = self.trainer.micro_batch_size
         return [torch.tensor(g[i : i + size]) for g in groups.values() for i in range(0, len(g), size)]
 
-    def _old_log_probs(self, tensors, specs, plan: Plan, rollout_log_probs) -> tuple[torch.Tensor, list]:
-        """The PPO denominator (N, K) as far as it is known before the update, and the log-prob
-        gaps it measured. With `recompute`, the rows of epoch 0's later optimizer steps are scored
-        in their micro-batches and step groups (the composition they are trained in: ratio exactly
-        1 on CPU until an optimizer step changes the weights) and the first step's rows are left
-        to it; the recompute's `padding` weight-0 micro-batches are scored and dropped (sharded
-        weights)."""
+    def _old_log_probs(
+        self, tensors, specs, plan: Plan, rollout_log_probs, step: int
+    ) -> tuple[torch.Tensor, list, float | None]:
+        """The PPO denominator (N, K) as far as it is known before the update, the log-prob gaps
+        it measured, and the share of the recompute's forwards taken from score_denominators_early
+        (None without a recompute). With `recompute`, the rows of epoch 0's later optimizer steps
+        are scored in their micro-batches and step groups (the composition they are trained in:
+        ratio exactly 1 on CPU until an optimizer step changes the weights) and the first step's
+        rows are left to it; the recompute's `padding` weight-0 micro-batches are scored and
+        dropped (sharded weights)."""
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
                     "algorithm.old_log_prob=rollout needs rollout log-probs; set rollout.sampling.logprobs=true"
                 )
-            return rollout_log_probs, []
+            return rollout_log_probs, [], None
+        early, self.early = self.early, None
+        if early is not None and (early.step, early.optimizer_steps) != (step, self.num_optimizer_steps):
+            early = None  # scored for another step, or with other weights
         train_steps = plan.train_steps
         old = torch.zeros(train_steps.shape)
         recomputed = torch.zeros(train_steps.shape[0], dtype=torch.bool)
         scored: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        forwards, taken = 0, 0
         if self.scoring.recompute_with_grad:
             self.adapter.transformer.train()  # the graph of the grad passes, mode included
         try:
             for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
                 for steps in self._step_groups(train_steps.shape[1]):
                     pair_rows, pair_specs, step_index = _pairs(rows, steps, train_steps, specs)
-                    log_prob = self._score_denominator(tensors, pair_specs, pair_rows, step_index)
+                    log_prob = None if early is None or is_padding else early.take(pair_rows, step_index)
+                    forwards, taken = forwards + 1, taken + (log_prob is not None)
+                    if log_prob is None:
+                        log_prob = self._score_denominator(tensors, pair_specs, pair_rows, step_index)
                     if not is_padding:
                         scored += _per_step(rows, steps, log_prob)
                 recomputed[rows] |= not is_padding
@@ -423,7 +439,50 @@ class PolicyUpdater:
         gaps = []
         if rollout_log_probs is not None and recomputed.any():
             gaps = [(old[recomputed] - rollout_log_probs[recomputed]).abs().flatten()]
-        return old, gaps
+        return old, gaps, taken / forwards if forwards else 0.0
+
+    @property
+    def scores_denominators_early(self) -> bool:
+        """Whether score_denominators_early scores anything (flowrl.trainer.early_denominators)."""
+        return (
+            self.algorithm.old_log_prob == "recompute"
+            and self.checkpointing is not None
+            and not self.parallel.pads_micro_batches
+        )
+
+    def score_denominators_early(self, tensors, specs, step: int, trained: TrainedRows, keep_going) -> None:
+        """Score the recompute's forwards of step `step`'s update as planned over `trained` (every
+        row of every rank) while keep_going() holds, for the update to take
+        (flowrl.trainer.early_denominators). At most two forwards are on the device at a time, so
+        the device stops soon after keep_going() turns false. Whatever keep_going raises ends it
+        with nothing kept."""
+        self.early = None
+        if not self.scores_denominators_early:
+            return
+        plan = self.plan(tensors, specs, step, trained)
+        early = EarlyDenominators(step, self.num_optimizer_steps)
+        forwards = [
+            (rows, steps)
+            for rows in plan.recomputed_micro_batches
+            for steps in self._step_groups(plan.train_steps.shape[1])
+        ]
+        queued: list[torch.cuda.Event] = []
+        if self.scoring.recompute_with_grad:
+            self.adapter.transformer.train()
+        try:
+            for rows, steps in forwards:
+                if len(queued) == 2:
+                    queued.pop(0).synchronize()
+                if not keep_going():
+                    break
+                pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
+                early.put(pair_rows, step_index, self._score_denominator(tensors, pair_specs, pair_rows, step_index))
+                if self.adapter.device.type == "cuda":
+                    queued.append(torch.cuda.Event())
+                    queued[-1].record()
+        finally:
+            self.adapter.transformer.eval()
+        self.early = early if len(early) else None
 
     def _score_denominator(self, tensors, specs, rows, step_index) -> torch.Tensor:
         """The recompute's log-probs of micro-batch `rows`, from the graph the update's values come

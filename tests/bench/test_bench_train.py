@@ -90,6 +90,7 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     # One more step, profiled phase by phase, is kept out of the timed steps' medians.
     flowrl = report["flowrl"]
     assert [s["step"] for s in flowrl["steps"]] == [2, 3]
+    assert 0 <= flowrl["steps"][-1]["old_log_prob_early_share"] <= 1  # the recipe recomputes
     profile = flowrl["profile"]
     assert profile["clock"] == "cpu" and set(profile["phases"]) == {"rollout", "old_log_prob", "update"}
     update = profile["phases"]["update"]
