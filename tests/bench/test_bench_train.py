@@ -245,12 +245,20 @@ def test_trainable_leaves_the_model_as_it_was():
     assert all(torch.equal(after[n], before[n]) and not after[n].requires_grad for n in before)
 
 
-def test_a_failing_peer_keeps_flowrls_figures(tmp_path, capsys):
-    """The peer implements the sde step only: with cps it fails, and flowrl's step is still measured."""
-    code, report = _bench(tmp_path, "sd35_medium_ocr_lora.yaml", [*SD35, "rollout.sampling.sde_type=cps"])
+def test_a_failing_peer_or_profile_keeps_flowrls_figures(tmp_path, capsys, monkeypatch):
+    """The peer implements the sde step only: with cps it fails, and flowrl's step is still measured;
+    so it is when the profiled step fails."""
+
+    def failing_profile(fn, device):
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr("flowrl.bench.train.profile_step", failing_profile)
+    code, report = _bench(tmp_path, "sd35_medium_ocr_lora.yaml", [*SD35, "rollout.sampling.sde_type=cps"], "--profile")
     assert code == 1
     assert "sde_type='cps'" in report["peer"]["error"] and report["flowrl"]["step_seconds"] > 0
-    assert "the peer's loop failed" in capsys.readouterr().out
+    assert report["flowrl"]["profile"] == {"error": "RuntimeError: no profiler here"}
+    printed = capsys.readouterr().out
+    assert "the peer's loop failed" in printed and "the profiled step failed: RuntimeError" in printed
 
 
 @pytest.mark.gpu
