@@ -209,78 +209,15 @@ class PolicyUpdater:
             rollout_log_probs = rollout_log_probs.gather(1, plan.train_steps).float()
 
         # 2. the PPO denominator (the first optimizer step's rows get theirs from its own passes)
-        transformer = self.adapter.transformer
         with torch.profiler.record_function("flowrl/old_log_prob"):  # flowrl bench train --profile
             old, gaps, early_share = self._old_log_probs(tensors, specs, plan, rollout_log_probs, step)
         t_old = time.perf_counter()
-        first_step_scores_old = self.algorithm.old_log_prob == "recompute"
-        first_step_values: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 
-        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch. The
-        # micro-batch loop never waits for the device: its metrics and gaps stay there until the
-        # optimizer step, which reads them once.
+        # 3. clipped PPO: score with grad, loss, backward; one optimizer step per mini-batch
         with torch.profiler.record_function("flowrl/update"):
-            sums = dict.fromkeys(_LOSS_METRICS, 0.0)
-            count, ratio_max = 0, -math.inf
-            step_groups = self._step_groups(num_train)
-            self.records = []
-            transformer.train()
-            for index, micro_batches in enumerate(plan.optimizer_steps):
-                rows_of_step = torch.cat(micro_batches) if micro_batches else torch.zeros(0, dtype=torch.long)
-                # Every valid (row, step) pair of this optimizer step, on every rank, weighs 1 / normalizer.
-                normalizer = plan.step_weights[index] * num_train
-                outputs: list[PolicyLossOutput] = []
-                rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-                for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
-                    for steps in step_groups:
-                        pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
-                        result = self._score_with_grad(tensors, pair_specs, pair_rows, step_index, self.scoring.values)
-                        denominator = torch.cat([old[rows, k] for k in steps])
-                        if index == 0 and first_step_scores_old:
-                            # These weights are the ones the denominator is taken with: ratio exactly 1.
-                            denominator = result.log_prob.detach()
-                            if not is_padding:
-                                first_step_values += _per_step(rows, steps, denominator)
-                        kl = None
-                        if self.algorithm.kl_beta > 0:
-                            kl = kl_to_reference(
-                                result, self._reference_mean(tensors, pair_specs, pair_rows, step_index)
-                            )
-                        out = clipped_policy_loss(
-                            result.log_prob,
-                            result.log_prob.detach() if is_padding else denominator,
-                            advantages[pair_rows],
-                            self.algorithm.clip_range,
-                            kl=kl,
-                            kl_beta=self.algorithm.kl_beta,
-                            weights=torch.zeros(len(pair_rows)) if is_padding else weights[pair_rows],
-                            normalizer=normalizer,
-                        )
-                        self._backward(out.loss)
-                        if is_padding:
-                            continue  # it ran only so that every rank runs as many forwards and backwards
-                        if rollout_log_probs is not None and index == 0 and not first_step_scores_old:
-                            rollout_gaps += _per_step(rows, steps, result.log_prob.detach())
-                        outputs.append(out)
-                self.parallel.reduce_gradients(self.params)
-                grad_norm = self._optimizer_step()
-                # The step's reads from the device, after its kernels are queued.
-                step_sums, loss_sum, clipped_sum, step_ratio_max = _read_outputs(outputs)
-                for name in _LOSS_METRICS:
-                    sums[name] += step_sums[name]
-                count += sum(out.num_rows for out in outputs)
-                ratio_max = max(ratio_max, step_ratio_max)
-                pairs = normalizer if normalizer > 0 else 1.0
-                # The loss and clipped share of this rank's pairs (each a share of the step's mean).
-                self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs, grad_norm))
-                for rows, k, values in _to_host(rollout_gaps):
-                    gaps.append((values - rollout_log_probs[rows, k]).abs())
-                for rows, k, values in _to_host(first_step_values):
-                    old[rows, k] = values  # the later epochs' denominators of these rows
-                    if rollout_log_probs is not None:
-                        gaps.append((old[rows, k] - rollout_log_probs[rows, k]).abs())
-                first_step_values.clear()
-            transformer.eval()
+            sums, count, ratio_max = self._optimizer_steps(
+                tensors, specs, advantages, weights, plan, old, gaps, rollout_log_probs
+            )
 
         # 4. metrics (means over the trained pairs of every rank)
         gap = torch.cat(gaps) if gaps else torch.zeros(0)
@@ -306,6 +243,78 @@ class PolicyUpdater:
         return metrics
 
     # -- the pieces of the update -----------------------------------------------------------------
+    def _optimizer_steps(
+        self, tensors, specs, advantages, weights, plan: Plan, old: torch.Tensor, gaps: list, rollout_log_probs
+    ) -> tuple[dict[str, float], int, float]:
+        """The update's optimizer steps (module docstring, 3.); returns this rank's sums of the loss
+        metrics, its pair count and largest ratio, and appends the gaps it measured to `gaps`. The
+        micro-batch loop never waits for the device: its metrics and gaps stay there until the
+        optimizer step, which reads them once. Epoch 0's first step fills in `old` for its rows."""
+        transformer = self.adapter.transformer
+        num_train = plan.train_steps.shape[1]
+        first_step_scores_old = self.algorithm.old_log_prob == "recompute"
+        first_step_values: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        sums = dict.fromkeys(_LOSS_METRICS, 0.0)
+        count, ratio_max = 0, -math.inf
+        step_groups = self._step_groups(num_train)
+        self.records = []
+        transformer.train()
+        for index, micro_batches in enumerate(plan.optimizer_steps):
+            rows_of_step = torch.cat(micro_batches) if micro_batches else torch.zeros(0, dtype=torch.long)
+            # Every valid (row, step) pair of this optimizer step, on every rank, weighs 1 / normalizer.
+            normalizer = plan.step_weights[index] * num_train
+            outputs: list[PolicyLossOutput] = []
+            rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+            for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
+                for steps in step_groups:
+                    pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
+                    result = self._score_with_grad(tensors, pair_specs, pair_rows, step_index, self.scoring.values)
+                    denominator = torch.cat([old[rows, k] for k in steps])
+                    if index == 0 and first_step_scores_old:
+                        # These weights are the ones the denominator is taken with: ratio exactly 1.
+                        denominator = result.log_prob.detach()
+                        if not is_padding:
+                            first_step_values += _per_step(rows, steps, denominator)
+                    kl = None
+                    if self.algorithm.kl_beta > 0:
+                        kl = kl_to_reference(result, self._reference_mean(tensors, pair_specs, pair_rows, step_index))
+                    out = clipped_policy_loss(
+                        result.log_prob,
+                        result.log_prob.detach() if is_padding else denominator,
+                        advantages[pair_rows],
+                        self.algorithm.clip_range,
+                        kl=kl,
+                        kl_beta=self.algorithm.kl_beta,
+                        weights=torch.zeros(len(pair_rows)) if is_padding else weights[pair_rows],
+                        normalizer=normalizer,
+                    )
+                    self._backward(out.loss)
+                    if is_padding:
+                        continue  # it ran only so that every rank runs as many forwards and backwards
+                    if rollout_log_probs is not None and index == 0 and not first_step_scores_old:
+                        rollout_gaps += _per_step(rows, steps, result.log_prob.detach())
+                    outputs.append(out)
+            self.parallel.reduce_gradients(self.params)
+            grad_norm = self._optimizer_step()
+            # The step's reads from the device, after its kernels are queued.
+            step_sums, loss_sum, clipped_sum, step_ratio_max = _read_outputs(outputs)
+            for name in _LOSS_METRICS:
+                sums[name] += step_sums[name]
+            count += sum(out.num_rows for out in outputs)
+            ratio_max = max(ratio_max, step_ratio_max)
+            pairs = normalizer if normalizer > 0 else 1.0
+            # The loss and clipped share of this rank's pairs (each a share of the step's mean).
+            self.records.append(UpdateRecord(rows_of_step, loss_sum, clipped_sum / pairs, grad_norm))
+            for rows, k, values in _to_host(rollout_gaps):
+                gaps.append((values - rollout_log_probs[rows, k]).abs())
+            for rows, k, values in _to_host(first_step_values):
+                old[rows, k] = values  # the later epochs' denominators of these rows
+                if rollout_log_probs is not None:
+                    gaps.append((old[rows, k] - rollout_log_probs[rows, k]).abs())
+            first_step_values.clear()
+        transformer.eval()
+        return sums, count, ratio_max
+
     def plan(
         self,
         tensors: dict[str, torch.Tensor],
