@@ -529,7 +529,7 @@ def test_bench_logprob_recompute_step_runs_no_value_pass(tmp_path):
                     "0.05",
                     "--compile",
                     "--compile-backend",
-                    "aot_eager",
+                    "eager",  # which pass gives the values follows is_compiled, not the backend
                     "--old-log-prob",
                     mode,
                     *extra,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import pytest
 
@@ -32,14 +33,24 @@ def _train_cli(tiny_sd3_path, output_dir, *overrides) -> int:
     return cli.run(argparse.Namespace(config=None, overrides=overrides))
 
 
+@pytest.fixture(scope="module")
+def trained_run(tiny_run_config, tmp_path_factory):
+    """A finished 2-step run (validation, tensorboard, checkpoints), trained once for the module."""
+    from flowrl.trainer.trainer import FlowGRPOTrainer
+
+    folder = tmp_path_factory.mktemp("finished") / "run"
+    overrides = ("trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "logging.tensorboard=true")
+    with FlowGRPOTrainer(tiny_run_config(folder, *TINY, *overrides)) as trainer:
+        trainer.fit()
+    return folder
+
+
 @pytest.fixture
-def finished_run(build_trainer, make_cfg):
-    """A finished 2-step run (validation, tensorboard, checkpoints): its config builder and folder."""
-    cfg = make_cfg(
-        *TINY, "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "logging.tensorboard=true"
-    )
-    build_trainer(cfg).fit()
-    return cfg.trainer.output_dir
+def finished_run(trained_run, make_cfg):
+    """A copy of the finished run in the folder `make_cfg()` trains in (each test may change its copy)."""
+    folder = make_cfg().trainer.output_dir
+    shutil.copytree(trained_run, folder)
+    return folder
 
 
 def test_run_files_name_everything_a_run_writes(finished_run):
