@@ -143,7 +143,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, named):
     ],
     ids=["sd3", "qwen_image", "flux", "flux_true_cfg", "z_image"],
 )
-def test_peer_log_probs_are_flowrls(recipe, overrides, rows):
+def test_peer_log_probs_are_flowrls(recipe, overrides, rows, tmp_path):
     """The peer's SDE step is written out from the formula, not taken from flowrl.sampler: its
     log-probs must be those flowrl's trainer computes for the same transitions, rollout and
     re-scoring alike, or the two loops would not compute the same thing; with the adapter's
@@ -156,7 +156,7 @@ def test_peer_log_probs_are_flowrls(recipe, overrides, rows):
     from flowrl.trainer.build import build_engine, check_before_loading
     from flowrl.trainer.policy import score_transitions
 
-    cfg = load_bench_config(str(REPO / "recipes" / recipe), [*TINY, *overrides], "unused")
+    cfg = load_bench_config(str(REPO / "recipes" / recipe), [*TINY, *overrides], str(tmp_path / "run"))
     prepared = check_before_loading(cfg)
     adapter = build_engine(cfg).adapter
     with trainable(adapter.transformer, cfg.trainer) as params:
