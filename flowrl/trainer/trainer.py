@@ -73,6 +73,13 @@ def _row_metadata(batch, row: int) -> dict:
     return {k: v[row] for k, v in batch.non_tensor_batch.items() if k not in _NON_METADATA}
 
 
+def _update_inputs(rollout) -> tuple[dict, list[TransitionSpec]]:
+    """A rollout batch as the updater takes it: its stored tensors (the images left out) and the
+    settings each row was drawn with."""
+    tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
+    return tensors, TransitionSpec.from_columns(rollout.non_tensor_batch)
+
+
 class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
@@ -211,8 +218,7 @@ class FlowGRPOTrainer:
         # planned over the kept rows of every rank, each rank running its own
         self._progress.phase("update")
         if keep.any():
-            tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
-            specs = TransitionSpec.from_columns(rollout.non_tensor_batch)
+            tensors, specs = _update_inputs(rollout)
             advantages = torch.from_numpy(adv.values[everyone.mine])
             checkpointing_known = self.updater.checkpointing is not None
             metrics.update(
@@ -301,13 +307,8 @@ class FlowGRPOTrainer:
                 stop_check()  # a stop signal ends the wait for rewards, this included
             return not self.scorer.is_done()
 
-        self.updater.score_denominators_early(
-            {k: v for k, v in rollout.batch.items() if k != "images"},
-            TransitionSpec.from_columns(rollout.non_tensor_batch),
-            step,
-            provisional.trained(np.ones(len(provisional.owner), dtype=bool)),
-            keep_going,
-        )
+        every_row = provisional.trained(np.ones(len(provisional.owner), dtype=bool))
+        self.updater.score_denominators_early(*_update_inputs(rollout), step, every_row, keep_going)
         return True
 
     def _staleness_metrics(self, collected: CollectedRollout) -> dict:

@@ -48,6 +48,7 @@ about the engine, rewards or how the advantages were computed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -428,21 +429,15 @@ class PolicyUpdater:
         recomputed = torch.zeros(train_steps.shape[0], dtype=torch.bool)
         scored: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         forwards, taken = 0, 0
-        if self.scoring.recompute_with_grad:
-            self.adapter.transformer.train()  # the graph of the grad passes, mode included
-        try:
-            for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
-                for steps in self._step_groups(train_steps.shape[1]):
-                    pair_rows, pair_specs, step_index = _pairs(rows, steps, train_steps, specs)
-                    log_prob = None if early is None or is_padding else early.take(pair_rows, step_index)
-                    forwards, taken = forwards + 1, taken + (log_prob is not None)
-                    if log_prob is None:
-                        log_prob = self._score_denominator(tensors, pair_specs, pair_rows, step_index)
-                    if not is_padding:
-                        scored += _per_step(rows, steps, log_prob)
-                recomputed[rows] |= not is_padding
-        finally:
-            self.adapter.transformer.eval()
+        with self._recompute_mode():
+            for rows, is_padding, steps, pair_rows, pair_specs, step_index in self._recompute_forwards(plan, specs):
+                log_prob = None if early is None or is_padding else early.take(pair_rows, step_index)
+                forwards, taken = forwards + 1, taken + (log_prob is not None)
+                if log_prob is None:
+                    log_prob = self._score_denominator(tensors, pair_specs, pair_rows, step_index)
+                if not is_padding:
+                    scored += _per_step(rows, steps, log_prob)
+                    recomputed[rows] = True
         for rows, k, values in _to_host(scored):  # read after every recompute forward is queued
             old[rows, k] = values
         gaps = []
@@ -450,11 +445,32 @@ class PolicyUpdater:
             gaps = [(old[recomputed] - rollout_log_probs[recomputed]).abs().flatten()]
         return old, gaps, taken / forwards if forwards else 0.0
 
+    def _recompute_forwards(self, plan: Plan, specs):
+        """The recompute's forwards in order, as (rows, is_padding, steps, pair_rows, pair_specs,
+        step_index): each micro-batch of epoch 0's later optimizer steps, then the padding ones,
+        at each group of trained steps."""
+        for rows, is_padding in with_padding(plan.recomputed_micro_batches, plan.recompute_padding):
+            for steps in self._step_groups(plan.train_steps.shape[1]):
+                yield rows, is_padding, steps, *_pairs(rows, steps, plan.train_steps, specs)
+
+    @contextlib.contextmanager
+    def _recompute_mode(self):
+        """The module mode of the graph the recompute runs in: that of the grad passes (train) when
+        it runs with grad; eval again afterwards."""
+        if self.scoring.recompute_with_grad:
+            self.adapter.transformer.train()
+        try:
+            yield
+        finally:
+            self.adapter.transformer.eval()
+
     @property
     def scores_denominators_early(self) -> bool:
-        """Whether score_denominators_early scores anything (flowrl.trainer.early_denominators)."""
+        """Whether score_denominators_early scores anything (flowrl.trainer.early_denominators):
+        a recompute with optimizer steps after the first, checkpointing settled, weights not sharded."""
         return (
             self.algorithm.old_log_prob == "recompute"
+            and self.trainer.updates_per_step > 1
             and self.checkpointing is not None
             and not self.parallel.pads_micro_batches
         )
@@ -470,27 +486,17 @@ class PolicyUpdater:
             return
         plan = self.plan(tensors, specs, step, trained)
         early = EarlyDenominators(step, self.num_optimizer_steps)
-        forwards = [
-            (rows, steps)
-            for rows in plan.recomputed_micro_batches
-            for steps in self._step_groups(plan.train_steps.shape[1])
-        ]
         queued: list[torch.cuda.Event] = []
-        if self.scoring.recompute_with_grad:
-            self.adapter.transformer.train()
-        try:
-            for rows, steps in forwards:
+        with self._recompute_mode():  # no padding forwards: the weights are not sharded
+            for _, _, _, pair_rows, pair_specs, step_index in self._recompute_forwards(plan, specs):
                 if len(queued) == 2:
                     queued.pop(0).synchronize()
                 if not keep_going():
                     break
-                pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
                 early.put(pair_rows, step_index, self._score_denominator(tensors, pair_specs, pair_rows, step_index))
                 if self.adapter.device.type == "cuda":
                     queued.append(torch.cuda.Event())
                     queued[-1].record()
-        finally:
-            self.adapter.transformer.eval()
         self.early = early if len(early) else None
 
     def _score_denominator(self, tensors, specs, rows, step_index) -> torch.Tensor:
