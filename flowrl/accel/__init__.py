@@ -12,6 +12,9 @@ returns their names. `backend` and `rounding` are flowrl.config's `CompileBacken
 fast path on or off. Called again on the same adapter it keeps the compiled modules and applies
 the new switches (graphs that read a changed switch retrace); backend, rounding and
 `sequence_major` are fixed by the first call. `is_compiled(adapter)` says whether it ran.
+`set_training_cuda_graphs(adapter, True)` replays the compiled blocks' training graphs as CUDA
+graphs (the trainer's `trainer.cuda_graphs`); `cuda_graph_skips()` counts graphs inductor could
+not graph.
 
 Exactness rule, for every fast path here: results equal the eager path's up to bf16 rounding (in
 float32, up to summation order), and each kernel rounds where eager PyTorch rounds wherever it
@@ -25,7 +28,7 @@ regional_compile.py (torch.compile in place), fused_mlp.py (GELU in the GEMM epi
 lora_fold.py (LoRA's low-rank term inside the base GEMM), qwen_image/ (Qwen-Image's block fast
 path and modulation table), flux.py (FLUX.1's single-stream blocks without their concatenation).
 The core (config, sampler, models, engine, rollout, trainer) imports
-only `compile_adapter` and `is_compiled` from here, inside the functions that need them, and the
+only the four functions below from here, inside the functions that need them, and the
 adapters expose one hook that this package installs into (QwenImageAdapter.transformer_call_hook).
 Importing this package loads none of torch's compiler.
 """
@@ -41,6 +44,27 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
     return compile_(adapter, backend, rounding, **switches)
 
 
+def set_training_cuda_graphs(adapter, enabled: bool) -> None:
+    """Replay the compiled blocks' training graphs (forwards with grad and their backwards) as
+    CUDA graphs, or not (the default). Rollout graphs are never graphed. A ValueError when the
+    adapter is not compiled, or (turning them on) not on a CUDA device or not compiled with
+    inductor. Callers keep the contract of regional_compile.set_grad_cuda_graphs: each grad
+    forward starts with `torch.compiler.cudagraph_mark_step_begin()` once the previous one's
+    backward ran, and gradients accumulate into `.grad` tensors allocated outside the graphs."""
+    from flowrl.accel.adapter import set_training_cuda_graphs as set_graphs
+
+    set_graphs(adapter, enabled)
+
+
+def cuda_graph_skips() -> int:
+    """How many compiled graphs inductor ran without CUDA graphs although asked to, in this
+    process (each logged with its reason, e.g. an input mutated in place): 0 means every graph
+    asked for was graphed."""
+    from flowrl.accel.adapter import cuda_graph_skips as skips
+
+    return skips()
+
+
 def is_compiled(adapter) -> bool:
     """Whether `compile_adapter` compiled this adapter's modules."""
     from flowrl.accel.adapter import is_compiled as compiled
@@ -48,4 +72,4 @@ def is_compiled(adapter) -> bool:
     return compiled(adapter)
 
 
-__all__ = ["compile_adapter", "is_compiled"]
+__all__ = ["compile_adapter", "cuda_graph_skips", "is_compiled", "set_training_cuda_graphs"]

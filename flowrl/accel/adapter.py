@@ -20,7 +20,12 @@ import flowrl.accel.qwen_image as qwen_image
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
 from flowrl.accel.options import AccelOptions, check_backend, check_compile_rounding
-from flowrl.accel.regional_compile import compile_in_place, compiled_settings, take_checkpoints_inside
+from flowrl.accel.regional_compile import (
+    compile_in_place,
+    compiled_settings,
+    set_grad_cuda_graphs,
+    take_checkpoints_inside,
+)
 from flowrl.console import allow_tracing_cached_checks
 
 
@@ -110,3 +115,20 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
 def is_compiled(adapter) -> bool:
     """flowrl.accel.is_compiled (see flowrl.accel)."""
     return any(compiled_settings(module) is not None for _, module in compiled_regions(adapter))
+
+
+def set_training_cuda_graphs(adapter, enabled: bool) -> None:
+    """flowrl.accel.set_training_cuda_graphs (see flowrl.accel)."""
+    if not is_compiled(adapter):
+        raise ValueError("training CUDA graphs need a compiled model (engine.compile=true)")
+    if enabled and adapter.device.type != "cuda":
+        raise ValueError(f"training CUDA graphs need a CUDA device; the model is on {adapter.device.type}")
+    for _, module in compiled_regions(adapter):
+        set_grad_cuda_graphs(module, enabled)
+
+
+def cuda_graph_skips() -> int:
+    """flowrl.accel.cuda_graph_skips (see flowrl.accel)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

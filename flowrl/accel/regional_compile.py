@@ -40,6 +40,10 @@ INDUCTOR_OPTIONS = {
 EMULATE_PRECISION_CASTS = {"eager": True, "fused": False}
 assert tuple(EMULATE_PRECISION_CASTS) == COMPILE_ROUNDINGS
 
+# Inductor settings that replay a compiled function's graphs as CUDA graphs (what torch.compile's
+# mode="reduce-overhead" sets), used for the grad calls when set_grad_cuda_graphs turns them on.
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
+
 
 def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
     """The batch size (dim 0 of the first tensor argument) and the top-level tensor arguments that
@@ -125,6 +129,15 @@ def compile_in_place(
         _checkpointed(module._call_impl), backend=backend, dynamic=None, options=options
     )
 
+    def graphed_calls() -> tuple:
+        """The grad calls replayed as CUDA graphs, without and with the checkpoint (made by
+        set_grad_cuda_graphs, the first time it turns them on)."""
+        graphed_options = {**options, **CUDA_GRAPH_OPTIONS}
+        return (
+            torch.compile(module._call_impl, backend=backend, dynamic=None, options=graphed_options),
+            torch.compile(_checkpointed(module._call_impl), backend=backend, dynamic=None, options=graphed_options),
+        )
+
     def call_with_dynamic_batch(args: tuple, kwargs: dict, checkpoint: bool):
         _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's
         batch, tensors = _batch_tensors(args, kwargs)
@@ -138,6 +151,8 @@ def compile_in_place(
             torch._dynamo.maybe_mark_dynamic(t, 0)
         if not torch.is_grad_enabled():
             fn = compiled_no_grad
+        elif module._flowrl_graphed_calls is not None:
+            fn = module._flowrl_graphed_calls[checkpoint]
         else:
             fn = compiled_checkpointed if checkpoint else compiled
         out = fn(*args, **kwargs)
@@ -146,7 +161,37 @@ def compile_in_place(
     module._compiled_call_impl = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=False)
     module._flowrl_checkpointed_call = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=True)
     module._flowrl_compile_settings = (backend, rounding)
+    module._flowrl_make_graphed_calls = graphed_calls
+    module._flowrl_graphed_calls = None  # set_grad_cuda_graphs
     return True
+
+
+def set_grad_cuda_graphs(module: torch.nn.Module, enabled: bool) -> None:
+    """Run `module`'s compiled grad calls (training forwards and their backwards) as CUDA graphs
+    (inductor's CUDA graph trees: each graph recorded on a call after its first and replayed
+    after that), or as plain compiled calls. Calls without grad are never graphed.
+
+    Why: a training step at LoRA size launches many kernels shorter than their launch (the
+    low-rank GEMMs, the backward's small kernels), so the host, not the device, sets its pace; a
+    replayed graph launches a block's kernels at once. The kernels are the same ones, so the
+    results are those of the plain compiled call.
+
+    What callers keep to: every grad-mode forward's backward runs, or its graph is dropped, before
+    the next forward starts (`torch.compiler.cudagraph_mark_step_begin()` marks each start, after
+    which the earlier replays' outputs are overwritten), and gradients accumulate into `.grad`
+    tensors allocated outside the graphs (a `.grad` the first backward left in a graph's memory
+    would be overwritten by the next replay)."""
+    settings = compiled_settings(module)
+    if settings is None:
+        raise ValueError("set_grad_cuda_graphs: the module is not compiled (compile_in_place it first)")
+    if not enabled:
+        module._flowrl_graphed_calls = None
+        return
+    if settings[0] != "inductor":
+        raise ValueError(f"CUDA graphs need the inductor backend; this module is compiled with {settings[0]!r}")
+    if getattr(module, "_flowrl_graphed_calls_made", None) is None:
+        module._flowrl_graphed_calls_made = module._flowrl_make_graphed_calls()
+    module._flowrl_graphed_calls = module._flowrl_graphed_calls_made
 
 
 def compiled_settings(module: torch.nn.Module) -> tuple[str, str] | None:

@@ -161,6 +161,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="SDE window length drawn per rollout (default: every step but the last is stochastic)",
     )
     logprob.add_argument(
+        "--cuda-graphs",
+        default="off",
+        choices=["on", "off", "both"],
+        help="replay the compiled training graphs as CUDA graphs (as trainer.cuda_graphs=true; needs --compile "
+        "on a GPU); both times every training step without, then with them, in this process (default off)",
+    )
+    logprob.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="time the training step with the transformer's gradient checkpointing on "

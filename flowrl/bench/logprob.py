@@ -130,6 +130,7 @@ def time_training_step(
     old_log_prob_mode: str = "rollout",
     on_timed=None,
     kl_beta: float = 0.0,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Forward + backward of a clipped-ratio style loss on one micro-batch (+ AdamW step for LoRA),
     scored as the trainer scores a later optimizer step at algorithm.old_log_prob=
@@ -137,7 +138,8 @@ def time_training_step(
     denominator recomputed in the graph of its values or the rollout's); with algorithm.kl_beta=
     `kl_beta` > 0, plus the LoRA-disabled reference's no-grad forward and the KL loss, as
     flowrl.trainer.update adds them; with `profile`, also one
-    profiled step (see the module docstring). `on_timed(result)` gets the
+    profiled step (see the module docstring). cuda_graphs: the compiled blocks' grad calls replay as
+    CUDA graphs (flowrl.accel.set_training_cuda_graphs). `on_timed(result)` gets the
     timings as soon as they are measured, before the FLOP count, so a count that fails (it runs the
     step eagerly under a dispatch mode) cannot take the timings with it."""
     from flowrl.sampler import kl_to_reference
@@ -150,6 +152,10 @@ def time_training_step(
     use_optimizer = sum(p.numel() for p in params) < 1_000_000_000
     scoring = _scoring(adapter, old_log_prob_mode)
     optimizer = torch.optim.AdamW(params, lr=1e-6) if use_optimizer else None
+    from flowrl.accel import is_compiled, set_training_cuda_graphs
+
+    if is_compiled(adapter):
+        set_training_cuda_graphs(adapter, cuda_graphs)
 
     def make_forward_backward(rows: torch.Tensor):
         mb = {name: t[rows] for name, t in tensors.items()}
@@ -245,6 +251,7 @@ def run_logprob(args) -> int:
             f"needs at least that many samples; raise -n (now {args.num_samples})"
         )
     device, dtype = resolve_device_dtype(args.device, args.dtype)
+    graph_modes = _cuda_graph_modes(args.cuda_graphs, args.compile and args.compile_backend == "inductor", device)
     bench = build_bench_model(args.model, device, dtype, num_layers=args.num_layers)
     adapter = bench.adapter
     params = make_trainable(adapter.transformer, args.lora_rank, adapter.default_lora_targets)
@@ -275,6 +282,7 @@ def run_logprob(args) -> int:
                 "gradient_checkpointing": args.gradient_checkpointing,
                 "old_log_prob": args.old_log_prob,
                 "kl_beta": args.kl_beta,
+                "cuda_graphs": args.cuda_graphs,
             },
             "gaps": [],
         },
@@ -337,8 +345,8 @@ def run_logprob(args) -> int:
     #    the GPU, both move with it).
     fitting = [g["micro_batch"] for g in report.data["gaps"] if "error" not in g]
     report.data["training_steps"] = []
-    for train_mb in train_sizes or [max(fitting) if fitting else 1]:
-        train = {"micro_batch": train_mb}
+    for train_mb, graphed in [(mb, g) for mb in train_sizes or [max(fitting) if fitting else 1] for g in graph_modes]:
+        train = {"micro_batch": train_mb, "cuda_graphs": graphed}
         report.data["training_steps"].append(train)
 
         def keep_timings(timed: dict, train: dict = train) -> None:
@@ -359,6 +367,7 @@ def run_logprob(args) -> int:
                 old_log_prob_mode=args.old_log_prob,
                 on_timed=keep_timings,
                 kl_beta=args.kl_beta,
+                cuda_graphs=graphed,
             )
             train.update(timed)
             # MFU of the forward + backward FLOPs over the whole step's time (AdamW on LoRA is small).
@@ -375,6 +384,17 @@ def run_logprob(args) -> int:
     _print_summary(report.data)
     ok = all("error" not in r for r in report.data["gaps"] + report.data["training_steps"])
     return 0 if ok else 1
+
+
+def _cuda_graph_modes(setting: str, compiled_with_inductor: bool, device: torch.device) -> list[bool]:
+    """--cuda-graphs as the training steps to time: without CUDA graphs, with them, or both (in
+    that order)."""
+    if setting != "off" and not (compiled_with_inductor and device.type == "cuda"):
+        raise ValueError(
+            f"--cuda-graphs={setting} replays the compiled training graphs on a GPU; pass --compile (inductor) "
+            "on a CUDA device, or --cuda-graphs off"
+        )
+    return {"on": [True], "off": [False], "both": [False, True]}[setting]
 
 
 def _flops_text(step: dict, sustained_flops: float) -> str:
@@ -432,7 +452,8 @@ def _print_summary(data: dict) -> None:
         if "error" in t:
             print(f"   training step (micro-batch {t['micro_batch']}): timed, then failed: {t['error']}")
         print(
-            f"   training step, micro-batch {t['micro_batch']}: {t['seconds_median'] * 1000:.1f} ms "
+            f"   training step, micro-batch {t['micro_batch']}{', CUDA graphs' if t.get('cuda_graphs') else ''}: "
+            f"{t['seconds_median'] * 1000:.1f} ms "
             f"({t['seconds_median'] * 1000 / t['micro_batch']:.1f} ms per sample; median of {ms_list(t['seconds'])} ms; "
             f"forward+backward{' + AdamW' if t['optimizer_step_included'] else ''}), "
             f"{_flops_text(t, data['peak']['sustained_flops'])}, peak memory {t['peak_memory_gb'] or 0:.1f} GB"

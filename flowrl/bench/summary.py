@@ -186,6 +186,14 @@ def _checkpointing(steps: list[dict]) -> str:
     return f", gradient checkpointing {state}{measured}"
 
 
+def _cuda_graphs(flowrl: dict) -> str:
+    """', training graphs as CUDA graphs (N not graphed)' when the trainer ran them ('' otherwise)."""
+    if not flowrl.get("cuda_graphs"):
+        return ""
+    skips = flowrl.get("cuda_graph_skips")
+    return ", training graphs as CUDA graphs" + ("" if not skips else f" ({skips} graphs inductor could not graph)")
+
+
 def _early_recompute(steps: list[dict]) -> str:
     """', N% of the recompute scored while the rewards were computed' of the last timed step ('' without a recompute)."""
     share = steps[-1].get("old_log_prob_early_share") if steps else None
@@ -268,7 +276,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
         lines.append(
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
-            f"{_checkpointing(flowrl.get('steps', []))}{_early_recompute(flowrl.get('steps', []))}"
+            f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
         )
     warmup = flowrl.get("warmup")
     if warmup:

@@ -231,6 +231,7 @@ def _settings(args, cfg, adapter) -> dict:
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,
         "gradient_checkpointing": tcfg.gradient_checkpointing,
+        "cuda_graphs": tcfg.cuda_graphs,
         "mixed_precision": tcfg.mixed_precision,
         "old_log_prob": cfg.algorithm.old_log_prob,
         "kl_beta": cfg.algorithm.kl_beta,
@@ -282,6 +283,11 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
+        report.data["flowrl"]["cuda_graphs"] = trainer.updater.cuda_graphs
+        if trainer.updater.cuda_graphs:
+            from flowrl.accel import cuda_graph_skips
+
+            report.data["flowrl"]["cuda_graph_skips"] = cuda_graph_skips()
         if args.profile:
             try:
                 report.data["flowrl"]["profile"] = profile_step(lambda: _flowrl_step(trainer, units, cfg), device)

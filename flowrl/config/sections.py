@@ -404,6 +404,12 @@ class TrainerConfig:
         activations (less memory, about half a forward more work per trained pair): true, false,
         or "auto": on only when one micro-batch's activations, measured at the first update, do
         not fit in the device's free memory (flowrl.trainer.checkpointing).
+    cuda_graphs: replay the compiled blocks' training forwards and backwards as CUDA graphs
+        (inductor's CUDA graph trees; needs engine.compile and a GPU, not with sharded weights),
+        so the host launches each block's kernels at once. The same kernels, so the same update;
+        the graphs keep their activations' memory between updates, and each new micro-batch
+        shape is recorded once. Off by default: on the Qwen-Image recipe it did not pay
+        (docs/performance.md); `flowrl bench logprob --cuda-graphs both` measures a recipe.
     ema: an exponential moving average of the trained weights (EmaConfig).
     resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
         path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
@@ -430,6 +436,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     mixed_precision: MixedPrecision = "no"
     gradient_checkpointing: GradientCheckpointing = False
+    cuda_graphs: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     save_every: int = 10
@@ -657,6 +664,13 @@ class FlowRLConfig:
                     f"rollout.{name}.{field_name}={getattr(params, field_name)} runs CFG, two rows per sample; "
                     f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
                 )
+        if self.trainer.cuda_graphs and not self.engine.compile:
+            _fail(
+                "trainer.cuda_graphs",
+                True,
+                "CUDA graphs replay the compiled blocks' training graphs; set engine.compile=true, "
+                "or trainer.cuda_graphs=false",
+            )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
         if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
             _fail(

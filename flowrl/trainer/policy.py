@@ -31,6 +31,7 @@ rollout engine.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -177,6 +178,16 @@ def _sigma_first(schedule: torch.Tensor) -> float:
     return float(schedule[1] if schedule.shape[0] > 2 else schedule[0])
 
 
+def _mark_cuda_graph_step() -> None:
+    """Tell inductor's CUDA graph trees that a new training step starts: the outputs of earlier
+    replays are no longer needed and may be overwritten (without it, a forward whose graph was
+    dropped unused, as the recompute's, would keep the next forward off its recorded graph).
+    A process that never imported them has no CUDA graphs to tell."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is not None:
+        trees.mark_step_begin()
+
+
 def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
     """Whether the trainer scores with `values_from_no_grad`: when the model is compiled (module
     docstring), and only when its train-mode forward is deterministic. A dropout layer with p > 0
@@ -202,7 +213,11 @@ def score_transitions(
     and stds (for the KL). `specs`: the settings each row was drawn with (one TransitionSpec per
     row, or one for all), sharing one `group_key`. Gradients flow when called with grad enabled;
     with `values_from_no_grad` too, the log-prob's and the mean's values come from a no-grad pass
-    (module docstring)."""
+    (module docstring).
+
+    With grad, each call starts a new step of the CUDA graphs of compiled training graphs
+    (`trainer.cuda_graphs`): the caller runs the backward of one call's result, or drops it,
+    before the next call, since a replay overwrites the outputs of the one before."""
     inputs = _step_inputs(adapter, tensors, step_index, specs)
     if not (values_from_no_grad and torch.is_grad_enabled()):
         return _score(adapter, inputs, autocast_dtype)
@@ -229,6 +244,8 @@ def with_values(
 def _score(adapter: FlowModelAdapter, inputs: _StepInputs, autocast_dtype: torch.dtype | None) -> sampler.StepResult:
     """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
     engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
+    if torch.is_grad_enabled():
+        _mark_cuda_graph_step()
     device = adapter.device
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)

@@ -47,7 +47,7 @@ from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path
+from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path, uses_training_cuda_graphs
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.export import export_pipeline, save_transformer
@@ -144,11 +144,14 @@ class FlowGRPOTrainer:
                 "rollout, validation and update take longer (minutes on a GPU; docs/performance.md gives the "
                 "measured first-step times)"
             )
+        cuda_graphs = self._training_cuda_graphs()
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         ema = tcfg.ema
         self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
-        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
+        self.updater = PolicyUpdater(
+            self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel, cuda_graphs=cuda_graphs
+        )
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.rollout_backend.bind(self.engine)
@@ -172,6 +175,16 @@ class FlowGRPOTrainer:
             )
         # Last: its worker threads run until close(), so a failure above leaves none behind.
         self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
+
+    def _training_cuda_graphs(self) -> bool:
+        """trainer.cuda_graphs for this process (flowrl.trainer.build.uses_training_cuda_graphs),
+        set on the compiled blocks (which start without)."""
+        enabled = uses_training_cuda_graphs(self.cfg.trainer, self.parallel.is_sharded)
+        if enabled:
+            from flowrl.accel import set_training_cuda_graphs
+
+            set_training_cuda_graphs(self.adapter, True)
+        return enabled
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
@@ -227,8 +240,14 @@ class FlowGRPOTrainer:
                 )
             )
             self.policy_version = self.updater.num_optimizer_steps
-            if not checkpointing_known and self.updater.checkpointing.measured and self.world.is_main:
-                note(self.updater.checkpointing.describe())  # trainer.gradient_checkpointing=auto
+            if not checkpointing_known and self.world.is_main:  # the process's first update
+                if self.updater.checkpointing.measured:
+                    note(self.updater.checkpointing.describe())  # trainer.gradient_checkpointing=auto
+                if metrics.get("compile/cuda_graph_skips"):
+                    note(
+                        f"trainer.cuda_graphs: {int(metrics['compile/cuda_graph_skips'])} compiled graphs run without "
+                        "CUDA graphs (TORCH_LOGS=cudagraphs names the reasons)"
+                    )
         # 4. the new version goes live (with trainer.async_rollout: once the early rollout returns)
         t_sync = time.perf_counter()
         self.rollouts.after_update(self.policy_version)

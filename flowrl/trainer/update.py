@@ -152,7 +152,11 @@ class PolicyUpdater:
 
     ema: a flowrl.trainer.ema.ParameterEMA over the same parameters, stepped after every
     optimizer step (None: no moving average). parallel: how gradients combine over ranks
-    (flowrl.distributed.DataParallel; None: one process)."""
+    (flowrl.distributed.DataParallel; None: one process). cuda_graphs: the compiled blocks'
+    grad calls replay as CUDA graphs (flowrl.accel.set_training_cuda_graphs, trainer.cuda_graphs):
+    gradients then accumulate into `.grad` tensors allocated before an optimizer step's first
+    backward (each grad pass's backward runs before the next pass starts, as the graphs need:
+    flowrl.trainer.policy.score_transitions)."""
 
     def __init__(
         self,
@@ -162,6 +166,7 @@ class PolicyUpdater:
         trainer_cfg,
         ema=None,
         parallel: DataParallel | None = None,
+        cuda_graphs: bool = False,
     ):
         self.adapter = adapter
         self.params = params
@@ -170,6 +175,7 @@ class PolicyUpdater:
         self.algorithm = algorithm_cfg
         self.trainer = trainer_cfg
         self.ema = ema
+        self.cuda_graphs = cuda_graphs
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay
         )
@@ -230,6 +236,10 @@ class PolicyUpdater:
         metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
         metrics.update(self.checkpointing.metrics())
+        if self.cuda_graphs:
+            from flowrl.accel import cuda_graph_skips
+
+            metrics["compile/cuda_graph_skips"] = cuda_graph_skips()
         if early_share is not None:
             metrics["actor/old_log_prob_early_share"] = early_share
         if gap_count:
@@ -266,6 +276,8 @@ class PolicyUpdater:
             normalizer = plan.step_weights[index] * num_train
             outputs: list[PolicyLossOutput] = []
             rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+            if self.cuda_graphs:
+                self._allocate_gradients()
             for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
                 for steps in step_groups:
                     pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
@@ -506,6 +518,15 @@ class PolicyUpdater:
             return self._score_no_grad(tensors, specs, rows, step_index).log_prob
         with torch.enable_grad():
             return self._score_with_grad(tensors, specs, rows, step_index, "grad_pass").log_prob.detach()
+
+    def _allocate_gradients(self) -> None:
+        """Zero `.grad` tensors for the trained parameters that have none, before an optimizer
+        step's first backward: with CUDA graphs the backward's gradients live in the graphs' memory,
+        which the next replay overwrites, so they must be added into tensors of their own (a
+        `.grad` left None would take the graph's output itself)."""
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource):
         """Score micro-batch `rows` at `step_index` with grad, its values from `source`."""
