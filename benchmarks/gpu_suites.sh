@@ -10,6 +10,8 @@
 #             tests/benchmarks: the cuBLASLt candidates)                                    ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
 #             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7-9 min
+#   tests-cuda-graphs  the GPU test of trainer.cuda_graphs: a compiled tiny Qwen-Image's update with its
+#             training graphs replayed as CUDA graphs accumulates the gradients it does without ~1-2 min
 #   tests-checkpointing  the GPU test of trainer.gradient_checkpointing=auto: the probe on a compiled
 #             tiny Qwen-Image on CUDA, and the run equal to checkpointing off                  ~1-2 min
 #   sd35      SD3.5-medium rollout: 16 samples, 10 steps, no CFG, eager + compiled,
@@ -51,6 +53,11 @@
 #   sd35-train-step    the compiled LoRA rank-32 gap and training step as the SD3.5 recipe trains
 #                      (bf16 autocast, CFG 4.5, gradient checkpointing, recompute, KL 0.04: the
 #                      reference's forward), micro-batch 8 (16 rows), profiled                ~6-8 min
+#   sd35-train-step-graphs / qwen-train-step-graphs  each recipe's compiled training step at its
+#                      micro-batch, checkpointing off (as `auto` chooses), timed without and then with
+#                      its training graphs replayed as CUDA graphs (--cuda-graphs both), one process;
+#                      the SD3.5 one ran past its 560 s on an H200 (the rollout's compile 142 s) before
+#                      the graphed step was timed: give it BENCH_BUDGET_S=600 and a command of its own  ~10 min
 #   sd35-train-step-eager  the same without engine.compile                                    ~3 min
 #   train-step  `flowrl bench train` (the whole training step, phase by phase, with the peer's loop)
 #             on random weights, jpeg_compressibility reward, embedded prompts: the Qwen-Image
@@ -60,7 +67,8 @@
 #             than one 10-minute device command holds: run the two as separate commands      ~8-9 min
 #   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
-#             compiles, took 419 s on an H200)
+#             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer;
+#             train-step-qwen-graphs: the Qwen-Image one with trainer.cuda_graphs=true
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
 #             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
@@ -226,6 +234,12 @@ suite() {
       echo "[gpu_suites] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
       timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
       echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
+    tests-cuda-graphs)
+      within_budget "$s" 200 "$log" || return 0
+      echo "[gpu_suites] pytest -m gpu trainer.cuda_graphs (limit ${LIMIT}s)" | tee -a "$log"
+      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/trainer/test_cuda_graphs.py \
+        >>"$log" 2>&1
+      echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
     tests-checkpointing)
       within_budget "$s" 150 "$log" || return 0
       echo "[gpu_suites] pytest -m gpu trainer.gradient_checkpointing=auto (limit ${LIMIT}s)" | tee -a "$log"
@@ -300,12 +314,22 @@ suite() {
       run $s 520 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
         --train-micro-batch 8 --gradient-checkpointing --autocast bf16 --guidance-scale 4.5 --old-log-prob recompute \
         --kl-beta 0.04 $compiled ;;
+    sd35-train-step-graphs)  # the SD3.5 recipe's compiled training step without, then with CUDA graphs
+      run $s 560 "$log" logprob --model sd35-medium -n 8 --steps 10 --size 512 --micro-batches 8 \
+        --train-micro-batch 8 --autocast bf16 --guidance-scale 4.5 --old-log-prob recompute --kl-beta 0.04 \
+        --compile --cuda-graphs both --train-repeats 5 ;;
+    qwen-train-step-graphs)  # the Qwen recipe's compiled training step (micro-batch 4) without, then with CUDA graphs
+      run $s 560 "$log" logprob --model qwen-image -n 4 --steps 10 --size 512 --micro-batches 4 --sde-window-size 2 \
+        --train-micro-batch 4 --lora-rank 64 --autocast bf16 --guidance-scale 4.0 --old-log-prob recompute \
+        --compile --cuda-graphs both --train-repeats 5 ;;
     train-step)
       suite "$log" train-step-qwen
       suite "$log" train-step-sd35-eager ;;
-    train-step-qwen)
-      run train-step-qwen 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
-        $RANDOM_RUN trainer.prompts_per_step=2 --steps 1 --peer-steps 1 ;;
+    train-step-qwen|train-step-qwen-graphs)
+      local graphs=""; [[ $s == *-graphs ]] && graphs="trainer.cuda_graphs=true"
+      # shellcheck disable=SC2086  # $RANDOM_RUN and $graphs are lists of overrides
+      run $s 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
+        $RANDOM_RUN trainer.prompts_per_step=2 $graphs --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" ;;
     train-step-qwen-ocr)
       python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
@@ -317,7 +341,7 @@ suite() {
       [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $variant are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
-        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps 1 --peer-steps 1 ;;
+        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \
