@@ -10,6 +10,7 @@ checkpointing, the checkpoint is taken inside the compiled grad graph (`checkpoi
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -129,9 +130,10 @@ def compile_in_place(
         _checkpointed(module._call_impl), backend=backend, dynamic=None, options=options
     )
 
+    @functools.cache
     def graphed_calls() -> tuple:
-        """The grad calls replayed as CUDA graphs, without and with the checkpoint (made by
-        set_grad_cuda_graphs, the first time it turns them on)."""
+        """The grad calls replayed as CUDA graphs, without and with the checkpoint (made once, the
+        first time set_grad_cuda_graphs turns them on)."""
         graphed_options = {**options, **CUDA_GRAPH_OPTIONS}
         return (
             torch.compile(module._call_impl, backend=backend, dynamic=None, options=graphed_options),
@@ -171,10 +173,10 @@ def set_grad_cuda_graphs(module: torch.nn.Module, enabled: bool) -> None:
     (inductor's CUDA graph trees: each graph recorded on a call after its first and replayed
     after that), or as plain compiled calls. Calls without grad are never graphed.
 
-    Why: a training step at LoRA size launches many kernels shorter than their launch (the
-    low-rank GEMMs, the backward's small kernels), so the host, not the device, sets its pace; a
-    replayed graph launches a block's kernels at once. The kernels are the same ones, so the
-    results are those of the plain compiled call.
+    Why: a training step at LoRA size launches many short kernels (the low-rank GEMMs, the
+    backward's small kernels); where launching them sets the step's pace, a replayed graph
+    launches a block's kernels at once. The kernels are the same ones, so the results are those
+    of the plain compiled call. Whether it pays is measured per recipe (docs/performance.md).
 
     What callers keep to: every grad-mode forward's backward runs, or its graph is dropped, before
     the next forward starts (`torch.compiler.cudagraph_mark_step_begin()` marks each start, after
@@ -189,9 +191,7 @@ def set_grad_cuda_graphs(module: torch.nn.Module, enabled: bool) -> None:
         return
     if settings[0] != "inductor":
         raise ValueError(f"CUDA graphs need the inductor backend; this module is compiled with {settings[0]!r}")
-    if getattr(module, "_flowrl_graphed_calls_made", None) is None:
-        module._flowrl_graphed_calls_made = module._flowrl_make_graphed_calls()
-    module._flowrl_graphed_calls = module._flowrl_graphed_calls_made
+    module._flowrl_graphed_calls = module._flowrl_make_graphed_calls()
 
 
 def compiled_settings(module: torch.nn.Module) -> tuple[str, str] | None:
