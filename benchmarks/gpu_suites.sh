@@ -67,7 +67,8 @@
 #             than one 10-minute device command holds: run the two as separate commands      ~8-9 min
 #   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
-#             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer;
+#             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer,
+#             PROFILE=1 adds one profiled step (--profile);
 #             train-step-qwen-graphs: the Qwen-Image one with trainer.cuda_graphs=true
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
 #             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
@@ -329,7 +330,8 @@ suite() {
       local graphs=""; [[ $s == *-graphs ]] && graphs="trainer.cuda_graphs=true"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $graphs are lists of overrides
       run $s 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
-        $RANDOM_RUN trainer.prompts_per_step=2 $graphs --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" ;;
+        $RANDOM_RUN trainer.prompts_per_step=2 $graphs --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
+        ${PROFILE:+--profile} ;;
     train-step-qwen-ocr)
       python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
@@ -341,7 +343,8 @@ suite() {
       [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $variant are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
-        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" ;;
+        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
+        ${PROFILE:+--profile} ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
       for v in "--compile" "--compile --guidance-scale 2.0" "--compile --autocast bf16" "--compile --gradient-checkpointing" \

@@ -5,7 +5,10 @@ phase the profile reports its wall time and, on a GPU: the share of that time th
 anything, its idle gaps, the device time per kernel category, and which host ops were running on
 the threads that launch the phase's kernels while the GPU was idle. Where a phase is bound by the
 host launching work (the GPU waits for it), those ops are the host work a faster phase has to cut;
-where the GPU is busy throughout, the kernels are. Host ops nest (an autograd node holds the ops
+where the GPU is busy throughout, the kernels are. The idle time is also split by the length of
+its gaps: many gaps of microseconds are launch overhead spread over every kernel, a few of tens of
+milliseconds are stalls (a wait for the device, a copy to the host, a garbage collection: Python's
+collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Host ops nest (an autograd node holds the ops
 it calls), so each op's figure is the idle time it was running, its callees' included. On a CPU
 run each phase lists its ops by their own (self) CPU time instead.
 """
@@ -16,6 +19,7 @@ import bisect
 
 import torch
 
+from flowrl.bench.gc_pauses import GcPauses
 from flowrl.bench.report import kernel_category, synchronize
 
 # phase -> the name of the trainer's record_function range around it (flowrl.trainer.trainer,
@@ -26,6 +30,8 @@ PHASE_RANGES = {
     "update": "flowrl/update",
 }
 _RANGE_NAMES = frozenset(PHASE_RANGES.values())
+# upper edges (ms) of the idle-gap length classes a phase's idle time is split into; the last is open
+GAP_CLASSES_MS = (0.1, 1.0, 10.0, 100.0)
 
 
 def profile_step(fn, device: torch.device, top: int = 8) -> dict:
@@ -35,7 +41,7 @@ def profile_step(fn, device: torch.device, top: int = 8) -> dict:
 
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+    with profile(activities=activities, experimental_config=_all_threads()) as prof, GcPauses(mark_in_profile=True):
         fn()
         synchronize(device)
     events = prof.events()
@@ -96,6 +102,7 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
         idle_ms=idle_total / 1000.0,
         gaps=len(gaps),
         longest_gaps_ms=sorted(((b - a) / 1000.0 for a, b in gaps), reverse=True)[:5],
+        idle_by_gap_length=idle_by_gap_length(gaps),
         share_by_category={c: t / kernel_time for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
         host_ops_in_idle_ms=_top_ms(idle, top),
     )
@@ -115,6 +122,18 @@ def busy_and_gaps(intervals, start: float, end: float) -> tuple[float, list[tupl
     if end > covered:
         gaps.append((covered, end))
     return busy, gaps
+
+
+def idle_by_gap_length(gaps: list[tuple[float, float]]) -> list[dict]:
+    """The gaps (microseconds) per length class of GAP_CLASSES_MS: [{"up_to_ms" (None: open),
+    "gaps", "idle_ms"}], every class listed."""
+    classes = [{"up_to_ms": edge, "gaps": 0, "idle_ms": 0.0} for edge in (*GAP_CLASSES_MS, None)]
+    for a, b in gaps:
+        ms = (b - a) / 1000.0
+        entry = classes[bisect.bisect_left(GAP_CLASSES_MS, ms)]
+        entry["gaps"] += 1
+        entry["idle_ms"] += ms
+    return classes
 
 
 def host_time_in_gaps(host_ops, gaps: list[tuple[float, float]]) -> dict[str, float]:

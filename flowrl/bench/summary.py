@@ -12,6 +12,7 @@ partial files (a run cut short) are summarized as far as they go; a file another
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -204,6 +205,29 @@ def _ms_list(ops: list[dict]) -> str:
     return ", ".join(f"{op['name']} {op['ms']:.1f}" for op in ops) or "none"
 
 
+def _gap_classes(classes: list[dict] | None) -> str:
+    """'; by gap length: up to 0.1 ms 1200 gaps 40 ms, ...' of step_profile.idle_by_gap_length ('' without)."""
+    if not classes:
+        return ""
+    texts = [
+        f"{'over ' + format(classes[-2]['up_to_ms'], 'g') if c['up_to_ms'] is None else 'up to ' + format(c['up_to_ms'], 'g')}"
+        f" ms {c['gaps']} gaps {c['idle_ms']:.0f} ms"
+        for c in classes
+        if c["gaps"]
+    ]
+    return "; by gap length: " + ", ".join(texts)
+
+
+def _gc_pauses(steps: list[dict]) -> str:
+    """'Python GC paused X s a step (N full collections)' of the timed steps (median; '' when not measured)."""
+    pauses = [s["gc_pauses"] for s in steps if s.get("gc_pauses")]
+    if not pauses:
+        return ""
+    seconds = statistics.median([p["seconds"] for p in pauses])
+    full = statistics.median([p["full_collections"] for p in pauses])
+    return f"; Python's garbage collector paused {seconds:.2f} s a step ({full:g} full collections)"
+
+
 def _step_profile_lines(profile: dict | None) -> list[str]:
     """flowrl.bench.step_profile's result, a line per phase ('' without a profile)."""
     if not profile:
@@ -220,8 +244,8 @@ def _step_profile_lines(profile: dict | None) -> list[str]:
         shares = ", ".join(f"{c} {v:.0%}" for c, v in p["share_by_category"].items())
         lines.append(
             f"{head}, GPU busy {p['gpu_busy']:.1%} (idle {p['idle_ms']:.0f} ms in {p['gaps']} gaps, the longest "
-            f"{longest} ms); kernels: {shares}; host ops running while the GPU idled (ms, callees included): "
-            f"{_ms_list(p['host_ops_in_idle_ms'])}"
+            f"{longest} ms{_gap_classes(p.get('idle_by_gap_length'))}); kernels: {shares}; host ops running while "
+            f"the GPU idled (ms, callees included): {_ms_list(p['host_ops_in_idle_ms'])}"
         )
     return lines
 
@@ -277,6 +301,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
+            f"{_gc_pauses(flowrl.get('steps', []))}"
         )
     warmup = flowrl.get("warmup")
     if warmup:

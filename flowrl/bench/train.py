@@ -16,7 +16,8 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
    validation), its FLOPs, its limit (those FLOPs at the measured peak) and its MFU; the whole
    step's images per second, its time over the sum of the phases' limits, the peak GPU memory,
-   the peer's step over flowrl's, and how long trainer.total_steps of the recipe would take.
+   Python's garbage-collection pauses (flowrl.bench.gc_pauses), the peer's step over flowrl's, and
+   how long trainer.total_steps of the recipe would take.
 
 The JSON (--json) is rewritten after every measurement; `python -m flowrl.bench.summary F`
 prints it again.
@@ -32,6 +33,7 @@ import traceback
 import torch
 
 from flowrl.bench import flops as flop_count
+from flowrl.bench.gc_pauses import GcPauses
 from flowrl.bench.report import JsonReport, environment, median, peak_memory_gb, quiet_libraries, reset_peak_memory
 from flowrl.bench.step_profile import profile_step
 from flowrl.bench.train_flops import (
@@ -113,7 +115,8 @@ def projection(cfg, recipe_cfg, flowrl: dict, gpus: int) -> dict:
 
 
 def _flowrl_step(trainer, units, cfg) -> dict:
-    metrics = trainer.train_step()
+    with GcPauses() as gc_pauses:
+        metrics = trainer.train_step()
     val_every = cfg.trainer.val_every
     if val_every and trainer.step % val_every == 0:
         metrics.update(trainer.validate())
@@ -137,6 +140,7 @@ def _flowrl_step(trainer, units, cfg) -> dict:
             bool(metrics["memory/gradient_checkpointing"]) if "memory/gradient_checkpointing" in metrics else None
         ),
         "activations_per_sample_gb": metrics.get("memory/activations_per_sample_gb"),
+        "gc_pauses": gc_pauses.as_dict(),  # Python's garbage collections during the training step
     }
 
 

@@ -97,6 +97,10 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     assert update["wall_ms"] > 0 and any(op["name"].startswith("aten::") for op in update["host_ops_self_ms"])
     printed = capsys.readouterr().out
     assert "the peer" not in printed and "profiled step, update:" in printed
+    # Python's garbage collections are timed per step (the tiny run's may be none at all).
+    pauses = flowrl["steps"][-1]["gc_pauses"]
+    assert pauses["seconds"] >= 0 and len(pauses["by_generation"]) == 3
+    assert "garbage collector paused" in printed
 
 
 @pytest.mark.parametrize(

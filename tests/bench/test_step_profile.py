@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowrl.bench.step_profile import busy_and_gaps, host_time_in_gaps, phase_summary
+from flowrl.bench.step_profile import busy_and_gaps, host_time_in_gaps, idle_by_gap_length, phase_summary
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -37,6 +37,15 @@ def test_host_time_in_gaps_counts_each_ops_overlap():
     assert host_time_in_gaps(ops, gaps) == {"long": 5 + 10 + 10 + 5, "inside": 2}
 
 
+def test_idle_time_is_split_by_gap_length():
+    # gaps in microseconds: 50 us and 100 us (up to 0.1 ms), 0.5 ms, 20 ms, 150 ms (the open class)
+    gaps = [(0, 50), (100, 200), (300, 800), (1000, 21_000), (30_000, 180_000)]
+    classes = idle_by_gap_length(gaps)
+    assert [c["up_to_ms"] for c in classes] == [0.1, 1.0, 10.0, 100.0, None]
+    assert [c["gaps"] for c in classes] == [2, 1, 0, 1, 1]
+    assert [c["idle_ms"] for c in classes] == pytest.approx([0.15, 0.5, 0.0, 20.0, 150.0])
+
+
 def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
     events = [
         _event("flowrl/update", 0, 1000),
@@ -54,6 +63,7 @@ def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
     assert p["wall_ms"] == pytest.approx(1.0)
     assert p["gpu_busy"] == pytest.approx(0.8) and p["idle_ms"] == pytest.approx(0.2) and p["gaps"] == 1
     assert p["share_by_category"] == pytest.approx({"compiled (triton)": 0.625, "matmul": 0.375})
+    assert [c["gaps"] for c in p["idle_by_gap_length"]] == [0, 1, 0, 0, 0]  # one gap of 0.2 ms
     idle = {op["name"]: op["ms"] for op in p["host_ops_in_idle_ms"]}
     assert idle == pytest.approx(
         {"autograd::engine::evaluate_function: Backward": 0.2, "aten::copy_": 0.1, "cudaLaunchKernel": 0.01}
