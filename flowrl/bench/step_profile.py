@@ -8,7 +8,8 @@ host launching work (the GPU waits for it), those ops are the host work a faster
 where the GPU is busy throughout, the kernels are. The idle time is also split by the length of
 its gaps: many gaps of microseconds are launch overhead spread over every kernel, a few of tens of
 milliseconds are stalls (a wait for the device, a copy to the host, a garbage collection: Python's
-collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Host ops nest (an autograd node holds the ops
+collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Gaps of 0.1 ms or more
+are also counted per kernel that ended them: the launches the GPU waited for. Host ops nest (an autograd node holds the ops
 it calls), so each op's figure is the idle time it was running, its callees' included. On a CPU
 run each phase lists its ops by their own (self) CPU time instead.
 """
@@ -32,6 +33,8 @@ PHASE_RANGES = {
 _RANGE_NAMES = frozenset(PHASE_RANGES.values())
 # upper edges (ms) of the idle-gap length classes a phase's idle time is split into; the last is open
 GAP_CLASSES_MS = (0.1, 1.0, 10.0, 100.0)
+# gaps at least this long (ms) are attributed to the kernel that ends them: the GPU waited for its launch
+LONG_GAP_MS = 0.1
 
 
 def profile_step(fn, device: torch.device, top: int = 8) -> dict:
@@ -103,6 +106,7 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
         gaps=len(gaps),
         longest_gaps_ms=sorted(((b - a) / 1000.0 for a, b in gaps), reverse=True)[:5],
         idle_by_gap_length=idle_by_gap_length(gaps),
+        kernels_after_long_gaps_ms=kernels_after_gaps(device_work, gaps, LONG_GAP_MS, top),
         share_by_category={c: t / kernel_time for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
         host_ops_in_idle_ms=_top_ms(idle, top),
     )
@@ -134,6 +138,26 @@ def idle_by_gap_length(gaps: list[tuple[float, float]]) -> list[dict]:
         entry["gaps"] += 1
         entry["idle_ms"] += ms
     return classes
+
+
+def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float, top: int = 8) -> list[dict]:
+    """Per name of the kernel (or copy) that ended them, the `gaps` (microseconds) of at least
+    `min_ms`: [{"name", "gaps", "ms"}], longest total first. `intervals` are the (start, end, name)
+    device events the gaps were computed from; a gap ends where one of them starts (the window's
+    last gap, which ends at the phase's end, is left out)."""
+    first_at: dict[float, str] = {}
+    for a, _, name in sorted(intervals):
+        first_at.setdefault(a, name)
+    counts: dict[str, int] = {}
+    totals: dict[str, float] = {}
+    for a, b in gaps:
+        name = first_at.get(b)
+        if name is None or (b - a) / 1000.0 < min_ms:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+        totals[name] = totals.get(name, 0.0) + (b - a)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [{"name": name[:120], "gaps": counts[name], "ms": us / 1000.0} for name, us in ranked]
 
 
 def host_time_in_gaps(host_ops, gaps: list[tuple[float, float]]) -> dict[str, float]:

@@ -218,6 +218,15 @@ def _gap_classes(classes: list[dict] | None) -> str:
     return "; by gap length: " + ", ".join(texts)
 
 
+def _kernels_after_gaps(kernels: list[dict] | None) -> str:
+    """'; gaps of 0.1 ms or more, by the kernel that ended them: NAME N gaps X ms, ...' ('' without)."""
+    if not kernels:
+        return ""
+    return "; gaps of 0.1 ms or more, by the kernel that ended them: " + ", ".join(
+        f"{k['name']} {k['gaps']} gaps {k['ms']:.1f} ms" for k in kernels
+    )
+
+
 def _gc_pauses(steps: list[dict]) -> str:
     """'Python GC paused X s a step (N full collections)' of the timed steps (median; '' when not measured)."""
     pauses = [s["gc_pauses"] for s in steps if s.get("gc_pauses")]
@@ -225,7 +234,14 @@ def _gc_pauses(steps: list[dict]) -> str:
         return ""
     seconds = statistics.median([p["seconds"] for p in pauses])
     full = statistics.median([p["full_collections"] for p in pauses])
-    return f"; Python's garbage collector paused {seconds:.2f} s a step ({full:g} full collections)"
+    text = f"; Python's garbage collector paused {seconds:.2f} s a step ({full:g} full collections)"
+    allocator = steps[-1].get("allocator") or {}
+    if allocator:
+        text += (
+            f"; the CUDA caching allocator's last step: {allocator['num_device_alloc']} cudaMalloc, "
+            f"{allocator['num_device_free']} cudaFree, {allocator['num_alloc_retries']} cache flushes"
+        )
+    return text
 
 
 def _step_profile_lines(profile: dict | None) -> list[str]:
@@ -246,6 +262,7 @@ def _step_profile_lines(profile: dict | None) -> list[str]:
             f"{head}, GPU busy {p['gpu_busy']:.1%} (idle {p['idle_ms']:.0f} ms in {p['gaps']} gaps, the longest "
             f"{longest} ms{_gap_classes(p.get('idle_by_gap_length'))}); kernels: {shares}; host ops running while "
             f"the GPU idled (ms, callees included): {_ms_list(p['host_ops_in_idle_ms'])}"
+            f"{_kernels_after_gaps(p.get('kernels_after_long_gaps_ms'))}"
         )
     return lines
 
@@ -302,6 +319,12 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
             f"{_gc_pauses(flowrl.get('steps', []))}"
+        )
+    alone = flowrl.get("rollout_alone_seconds")
+    if alone is not None and flowrl.get("phases", {}).get("rollout"):
+        lines.append(
+            f"- the rollout alone (the trainer's engine, one more rollout of a step's prompts with no reward or step "
+            f"around it): {alone:.2f} s, against {flowrl['phases']['rollout']['seconds']:.2f} s as the step's phase"
         )
     warmup = flowrl.get("warmup")
     if warmup:

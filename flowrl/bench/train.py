@@ -10,7 +10,8 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
    step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
 4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
-5. With --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
+5. One more rollout of a step's prompts with nothing around it (no reward, no trainer step), to
+   set the step's rollout phase against; with --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
    the medians.
 6. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
@@ -28,13 +29,22 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
 
 from flowrl.bench import flops as flop_count
 from flowrl.bench.gc_pauses import GcPauses
-from flowrl.bench.report import JsonReport, environment, median, peak_memory_gb, quiet_libraries, reset_peak_memory
+from flowrl.bench.report import (
+    JsonReport,
+    environment,
+    median,
+    peak_memory_gb,
+    quiet_libraries,
+    reset_peak_memory,
+    synchronize,
+)
 from flowrl.bench.step_profile import profile_step
 from flowrl.bench.train_flops import (
     count_unit_flops,
@@ -114,9 +124,24 @@ def projection(cfg, recipe_cfg, flowrl: dict, gpus: int) -> dict:
     }
 
 
+# torch.cuda.memory_stats counters a step's record gives as deltas: allocations the caching allocator
+# could not serve from its cache (cudaMalloc calls), blocks it gave back (cudaFree, which waits for
+# the device), and the times a failed cudaMalloc made it free its whole cache and retry
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def _allocator_counters() -> dict:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
+
+
 def _flowrl_step(trainer, units, cfg) -> dict:
+    before = _allocator_counters()
     with GcPauses() as gc_pauses:
         metrics = trainer.train_step()
+    after = _allocator_counters()
     val_every = cfg.trainer.val_every
     if val_every and trainer.step % val_every == 0:
         metrics.update(trainer.validate())
@@ -141,7 +166,36 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         ),
         "activations_per_sample_gb": metrics.get("memory/activations_per_sample_gb"),
         "gc_pauses": gc_pauses.as_dict(),  # Python's garbage collections during the training step
+        "allocator": {name: after[name] - before[name] for name in after},  # on a GPU: ALLOCATOR_COUNTERS
     }
+
+
+def _rollout_alone(trainer, cfg, device) -> float:
+    """Seconds of one more rollout of a step's prompts through the trainer's agent loop and engine
+    (its compiled graphs, LoRA and mixed precision) with nothing around it: no reward scoring, no
+    wait that polls for a stop, no step before or after. Against the step's rollout phase it shows
+    what the trainer's surroundings cost the rollout. The trainer's data position and row count
+    are left as they were."""
+    from flowrl.rollout.batch import RolloutBatch
+    from flowrl.trainer.data import PromptSampler
+
+    rows = PromptSampler(trainer.prompts.rows, cfg.trainer.prompts_per_step, shuffle=False, seed=0).next_rows()
+    window = trainer._sde_window(trainer.step)
+    for i, row in enumerate(rows):
+        row["uid"] = f"alone-{i}"
+        if window is not None:
+            row["sampling_overrides"] = {"sde_window": window}
+    batch = RolloutBatch.from_rows(rows).repeat(cfg.rollout.n)
+    rows_generated = trainer.agent_loop.rows_generated
+    try:
+        synchronize(device)
+        t0 = time.perf_counter()
+        with trainer.parallel.rollout_weights():
+            trainer.agent_loop.generate_sequences(batch)
+        synchronize(device)
+        return time.perf_counter() - t0
+    finally:
+        trainer.agent_loop.rows_generated = rows_generated
 
 
 def _peer_step(peer, prompts, units, cfg, samples_per_prompt=None) -> dict:
@@ -287,6 +341,8 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
+        report.data["flowrl"]["rollout_alone_seconds"] = _rollout_alone(trainer, cfg, device)
+        report.save()
         report.data["flowrl"]["cuda_graphs"] = trainer.updater.cuda_graphs
         if trainer.updater.cuda_graphs:
             from flowrl.accel import cuda_graph_skips

@@ -51,6 +51,7 @@ from flowrl.trainer.build import build_engine, check_before_loading, resolve_mod
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.export import export_pipeline, save_transformer
+from flowrl.trainer.gc_freeze import GcFreeze
 from flowrl.trainer.health import ZeroSpreadWatch
 from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
 from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
@@ -173,6 +174,7 @@ class FlowGRPOTrainer:
             self.logger = MetricsLogger(
                 self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
             )
+        self._gc_freeze = GcFreeze()  # after the first step, its objects kept out of full collections
         # Last: its worker threads run until close(), so a failure above leaves none behind.
         self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
 
@@ -266,6 +268,7 @@ class FlowGRPOTrainer:
         if self.world.device.type == "cuda":
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
         self.step = step
+        self._gc_freeze.after_step()
         return self._max_over_ranks(metrics)
 
     def _roll_out(self, step: int) -> CollectedRollout:
@@ -611,6 +614,7 @@ class FlowGRPOTrainer:
         self.scorer.close(drop_pending=drop_pending, join_timeout_s=_STOPPED_SCORING_WAIT_S if drop_pending else None)
         if self.logger is not None:
             self.logger.close()
+        self._gc_freeze.release()
 
     def close(self) -> None:
         """Join the reward workers, close the rollout backend and the logger, and shut the engine

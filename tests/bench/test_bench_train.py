@@ -101,6 +101,7 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     pauses = flowrl["steps"][-1]["gc_pauses"]
     assert pauses["seconds"] >= 0 and len(pauses["by_generation"]) == 3
     assert "garbage collector paused" in printed
+    assert flowrl["rollout_alone_seconds"] > 0 and "the rollout alone" in printed
 
 
 @pytest.mark.parametrize(

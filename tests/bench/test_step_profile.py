@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowrl.bench.step_profile import busy_and_gaps, host_time_in_gaps, idle_by_gap_length, phase_summary
+from flowrl.bench.step_profile import (
+    busy_and_gaps,
+    host_time_in_gaps,
+    idle_by_gap_length,
+    kernels_after_gaps,
+    phase_summary,
+)
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -44,6 +50,24 @@ def test_idle_time_is_split_by_gap_length():
     assert [c["up_to_ms"] for c in classes] == [0.1, 1.0, 10.0, 100.0, None]
     assert [c["gaps"] for c in classes] == [2, 1, 0, 1, 1]
     assert [c["idle_ms"] for c in classes] == pytest.approx([0.15, 0.5, 0.0, 20.0, 150.0])
+
+
+def test_long_gaps_are_counted_per_kernel_that_ended_them():
+    work = [
+        (0, 100, "gemm"),
+        (300, 400, "attention"),
+        (450, 500, "gemm"),
+        (800, 900, "attention"),
+        (2000, 2100, "gemm"),
+    ]
+    busy, gaps = busy_and_gaps(work, 0, 3000)
+    # gaps: 200 us before attention, 50 us before gemm (short), 300 us before attention, 1100 us
+    # before gemm, then 900 us to the window's end (no kernel ended it)
+    assert kernels_after_gaps(work, gaps, min_ms=0.1) == [
+        {"name": "gemm", "gaps": 1, "ms": 1.1},
+        {"name": "attention", "gaps": 2, "ms": 0.5},
+    ]
+    assert kernels_after_gaps(work, gaps, min_ms=1.0) == [{"name": "gemm", "gaps": 1, "ms": 1.1}]
 
 
 def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
