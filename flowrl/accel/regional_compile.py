@@ -17,7 +17,6 @@ import torch
 import torch._inductor.config
 import torch.utils.checkpoint
 
-from flowrl.accel import launch_queue
 from flowrl.accel.options import COMPILE_ROUNDINGS, check_backend, check_compile_rounding
 
 # Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
@@ -152,16 +151,13 @@ def compile_in_place(
             _, tensors = _batch_tensors(args, kwargs)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        no_grad = not torch.is_grad_enabled()
-        if no_grad:
+        if not torch.is_grad_enabled():
             fn = compiled_no_grad
         elif module._flowrl_graphed_calls is not None:
             fn = module._flowrl_graphed_calls[checkpoint]
         else:
             fn = compiled_checkpointed if checkpoint else compiled
         out = fn(*args, **kwargs)
-        if no_grad:
-            launch_queue.after_no_grad_call(out)  # the host at most a few calls ahead of the GPU
         return _first_row(out) if padded else out
 
     module._compiled_call_impl = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=False)

@@ -320,15 +320,11 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
             f"{_gc_pauses(flowrl.get('steps', []))}"
         )
-    alone, unbounded = flowrl.get("rollout_alone_seconds"), flowrl.get("rollout_alone_unbounded_seconds")
+    alone = flowrl.get("rollout_alone_seconds")
     if alone is not None and flowrl.get("phases", {}).get("rollout"):
-        depth = flowrl.get("launch_queue_depth")
-        bound = "the host unbounded" if depth is None else f"the host at most {depth} compiled calls ahead of the GPU"
-        free = "" if unbounded is None else f"; with the host free to run ahead: {unbounded:.2f} s"
         lines.append(
             f"- the rollout alone (the trainer's engine, one more rollout of a step's prompts with no reward or step "
-            f"around it), {bound} as in the step: {alone:.2f} s, against {flowrl['phases']['rollout']['seconds']:.2f} s "
-            f"as the step's phase{free}"
+            f"around it): {alone:.2f} s, against {flowrl['phases']['rollout']['seconds']:.2f} s as the step's phase"
         )
     warmup = flowrl.get("warmup")
     if warmup:

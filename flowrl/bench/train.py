@@ -10,9 +10,8 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
    step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
 4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
-5. Two more rollouts of a step's prompts with nothing around them (no reward, no trainer step),
-   to set the step's rollout phase against: the first with the host free to run ahead of the GPU,
-   the second bounded as the timed steps ran (flowrl.accel.launch_queue); with --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
+5. One more rollout of a step's prompts with nothing around it (no reward, no trainer step), to
+   set the step's rollout phase against; with --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
    the medians.
 6. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
@@ -35,7 +34,6 @@ import traceback
 
 import torch
 
-from flowrl.accel import launch_queue
 from flowrl.bench import flops as flop_count
 from flowrl.bench.gc_pauses import GcPauses
 from flowrl.bench.report import (
@@ -343,16 +341,7 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
-        # The rollout alone, first with the host free to run ahead of the GPU, then bounded as
-        # the timed steps ran (flowrl.accel.launch_queue): that bound's A/B in one process.
-        bounded_depth = launch_queue.depth()
-        launch_queue.set_depth(None)
-        try:
-            report.data["flowrl"]["rollout_alone_unbounded_seconds"] = _rollout_alone(trainer, cfg, device)
-        finally:
-            launch_queue.set_depth(bounded_depth)
         report.data["flowrl"]["rollout_alone_seconds"] = _rollout_alone(trainer, cfg, device)
-        report.data["flowrl"]["launch_queue_depth"] = bounded_depth
         report.save()
         report.data["flowrl"]["cuda_graphs"] = trainer.updater.cuda_graphs
         if trainer.updater.cuda_graphs:

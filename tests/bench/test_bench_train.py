@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.accel import launch_queue
 from flowrl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,9 +101,7 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     pauses = flowrl["steps"][-1]["gc_pauses"]
     assert pauses["seconds"] >= 0 and len(pauses["by_generation"]) == 3
     assert "garbage collector paused" in printed
-    assert flowrl["rollout_alone_seconds"] > 0 and flowrl["rollout_alone_unbounded_seconds"] > 0
-    assert flowrl["launch_queue_depth"] == launch_queue.DEFAULT_DEPTH == launch_queue.depth()  # restored
-    assert "the rollout alone" in printed and "free to run ahead" in printed
+    assert flowrl["rollout_alone_seconds"] > 0 and "the rollout alone" in printed
 
 
 @pytest.mark.parametrize(
