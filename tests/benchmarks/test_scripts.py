@@ -127,3 +127,28 @@ def test_cuda_graph_ab_script_runs_on_cpu(model):
     timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
     assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
     assert "graph" not in out.split("\n", 1)[1]
+
+
+def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
+    """benchmarks/lora_gemm_gaps.py (small shapes): the folded projections equal the unfolded ones."""
+    out = run_script(
+        "lora_gemm_gaps.py",
+        "--rows",
+        "1",
+        "--image-tokens",
+        "16",
+        "--text-tokens",
+        "8",
+        "--width",
+        "32",
+        "--mlp-width",
+        "64",
+        "--rank",
+        "4",
+        "--blocks",
+        "1",
+    )
+    diffs = {name: float(v) for name, v in re.findall(r"^(\S+): max relative difference to unfolded (\S+)$", out, re.M)}
+    assert set(diffs) == {"folded", "folded-base-first", "unfolded"}, out
+    assert max(diffs.values()) < 1e-5, diffs
+    assert "base-only" in out and "ms per block" in out

@@ -1,0 +1,143 @@
+"""Where the rollout's GPU waits: the LoRA projections of one Qwen-Image block, alone, eager.
+
+The Qwen-Image recipe's profiled rollout (docs/performance.md) idled 1.6 s of 19 s in gaps of
+0.1-10 ms, about three per block, each ended by one of two cuBLAS GEMMs of the folded LoRA
+projections, while the launching thread was inside those GEMMs' launches. Bounding how far the
+host ran ahead did not change the rollout's time. This script runs just the projections of a
+block (its 12 LoRA linears: q, k, v, out and the MLP's two, per stream, at the recipe's rollout
+rows) several ways, each profiled, and reports per way the time per block, how busy the GPU was,
+and the gaps of 0.1 ms or more by the kernel that ended them:
+
+- folded: the rollout's op (flowrl.accel.lora_fold.linear_into: x A^T, the low-rank GEMM with the
+  bias into the output, the base GEMM accumulating into it);
+- folded-base-first: the same with the base GEMM first and the low-rank one accumulating;
+- unfolded: base GEMM, low-rank GEMMs and an add, as the training graphs compute it;
+- base-only: the base GEMMs without LoRA;
+- folded-synced-N: folded, the host waiting for the GPU after every N projections.
+
+    python benchmarks/lora_gemm_gaps.py                     # on a GPU, the recipe's shapes
+    python benchmarks/lora_gemm_gaps.py --device cpu --rows 1 --image-tokens 16 --text-tokens 8 \\
+        --width 32 --mlp-width 64 --rank 4 --blocks 2      # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from flowrl.accel.lora_fold import linear_into
+from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps
+
+MODES = ("folded", "folded-base-first", "unfolded", "base-only")
+
+
+def _projections(width: int, mlp_width: int) -> list[tuple[int, int]]:
+    """(in, out) of a stream's LoRA linears: q, k, v, out, the MLP's up and down projections."""
+    return [(width, width)] * 4 + [(width, mlp_width), (mlp_width, width)]
+
+
+def build(args, device, dtype):
+    """Per stream and linear: the input rows, the weights and the LoRA factors."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(dtype)
+
+    layers = []
+    for tokens in (args.image_tokens, args.text_tokens):
+        rows = args.rows * tokens
+        inputs = {k: rand(rows, k) for k in {args.width, args.mlp_width}}
+        for k, n in _projections(args.width, args.mlp_width):
+            layers.append((inputs[k], rand(n, k), rand(n), rand(args.rank, k), rand(n, args.rank)))
+    return layers
+
+
+def run_block(layers, mode: str, sync_every: int | None = None) -> list[torch.Tensor]:
+    outs = []
+    for i, (x, weight, bias, down, up) in enumerate(layers):
+        if mode == "base-only":
+            outs.append(torch.nn.functional.linear(x, weight, bias))
+        elif mode == "unfolded":
+            outs.append(torch.nn.functional.linear(x, weight, bias) + (x @ down.t()) @ up.t())
+        else:
+            out = x.new_empty((x.shape[0], weight.shape[0]))
+            linear_into(x, weight, bias, out, down, up, low_rank_first=mode != "folded-base-first")
+            outs.append(out)
+        if sync_every and (i + 1) % sync_every == 0:
+            torch.cuda.synchronize()
+    return outs
+
+
+def measure(layers, mode: str, blocks: int, device, sync_every: int | None = None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    run_block(layers, mode, sync_every)  # warm-up: cuBLAS handles, heuristics, workspace
+    if on_gpu:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(blocks):
+            run_block(layers, mode, sync_every)
+        if on_gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    result = {"ms_per_block": seconds / blocks * 1000}
+    if on_gpu:
+        host = torch.autograd.DeviceType.CPU
+        host_names = {e.name for e in prof.events() if e.device_type == host}
+        work = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type != host and e.name not in host_names
+        ]
+        start = min(a for a, _, _ in work)
+        end = max(b for _, b, _ in work)
+        busy, gaps = busy_and_gaps(work, start, end)
+        result.update(
+            gpu_busy=busy / (end - start),
+            idle_ms=sum(b - a for a, b in gaps) / 1000 / blocks,
+            after_long_gaps=kernels_after_gaps(work, gaps, min_ms=0.1, top=4),
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=64, help="rows per forward (the recipe's 32 samples x CFG)")
+    parser.add_argument("--image-tokens", type=int, default=1024)
+    parser.add_argument("--text-tokens", type=int, default=64)
+    parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--mlp-width", type=int, default=12288)
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--sync-every", type=int, nargs="*", default=[1, 3], help="folded-synced-N variants")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layers = build(args, device, dtype)
+    reference = run_block(layers, "unfolded")
+    for mode in MODES:
+        got = run_block(layers, mode)
+        if mode != "base-only":
+            err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, reference))
+            print(f"{mode}: max relative difference to unfolded {err:.2e}")
+    variants = [(mode, None) for mode in MODES]
+    if device.type == "cuda":
+        variants += [("folded", n) for n in args.sync_every]
+    for mode, sync_every in variants:
+        name = mode if sync_every is None else f"folded-synced-{sync_every}"
+        r = measure(layers, mode, args.blocks, device, sync_every)
+        line = f"{name:22s} {r['ms_per_block']:8.2f} ms per block"
+        if "gpu_busy" in r:
+            gaps = ", ".join(f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms" for k in r["after_long_gaps"])
+            line += f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block; long gaps before: {gaps or 'none'}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
