@@ -11,8 +11,8 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
 4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
 5. One more rollout of a step's prompts with nothing around it (no reward, no trainer step), to
-   set the step's rollout phase against; with --profile, one more step under torch.profiler (flowrl.bench.step_profile), kept out of
-   the medians.
+   set the step's rollout phase against; with --profile, one more step under torch.profiler
+   (flowrl.bench.step_profile), kept out of the medians.
 6. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
    validation), its FLOPs, its limit (those FLOPs at the measured peak) and its MFU; the whole
