@@ -82,6 +82,9 @@
 #   tiny-qwen-gap-variants  the tiny Qwen-Image's compiled gap on CUDA with CFG, autocast and
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
+#   lora-gemm-gaps     benchmarks/lora_gemm_gaps.py: one Qwen-Image block's LoRA projections alone at the
+#                      recipe's 64 rollout rows (folded, unfolded, base only, host-synced): time per
+#                      block, GPU busy, the long gaps by the kernel that ended them          ~1 min
 #   checkpoint-ab      benchmarks/checkpoint_host_time.py: one Qwen-Image training fwd + bwd (LoRA 32,
 #                      1 sample with CFG) with the gradient checkpoint inside each compiled block,
 #                      around it, and none: time, activations kept, equal log-probs          ~3 min
@@ -355,6 +358,8 @@ suite() {
         run tiny-qwen-gap-$i 120 "$log" logprob --model tiny-qwen --dtype bfloat16 -n 4 --steps 6 --size 64 \
           --micro-batches 1,4 --lora-rank 4 --train-repeats 1 --peak-seconds 0.05 $v
       done ;;
+    lora-gemm-gaps)
+      script "$s" 150 "$log" benchmarks/lora_gemm_gaps.py ;;
     checkpoint-ab)
       script "$s" 300 "$log" benchmarks/checkpoint_host_time.py --model qwen-image --samples 1 --size 512 --lora-rank 32 ;;
     qwen-gemm-shapes)
