@@ -83,7 +83,7 @@
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
 #   lora-gemm-gaps     benchmarks/lora_gemm_gaps.py: one Qwen-Image block's LoRA projections alone at the
-#                      recipe's 64 rollout rows (folded, unfolded, base only, host-synced): time per
+#                      recipe's 64 rollout rows (folded, unfolded, base only, host-synced, after attention): time per
 #                      block, GPU busy, the long gaps by the kernel that ended them          ~1 min
 #   checkpoint-ab      benchmarks/checkpoint_host_time.py: one Qwen-Image training fwd + bwd (LoRA 32,
 #                      1 sample with CFG) with the gradient checkpoint inside each compiled block,

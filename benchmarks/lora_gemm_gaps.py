@@ -13,7 +13,9 @@ and the gaps of 0.1 ms or more by the kernel that ended them:
 - folded-base-first: the same with the base GEMM first and the low-rank one accumulating;
 - unfolded: base GEMM, low-rank GEMMs and an add, as the training graphs compute it;
 - base-only: the base GEMMs without LoRA;
-- folded-synced-N: folded, the host waiting for the GPU after every N projections.
+- folded-synced-N: folded, the host waiting for the GPU after every N projections;
+- attention+folded: the block's joint attention (SDPA over text and image tokens) before the
+  folded projections, as in the block, where the projections' inputs come from it.
 
     python benchmarks/lora_gemm_gaps.py                     # on a GPU, the recipe's shapes
     python benchmarks/lora_gemm_gaps.py --device cpu --rows 1 --image-tokens 16 --text-tokens 8 \\
@@ -30,7 +32,8 @@ import torch
 from flowrl.accel.lora_fold import linear_into
 from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps
 
-MODES = ("folded", "folded-base-first", "unfolded", "base-only")
+MODES = ("folded", "folded-base-first", "unfolded", "base-only", "attention+folded")
+HEAD_DIM = 128
 
 
 def _projections(width: int, mlp_width: int) -> list[tuple[int, int]]:
@@ -39,23 +42,32 @@ def _projections(width: int, mlp_width: int) -> list[tuple[int, int]]:
 
 
 def build(args, device, dtype):
-    """Per stream and linear: the input rows, the weights and the LoRA factors."""
+    """The block's attention inputs (q, k, v over text and image tokens), and per stream and
+    linear: the input rows, the weights and the LoRA factors."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(dtype)
 
+    heads = max(1, args.width // HEAD_DIM)
+    head_dim = args.width // heads
+    tokens = args.image_tokens + args.text_tokens
+    qkv = [rand(args.rows, heads, tokens, head_dim) for _ in range(3)]
     layers = []
     for tokens in (args.image_tokens, args.text_tokens):
         rows = args.rows * tokens
         inputs = {k: rand(rows, k) for k in {args.width, args.mlp_width}}
         for k, n in _projections(args.width, args.mlp_width):
             layers.append((inputs[k], rand(n, k), rand(n), rand(args.rank, k), rand(n, args.rank)))
-    return layers
+    return qkv, layers
 
 
-def run_block(layers, mode: str, sync_every: int | None = None) -> list[torch.Tensor]:
+def run_block(block, mode: str, sync_every: int | None = None) -> list[torch.Tensor]:
+    qkv, layers = block
     outs = []
+    if mode == "attention+folded":
+        outs.append(torch.nn.functional.scaled_dot_product_attention(*qkv))
+        mode = "folded"
     for i, (x, weight, bias, down, up) in enumerate(layers):
         if mode == "base-only":
             outs.append(torch.nn.functional.linear(x, weight, bias))
@@ -70,18 +82,18 @@ def run_block(layers, mode: str, sync_every: int | None = None) -> list[torch.Te
     return outs
 
 
-def measure(layers, mode: str, blocks: int, device, sync_every: int | None = None) -> dict:
+def measure(block, mode: str, blocks: int, device, sync_every: int | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
-    run_block(layers, mode, sync_every)  # warm-up: cuBLAS handles, heuristics, workspace
+    run_block(block, mode, sync_every)  # warm-up: cuBLAS handles, heuristics, workspace
     if on_gpu:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(blocks):
-            run_block(layers, mode, sync_every)
+            run_block(block, mode, sync_every)
         if on_gpu:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -119,10 +131,12 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    layers = build(args, device, dtype)
-    reference = run_block(layers, "unfolded")
+    block = build(args, device, dtype)
+    reference = run_block(block, "unfolded")
     for mode in MODES:
-        got = run_block(layers, mode)
+        got = run_block(block, mode)
+        if mode == "attention+folded":
+            got = got[1:]
         if mode != "base-only":
             err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, reference))
             print(f"{mode}: max relative difference to unfolded {err:.2e}")
@@ -131,7 +145,7 @@ def main() -> None:
         variants += [("folded", n) for n in args.sync_every]
     for mode, sync_every in variants:
         name = mode if sync_every is None else f"folded-synced-{sync_every}"
-        r = measure(layers, mode, args.blocks, device, sync_every)
+        r = measure(block, mode, args.blocks, device, sync_every)
         line = f"{name:22s} {r['ms_per_block']:8.2f} ms per block"
         if "gpu_busy" in r:
             gaps = ", ".join(f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms" for k in r["after_long_gaps"])
