@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import tempfile
 import threading
 
 import psutil
@@ -25,14 +26,18 @@ LOCAL_RAY_ENV = {
 
 
 @pytest.fixture(scope="module")  # shut down after this file: later tests see none of Ray's sockets or threads
-def local_ray(tmp_path_factory):
+def local_ray():
     saved = {name: os.environ.get(name) for name in [*LOCAL_RAY_ENV, "RAY_TMPDIR"]}
-    os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")))
+    # A short folder of its own: Ray's socket paths (AF_UNIX, at most 107 bytes) would be too long
+    # under pytest's tmp_path of an xdist worker (/tmp/pytest-of-USER/pytest-N/popen-gwK/...).
+    ray_tmp = tempfile.TemporaryDirectory(prefix="ray", ignore_cleanup_errors=True)
+    os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=ray_tmp.name)
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
     yield ray
     ray.shutdown()
+    ray_tmp.cleanup()
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
