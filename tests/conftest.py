@@ -10,6 +10,12 @@ import threading
 # A hub id that slips into a test must fail at once instead of hanging on DNS retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Under pytest-xdist (pyproject's addopts) every worker runs torch on one thread: two workers of two
+# threads each would oversubscribe the two cores they share. Set before torch is imported; the
+# processes a test starts (torchrun ranks, `flowrl train`) inherit it.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 
@@ -95,6 +101,43 @@ def no_flowrl_threads_left():
             + "; ".join(left),
             pytrace=False,
         )
+
+
+# Test folders whose tests run on one pytest-xdist worker, one after another: folder -> group name.
+SAME_WORKER_FOLDERS = {
+    # The distributed tests share session runs (tests/distributed/conftest.py: one-process
+    # references and torchrun launches, which would otherwise run once per worker) and start
+    # process groups and a local Ray of their own.
+    "tests/distributed/": "distributed",
+}
+
+
+class _FolderGroups:
+    """xdist's `--dist=loadgroup` (pyproject's addopts) with the groups of SAME_WORKER_FOLDERS.
+
+    Why not `xdist_group` marks: xdist 3.8 puts a test in its group by renaming the test's nodeid,
+    which pytest 9.2's nodeids no longer allow, so the marks group nothing. Registered only when
+    xdist is loaded (`-p no:xdist` runs without it)."""
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadGroupScheduling
+
+        class FolderGroupScheduling(LoadGroupScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                for folder, group in SAME_WORKER_FOLDERS.items():
+                    if nodeid.startswith(folder):
+                        return group
+                return nodeid  # every other test is a work unit of its own, as with --dist=load
+
+        return FolderGroupScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_FolderGroups(), "flowrl-folder-groups")
 
 
 def pytest_collection_modifyitems(config, items):
