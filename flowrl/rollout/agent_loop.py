@@ -4,7 +4,10 @@ Rows arrive repeated (p0 x n, p1 x n, ...). Two paths produce the same samples a
 - batched: each group of n consecutive rows becomes ONE `generate_batched` call (one prompt
   encoding, samples admitted together), taken only when provably safe (see `batched_path_blocker`);
 - fallback: every row is its own single request, all in flight at once (the engine still batches
-  them into shared forwards).
+  them into shared forwards). Rows that differ in their prompts only, with consecutive seeds (a
+  validation batch), are queued as one `submit_many` call instead: the engine takes them together,
+  so which rows share a forward, and how the forwards round, is the same on every run; single
+  requests reach it one by one, and its first forward may start before the last one arrived.
 Equality of the two paths rests on seeds: row i gets seed base + global row index, and
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
@@ -166,8 +169,11 @@ class AgentLoop:
                 logger.warning(
                     "agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch)
                 )
-            for i in range(len(batch)):
-                futures += self.balancer.submit(prompts[i], params[i])
+            if self.balancer.supports_submit_many and _differ_in_seed_only(params):
+                futures += self.balancer.submit_many(prompts, params[0])
+            else:
+                for i in range(len(batch)):
+                    futures += self.balancer.submit(prompts[i], params[i])
         # 3. wait for every sample (each handed to on_sample_done as soon as it is done)
         callbacks_done = []
         if on_sample_done is not None:
@@ -220,6 +226,16 @@ class AgentLoop:
             }
         )
         return result
+
+
+def _differ_in_seed_only(params: list[SamplingParams]) -> bool:
+    """Whether the rows' settings are equal but for their seeds, which count up by one from the
+    first row's: what one `submit_many` call (sample i with seed + i) draws."""
+    first = params[0]
+    same = repr(first.replace(seed=None))
+    return all(repr(p.replace(seed=None)) == same for p in params) and [p.seed for p in params] == list(
+        range(first.seed, first.seed + len(params))
+    )
 
 
 def _notify(callback: Callable[[int, object], None], row: int, finished: threading.Event) -> Callable[[Future], None]:

@@ -5,7 +5,8 @@ A replica is anything with `submit(prompt, params) -> Future` and, for groups,
 `flowrl.client.RemoteEngine`). The balancer counts samples handed to each
 replica and not yet finished, and gives each request to the live replica with the fewest (ties:
 the lowest index), so work spreads evenly even when replicas run at different speeds. A batched
-request (one prompt's group) always goes to one replica as one call.
+request (one prompt's group) always goes to one replica as one call, and so do the prompts of a
+`submit_many` call (one sample each, as a validation batch asks): the replica queues them together.
 
 Failover: a replica is down when its call or one of its futures raises `ReplicaDownError` (the
 remote client raises it once its own bounded retries are spent; any other error belongs to the
@@ -45,9 +46,11 @@ def replica_name(replica, index: int) -> str:
 
 @dataclass
 class _Request:
-    """One caller request: its arguments and the futures the caller holds (one per sample)."""
+    """One caller request: its arguments and the futures the caller holds (one per sample).
+    `prompt`: one prompt (num_samples samples of it, sample j with seed + j), or a list of prompts
+    (one sample each, sample i with seed + i: `submit_many`)."""
 
-    prompt: str
+    prompt: str | list[str]
     num_samples: int
     params: object
     futures: list[Future]
@@ -84,6 +87,18 @@ class LeastInFlightBalancer:
         request = _Request(prompt, n, params, [Future() for _ in range(n)])
         self._dispatch(request)
         return list(request.futures)
+
+    def submit_many(self, prompts: list[str], params) -> list[Future]:
+        """One sample per prompt (sample i with seed + i) from one replica, queued there as one
+        call; the futures outlive that replica going down. Every replica needs `submit_many`
+        (`supports_submit_many`)."""
+        request = _Request(list(prompts), len(prompts), params, [Future() for _ in prompts])
+        self._dispatch(request)
+        return list(request.futures)
+
+    @property
+    def supports_submit_many(self) -> bool:
+        return all(callable(getattr(r, "submit_many", None)) for r in self.live_replicas)
 
     @property
     def live_replicas(self) -> list:
@@ -234,7 +249,10 @@ class LeastInFlightBalancer:
 
 
 def _send(replica, request: _Request) -> list[Future]:
-    """A single sample goes through `submit` (which every replica has), a group through `submit_batched`."""
+    """A single sample goes through `submit` (which every replica has), a group through
+    `submit_batched`, a list of prompts through `submit_many`."""
+    if isinstance(request.prompt, list):
+        return replica.submit_many(request.prompt, request.params)
     if request.num_samples == 1:
         return [replica.submit(request.prompt, request.params)]
     return replica.submit_batched(request.prompt, request.num_samples, request.params)

@@ -3,6 +3,9 @@ precondition alone forces the fallback; row metadata stays on its row; replicas.
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
 
@@ -153,6 +156,69 @@ def test_validation_mode_is_ode_with_fixed_seeds(engine):
     b = loop.generate_sequences(make_batch(), validation=True)
     assert "all_log_probs" not in a.batch
     torch.testing.assert_close(a.batch["all_latents"], b.batch["all_latents"], atol=0, rtol=0)
+
+
+class _Recording:
+    """An engine whose calls are recorded: (method, number of samples)."""
+
+    supports_batched_generation = True
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def submit(self, prompt, params):
+        self.calls.append(("submit", 1))
+        return self.engine.submit(prompt, params)
+
+    def submit_batched(self, prompt, n, params):
+        self.calls.append(("submit_batched", n))
+        return self.engine.submit_batched(prompt, n, params)
+
+    def submit_many(self, prompts, params):
+        self.calls.append(("submit_many", len(prompts)))
+        return self.engine.submit_many(prompts, params)
+
+
+def test_rows_that_differ_in_prompt_and_seed_only_are_queued_as_one_call(engine):
+    config = make_config(val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False))
+    recording = _Recording(engine)
+    out = AgentLoop(recording, config).generate_sequences(make_batch(n=1), validation=True)
+    assert recording.calls == [("submit_many", 2)]
+    # The same samples as one single request per row (an engine without submit_many)
+    singles = _Recording(engine)
+    singles.submit_many = None
+    reference = AgentLoop(singles, config).generate_sequences(make_batch(n=1), validation=True)
+    assert singles.calls == [("submit", 1), ("submit", 1)]
+    assert list(out.non_tensor_batch["seed"]) == list(reference.non_tensor_batch["seed"])
+    torch.testing.assert_close(out.batch["all_latents"], reference.batch["all_latents"], atol=ATOL, rtol=0)
+    # Rows whose settings differ are single requests, as before.
+    batch = make_batch(n=1)
+    batch.non_tensor_batch["sampling_overrides"] = np.array([None, {"noise_level": 0.5}], dtype=object)
+    recording.calls.clear()
+    AgentLoop(recording, make_config()).generate_sequences(batch)
+    assert recording.calls == [("submit", 1), ("submit", 1)]
+
+
+def test_a_validation_batch_is_grouped_into_forwards_the_same_way_every_time(tiny_qwen_path):
+    """Queued as one call, the engine admits the rows in order up to max_batch_rows: 3 rows, then
+    the 2 left once the first finish, at every one of the 4 steps, on every run. Single requests
+    reached the engine one by one, so its first forward could start with fewer rows: the engine
+    here pauses after each request it queues, as a busy host may, which made that happen."""
+    rows = [{"raw_prompt": f"prompt {i}", "uid": f"u{i}"} for i in range(5)]
+    config = make_config(val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False))
+    with DiffusionEngine.from_pretrained(tiny_qwen_path, max_batch_rows=3) as small:
+        enqueue = small._enqueue
+
+        def enqueue_then_pause(requests):
+            enqueue(requests)
+            time.sleep(0.05)
+
+        small._enqueue = enqueue_then_pause
+        loop = AgentLoop(small, config)
+        for _ in range(3):
+            small.reset_stats()
+            loop.generate_sequences(RolloutBatch.from_rows(rows), validation=True)
+            assert small.stats()["rows_per_forward_hist"] == {2: 4, 3: 4}
 
 
 def test_on_sample_done_sees_every_row(engine):

@@ -31,12 +31,19 @@ class FakeReplica:
 
     def submit_batched(self, prompt, n, params):
         self.calls.append((prompt, n))
-        futures = [Future() for _ in range(n)]
+        return self._answer([prompt] * n, params)
+
+    def submit_many(self, prompts, params):
+        self.calls.append((tuple(prompts), 1))
+        return self._answer(prompts, params)
+
+    def _answer(self, prompts, params):
+        futures = [Future() for _ in prompts]
 
         def run():
             if self.gate is not None:
                 self.gate.wait(10)
-            for j, f in enumerate(futures):
+            for j, (prompt, f) in enumerate(zip(prompts, futures)):
                 if self.error is not None and j >= self.fail_after:
                     f.set_exception(self.error)
                 else:
@@ -89,6 +96,19 @@ def test_a_group_that_half_finished_is_completed_from_the_resend():
     assert [s[2] for s in samples] == [7, 8, 9]
     assert samples[0][0] == "flaky" and {s[0] for s in samples[1:]} == {"alive"}
     assert alive.calls == [("p", 3)]  # the whole group re-sent as one request
+
+
+def test_a_list_of_prompts_goes_to_one_replica_as_one_call_and_is_resent_whole():
+    flaky = FakeReplica("flaky", ReplicaDownError("died mid-rollout"), fail_after=2)
+    alive = FakeReplica("alive")
+    balancer = LeastInFlightBalancer([flaky, alive], max_failures=1)
+    assert balancer.supports_submit_many
+    prompts = ["p0", "p1", "p2", "p3"]
+    samples = [f.result(timeout=10) for f in balancer.submit_many(prompts, SamplingParams(seed=20))]
+    assert [(prompt, seed) for _, prompt, seed in samples] == [(p, 20 + i) for i, p in enumerate(prompts)]
+    assert [s[0] for s in samples] == ["flaky", "flaky", "alive", "alive"]
+    assert flaky.calls == alive.calls == [(tuple(prompts), 1)]  # one call each: the list stays together
+    assert balancer.in_flight == [0, 0]
 
 
 def test_no_replica_left_fails_every_request_naming_each():

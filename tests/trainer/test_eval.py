@@ -39,9 +39,6 @@ def test_eval_base_vs_lora_gives_a_report_and_a_grid_and_repeats_exactly(tiny_lo
         "jpeg_compressibility",
         "-n",
         "2",
-        # One sample per forward: the engine takes requests as they arrive, so with larger forwards
-        # which rows share one would depend on timing, and a CPU GEMM's rounding on its row count.
-        "engine.max_batch_rows=1",
     ]
     report = _eval(tmp_path, "first", *flags)
     table = capsys.readouterr().out
