@@ -4,8 +4,9 @@ Rows arrive repeated (p0 x n, p1 x n, ...). Two paths produce the same samples a
 - batched: each group of n consecutive rows becomes ONE `generate_batched` call (one prompt
   encoding, samples admitted together), taken only when provably safe (see `batched_path_blocker`);
 - fallback: every row is its own single request, all in flight at once (the engine still batches
-  them into shared forwards). Rows that differ in their prompts only, with consecutive seeds (a
-  validation batch), are queued as one `submit_many` call instead: the engine takes them together,
+  them into shared forwards). On one engine, rows that differ in their prompts only, with
+  consecutive seeds (a validation batch), are queued as one `submit_many` call instead: the engine
+  takes them together,
   so which rows share a forward, and how the forwards round, is the same on every run; single
   requests reach it one by one, and its first forward may start before the last one arrived.
 Equality of the two paths rests on seeds: row i gets seed base + global row index, and
@@ -116,6 +117,13 @@ class AgentLoop:
                 return f"rows {start}..{start + n - 1} carry seeds that are not consecutive"
         return None
 
+    def _one_call_fits(self, params: list[SamplingParams]) -> bool:
+        """Whether the fallback's rows go as one `submit_many` call: one engine (over several, each
+        single request goes to the least busy one, which spreads them) that takes such calls, and
+        rows that differ in their prompts and seeds only."""
+        live = self.balancer.live_replicas
+        return len(live) == 1 and self.balancer.supports_submit_many and _differ_in_seed_only(params)
+
     def _seeds(self, batch: RolloutBatch, base_seed: int | None, row_offset: int) -> list[int]:
         """Row seeds: an explicit per-row `seed` wins; otherwise base + global row index."""
         base = base_seed if base_seed is not None else secrets.randbits(40)
@@ -169,7 +177,7 @@ class AgentLoop:
                 logger.warning(
                     "agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch)
                 )
-            if self.balancer.supports_submit_many and _differ_in_seed_only(params):
+            if self._one_call_fits(params):
                 futures += self.balancer.submit_many(prompts, params[0])
             else:
                 for i in range(len(batch)):

@@ -191,6 +191,10 @@ def test_rows_that_differ_in_prompt_and_seed_only_are_queued_as_one_call(engine)
     assert singles.calls == [("submit", 1), ("submit", 1)]
     assert list(out.non_tensor_batch["seed"]) == list(reference.non_tensor_batch["seed"])
     torch.testing.assert_close(out.batch["all_latents"], reference.batch["all_latents"], atol=ATOL, rtol=0)
+    # Over two engines each row goes to the least busy one, as a single request.
+    a, b = _Recording(engine), _Recording(engine)
+    AgentLoop([a, b], config).generate_sequences(make_batch(n=1), validation=True)
+    assert a.calls == b.calls == [("submit", 1)]
     # Rows whose settings differ are single requests, as before.
     batch = make_batch(n=1)
     batch.non_tensor_batch["sampling_overrides"] = np.array([None, {"noise_level": 0.5}], dtype=object)
