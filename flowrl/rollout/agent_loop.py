@@ -6,9 +6,9 @@ Rows arrive repeated (p0 x n, p1 x n, ...). Two paths produce the same samples a
 - fallback: every row is its own single request, all in flight at once (the engine still batches
   them into shared forwards). On one engine, rows that differ in their prompts only, with
   consecutive seeds (a validation batch), are queued as one `submit_many` call instead: the engine
-  takes them together,
-  so which rows share a forward, and how the forwards round, is the same on every run; single
-  requests reach it one by one, and its first forward may start before the last one arrived.
+  takes them together, so which rows share a forward, and how the forwards round, is the same on
+  every run (single requests reach it one by one, and its first forward may start before the last
+  one arrived).
 Equality of the two paths rests on seeds: row i gets seed base + global row index, and
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
@@ -163,7 +163,8 @@ class AgentLoop:
         prompts = [str(p) for p in batch.non_tensor_batch["raw_prompt"]]
         params = [self._row_params(batch, i, base_params).replace(seed=seeds[i]) for i in range(len(batch))]
 
-        # 2. submit: one batched call per group when provably safe, else one request per row
+        # 2. submit: one batched call per group when provably safe, else one request per row (one
+        #    call for them all where they differ in prompt and seed only, on one engine)
         reason = self.batched_path_blocker(batch, params)
         futures: list[Future] = []
         if reason is None:
@@ -171,13 +172,17 @@ class AgentLoop:
             for start in range(0, len(batch), n):
                 futures += self.balancer.submit_batched(prompts[start], n, params[start])
         else:
+            one_call = self._one_call_fits(params)
             # Validation batches hold one row per prompt, so the fallback is expected there.
             if not validation and reason not in self._logged_reasons:
                 self._logged_reasons.add(reason)
                 logger.warning(
-                    "agent loop: batched diffusion not used (%s); sending %d single requests", reason, len(batch)
+                    "agent loop: batched diffusion not used (%s); sending %d rows as %s",
+                    reason,
+                    len(batch),
+                    "one call" if one_call else "single requests",
                 )
-            if self._one_call_fits(params):
+            if one_call:
                 futures += self.balancer.submit_many(prompts, params[0])
             else:
                 for i in range(len(batch)):
