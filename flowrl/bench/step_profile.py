@@ -8,10 +8,10 @@ host launching work (the GPU waits for it), those ops are the host work a faster
 where the GPU is busy throughout, the kernels are. The idle time is also split by the length of
 its gaps: many gaps of microseconds are launch overhead spread over every kernel, a few of tens of
 milliseconds are stalls (a wait for the device, a copy to the host, a garbage collection: Python's
-collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Gaps of 0.1 ms or more
-are also counted per kernel that ended them: the launches the GPU waited for. Host ops nest (an autograd node holds the ops
-it calls), so each op's figure is the idle time it was running, its callees' included. On a CPU
-run each phase lists its ops by their own (self) CPU time instead.
+collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Gaps of 0.1 ms or
+more are also counted per kernel that ended them: the launches the GPU waited for. Host ops nest
+(an autograd node holds the ops it calls), so each op's figure is the idle time it was running,
+its callees' included. On a CPU run each phase lists its ops by their own (self) CPU time instead.
 """
 
 from __future__ import annotations

@@ -209,12 +209,11 @@ def _gap_classes(classes: list[dict] | None) -> str:
     """'; by gap length: up to 0.1 ms 1200 gaps 40 ms, ...' of step_profile.idle_by_gap_length ('' without)."""
     if not classes:
         return ""
-    texts = [
-        f"{'over ' + format(classes[-2]['up_to_ms'], 'g') if c['up_to_ms'] is None else 'up to ' + format(c['up_to_ms'], 'g')}"
-        f" ms {c['gaps']} gaps {c['idle_ms']:.0f} ms"
-        for c in classes
-        if c["gaps"]
-    ]
+
+    def label(c: dict) -> str:
+        return f"over {classes[-2]['up_to_ms']:g}" if c["up_to_ms"] is None else f"up to {c['up_to_ms']:g}"
+
+    texts = [f"{label(c)} ms {c['gaps']} gaps {c['idle_ms']:.0f} ms" for c in classes if c["gaps"]]
     return "; by gap length: " + ", ".join(texts)
 
 
@@ -234,14 +233,18 @@ def _gc_pauses(steps: list[dict]) -> str:
         return ""
     seconds = statistics.median([p["seconds"] for p in pauses])
     full = statistics.median([p["full_collections"] for p in pauses])
-    text = f"; Python's garbage collector paused {seconds:.2f} s a step ({full:g} full collections)"
-    allocator = steps[-1].get("allocator") or {}
-    if allocator:
-        text += (
-            f"; the CUDA caching allocator's last step: {allocator['num_device_alloc']} cudaMalloc, "
-            f"{allocator['num_device_free']} cudaFree, {allocator['num_alloc_retries']} cache flushes"
-        )
-    return text
+    return f"; Python's garbage collector paused {seconds:.2f} s a step ({full:g} full collections)"
+
+
+def _allocator(steps: list[dict]) -> str:
+    """'; the CUDA caching allocator's last step: N cudaMalloc, ...' ('' off a GPU or unmeasured)."""
+    counts = (steps[-1].get("allocator") or {}) if steps else {}
+    if not counts:
+        return ""
+    return (
+        f"; the CUDA caching allocator's last step: {counts['num_device_alloc']} cudaMalloc, "
+        f"{counts['num_device_free']} cudaFree, {counts['num_alloc_retries']} cache flushes"
+    )
 
 
 def _step_profile_lines(profile: dict | None) -> list[str]:
@@ -318,7 +321,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
-            f"{_gc_pauses(flowrl.get('steps', []))}"
+            f"{_gc_pauses(flowrl.get('steps', []))}{_allocator(flowrl.get('steps', []))}"
         )
     alone = flowrl.get("rollout_alone_seconds")
     if alone is not None and flowrl.get("phases", {}).get("rollout"):

@@ -180,11 +180,7 @@ def _rollout_alone(trainer, cfg, device) -> float:
     from flowrl.trainer.data import PromptSampler
 
     rows = PromptSampler(trainer.prompts.rows, cfg.trainer.prompts_per_step, shuffle=False, seed=0).next_rows()
-    window = trainer._sde_window(trainer.step)
-    for i, row in enumerate(rows):
-        row["uid"] = f"alone-{i}"
-        if window is not None:
-            row["sampling_overrides"] = {"sde_window": window}
+    trainer.prepare_step_rows(rows, trainer.step)
     batch = RolloutBatch.from_rows(rows).repeat(cfg.rollout.n)
     rows_generated = trainer.agent_loop.rows_generated
     try:

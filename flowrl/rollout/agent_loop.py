@@ -110,11 +110,9 @@ class AgentLoop:
             for field in ("agent_name", "raw_prompt", "negative_prompt"):
                 if field in nt and len({repr(nt[field][r]) for r in rows}) > 1:
                     return f"rows {start}..{start + n - 1} differ in {field}"
-            if len({repr(params[r].replace(seed=None)) for r in rows}) > 1:
-                return f"rows {start}..{start + n - 1} differ in sampling settings"
-            seeds = [params[r].seed for r in rows]
-            if seeds != list(range(seeds[0], seeds[0] + n)):
-                return f"rows {start}..{start + n - 1} carry seeds that are not consecutive"
+            why = _not_one_call(params[start : start + n])
+            if why is not None:
+                return f"rows {start}..{start + n - 1} {why}"
         return None
 
     def _one_call_fits(self, params: list[SamplingParams]) -> bool:
@@ -122,7 +120,7 @@ class AgentLoop:
         single request goes to the least busy one, which spreads them) that takes such calls, and
         rows that differ in their prompts and seeds only."""
         live = self.balancer.live_replicas
-        return len(live) == 1 and self.balancer.supports_submit_many and _differ_in_seed_only(params)
+        return len(live) == 1 and self.balancer.supports_submit_many and _not_one_call(params) is None
 
     def _seeds(self, batch: RolloutBatch, base_seed: int | None, row_offset: int) -> list[int]:
         """Row seeds: an explicit per-row `seed` wins; otherwise base + global row index."""
@@ -241,14 +239,17 @@ class AgentLoop:
         return result
 
 
-def _differ_in_seed_only(params: list[SamplingParams]) -> bool:
-    """Whether the rows' settings are equal but for their seeds, which count up by one from the
-    first row's: what one `submit_many` call (sample i with seed + i) draws."""
-    first = params[0]
-    same = repr(first.replace(seed=None))
-    return all(repr(p.replace(seed=None)) == same for p in params) and [p.seed for p in params] == list(
-        range(first.seed, first.seed + len(params))
-    )
+def _not_one_call(params: list[SamplingParams]) -> str | None:
+    """Why rows with these settings are not what one engine call draws (`generate_batched` or
+    `submit_many`: sample i with the first seed + i), or None when they are: settings equal but
+    for the seeds, which count up by one from the first row's."""
+    same = repr(params[0].replace(seed=None))
+    if any(repr(p.replace(seed=None)) != same for p in params):
+        return "differ in sampling settings"
+    first = params[0].seed
+    if [p.seed for p in params] != list(range(first, first + len(params))):
+        return "carry seeds that are not consecutive"
+    return None
 
 
 def _notify(callback: Callable[[int, object], None], row: int, finished: threading.Event) -> Callable[[Future], None]:

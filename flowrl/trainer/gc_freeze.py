@@ -4,8 +4,8 @@ The first training step compiles the model's graphs and builds the optimizer's s
 caches the later steps reuse: most of the process's long-lived objects. A full collection
 (generation 2) walks every tracked object, and it pauses the thread that triggered it: when that
 is the thread launching GPU work (the engine's rollout thread, the update loop), the GPU runs out of
-queued work and idles. On Qwen-Image's recipe one full collection took 0.69 s of a 32 s step
-(`flowrl bench train` reports the pauses). After the first step, `GcFreeze` moves every object
+queued work and idles (`flowrl bench train` reports the pauses; docs/performance.md what they
+cost). After the first step, `GcFreeze` moves every object
 alive into the collector's permanent generation (`gc.freeze`), which collections skip, so later
 ones walk only what was made since. Frozen objects are still freed when their last reference goes;
 only reference cycles among them wait until `release` (the trainer's close) hands them back.

@@ -271,6 +271,14 @@ class FlowGRPOTrainer:
         self._gc_freeze.after_step()
         return self._max_over_ranks(metrics)
 
+    def prepare_step_rows(self, rows: list[dict], step: int) -> None:
+        """Give step `step`'s prompt rows, in place, their group ids and the step's SDE window."""
+        window = self._sde_window(step)
+        for i, row in enumerate(rows):
+            row["uid"] = f"step{step}-prompt{i}"
+            if window is not None:
+                row["sampling_overrides"] = {"sde_window": window}
+
     def _roll_out(self, step: int) -> CollectedRollout:
         """Step `step`'s rows rolled out and scored, this rank's share, then gathered from every
         rank (a schedule decides when this runs: with trainer.async_rollout, on a thread of its own
@@ -279,11 +287,7 @@ class FlowGRPOTrainer:
 
         t0 = time.perf_counter()
         rows = self.prompts.next_rows()  # the step's prompts: every rank draws the same ones
-        window = self._sde_window(step)
-        for i, row in enumerate(rows):
-            row["uid"] = f"step{step}-prompt{i}"
-            if window is not None:
-                row["sampling_overrides"] = {"sde_window": window}
+        self.prepare_step_rows(rows, step)
         n = self.cfg.rollout.n
         first_prompt, my_rows = self.world.share(rows)  # whole groups: a group never spans ranks
         batch = RolloutBatch.from_rows(my_rows).repeat(n)
