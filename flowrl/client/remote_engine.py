@@ -88,12 +88,17 @@ class RemoteEngine(EngineAPI):
         self._lock = threading.Lock()
 
     # --- the engine's API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---
-    def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
-        """One sample per prompt, sample i with seed + i (the engine's rule), in one request."""
+    def submit_many(
+        self, prompts: list[str], sampling_params: SamplingParams | None = None, num_outputs_per_prompt: int = 1
+    ) -> list[Future]:
+        """N samples per prompt, prompt i's sample j with seed + i * N + j (the engine's rule), in one
+        request."""
         check_prompts(prompts)
+        check_num_outputs_per_prompt(num_outputs_per_prompt)
+        num_samples = len(prompts) * num_outputs_per_prompt
         for prompt in prompts:
-            params = request_params(prompt, sampling_params).validate(num_samples=len(prompts))
-        return self._submit(wire.rollout_request(prompts, 1, params), len(prompts))
+            params = request_params(prompt, sampling_params).validate(num_samples=num_samples)
+        return self._submit(wire.rollout_request(prompts, num_outputs_per_prompt, params), num_samples)
 
     def submit_batched(
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None

@@ -2,8 +2,8 @@
 
 `EngineAPI` derives `generate`, `generate_batched`, their async twins and `submit` from the two
 methods an engine implements: `submit_batched(prompt, n, params) -> list[Future]` (N samples of
-one prompt, sample j with seed + j) and `submit_many(prompts, params) -> list[Future]` (one sample
-per prompt, sample i with seed + i). `flowrl.engine.DiffusionEngine` (in process) and
+one prompt, sample j with seed + j) and `submit_many(prompts, params, n=1) -> list[Future]` (N
+samples per prompt, queued together, prompt i's sample j with seed + i * N + j). `flowrl.engine.DiffusionEngine` (in process) and
 `flowrl.client.RemoteEngine` (a server) both use it, so callers drive either the same way.
 
 An interrupted wait (an error, KeyboardInterrupt, a cancelled coroutine) cancels the samples still
@@ -92,7 +92,7 @@ class EngineAPI:
     def submit_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params=None) -> list[Future]:
         raise NotImplementedError
 
-    def submit_many(self, prompts: list[str], sampling_params=None) -> list[Future]:
+    def submit_many(self, prompts: list[str], sampling_params=None, num_outputs_per_prompt: int = 1) -> list[Future]:
         raise NotImplementedError
 
     def generate(self, prompt: str | list[str], sampling_params: SamplingParams | None = None):

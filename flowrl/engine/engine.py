@@ -139,13 +139,19 @@ class DiffusionEngine(EngineAPI):
         )
 
     # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------
-    def submit_many(self, prompts: list[str], sampling_params: SamplingParams | None = None) -> list[Future]:
-        """One sample per prompt, sample i with seed + i; every prompt is checked before any is queued."""
+    def submit_many(
+        self, prompts: list[str], sampling_params: SamplingParams | None = None, num_outputs_per_prompt: int = 1
+    ) -> list[Future]:
+        """N samples per prompt, queued together: prompt i's sample j with seed + i * N + j (each
+        prompt a group of its own, as `submit_batched` makes it). Every prompt is checked before
+        any is queued; the futures come prompt by prompt."""
         check_prompts(prompts)
+        check_num_outputs_per_prompt(num_outputs_per_prompt)
+        n = num_outputs_per_prompt
         for p in prompts:
-            params = self._validated(p, sampling_params, len(prompts))
+            params = self._validated(p, sampling_params, len(prompts) * n)
         base = params.seed if params.seed is not None else secrets.randbits(62)
-        requests = [self._request(p, 1, params.replace(seed=base + i)) for i, p in enumerate(prompts)]
+        requests = [self._request(p, n, params.replace(seed=base + i * n)) for i, p in enumerate(prompts)]
         self._enqueue(requests)
         return [s.future for samples in requests for s in samples]
 

@@ -4,11 +4,13 @@ Rows arrive repeated (p0 x n, p1 x n, ...). Two paths produce the same samples a
 - batched: each group of n consecutive rows becomes ONE `generate_batched` call (one prompt
   encoding, samples admitted together), taken only when provably safe (see `batched_path_blocker`);
 - fallback: every row is its own single request, all in flight at once (the engine still batches
-  them into shared forwards). On one engine, rows that differ in their prompts only, with
-  consecutive seeds (a validation batch), are queued as one `submit_many` call instead: the engine
-  takes them together, so which rows share a forward, and how the forwards round, is the same on
-  every run (single requests reach it one by one, and its first forward may start before the last
-  one arrived).
+  them into shared forwards).
+On one engine, when the rows differ in their prompts only and their seeds count up by one (the
+usual training step, a validation or eval batch), all of them are queued as one `submit_many`
+call instead (n samples per prompt on the batched path, one on the fallback): the engine takes
+them together, so which rows share a forward, and how the forwards round, is the same on every
+run (separate calls reach it one by one, and its first forward may start before the last one
+arrived).
 Equality of the two paths rests on seeds: row i gets seed base + global row index, and
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
@@ -116,9 +118,9 @@ class AgentLoop:
         return None
 
     def _one_call_fits(self, params: list[SamplingParams]) -> bool:
-        """Whether the fallback's rows go as one `submit_many` call: one engine (over several, each
-        single request goes to the least busy one, which spreads them) that takes such calls, and
-        rows that differ in their prompts and seeds only."""
+        """Whether the rows go as one `submit_many` call: one engine (over several, each request
+        goes to the least busy one, which spreads them) that takes such calls, and rows that differ
+        in their prompts and seeds only, the seeds counting up by one."""
         live = self.balancer.live_replicas
         return len(live) == 1 and self.balancer.supports_submit_many and _not_one_call(params) is None
 
@@ -161,16 +163,19 @@ class AgentLoop:
         prompts = [str(p) for p in batch.non_tensor_batch["raw_prompt"]]
         params = [self._row_params(batch, i, base_params).replace(seed=seeds[i]) for i in range(len(batch))]
 
-        # 2. submit: one batched call per group when provably safe, else one request per row (one
-        #    call for them all where they differ in prompt and seed only, on one engine)
+        # 2. submit: one batched call per group when provably safe, else one request per row; on one
+        #    engine, one call for them all where the rows differ in prompt and seed only
         reason = self.batched_path_blocker(batch, params)
         futures: list[Future] = []
+        one_call = self._one_call_fits(params)
         if reason is None:
             n = self.config.n
-            for start in range(0, len(batch), n):
-                futures += self.balancer.submit_batched(prompts[start], n, params[start])
+            if one_call:
+                futures += self.balancer.submit_many(prompts[::n], params[0], n)
+            else:
+                for start in range(0, len(batch), n):
+                    futures += self.balancer.submit_batched(prompts[start], n, params[start])
         else:
-            one_call = self._one_call_fits(params)
             # Validation batches hold one row per prompt, so the fallback is expected there.
             if not validation and reason not in self._logged_reasons:
                 self._logged_reasons.add(reason)

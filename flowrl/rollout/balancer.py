@@ -6,7 +6,7 @@ A replica is anything with `submit(prompt, params) -> Future` and, for groups,
 replica and not yet finished, and gives each request to the live replica with the fewest (ties:
 the lowest index), so work spreads evenly even when replicas run at different speeds. A batched
 request (one prompt's group) always goes to one replica as one call, and so do the prompts of a
-`submit_many` call (one sample each, as a validation batch asks): the replica queues them together.
+`submit_many` call (N samples each): the replica queues them together.
 
 Failover: a replica is down when its call or one of its futures raises `ReplicaDownError` (the
 remote client raises it once its own bounded retries are spent; any other error belongs to the
@@ -48,12 +48,13 @@ def replica_name(replica, index: int) -> str:
 class _Request:
     """One caller request: its arguments and the futures the caller holds (one per sample).
     `prompt`: one prompt (num_samples samples of it, sample j with seed + j), or a list of prompts
-    (one sample each, sample i with seed + i: `submit_many`)."""
+    (`num_outputs_per_prompt` samples each, prompt i's sample j with seed + i * N + j: `submit_many`)."""
 
     prompt: str | list[str]
     num_samples: int
     params: object
     futures: list[Future]
+    num_outputs_per_prompt: int = 1
     num_attempts: int = 0
     tried: set[int] = field(default_factory=set)
 
@@ -88,11 +89,12 @@ class LeastInFlightBalancer:
         self._dispatch(request)
         return list(request.futures)
 
-    def submit_many(self, prompts: list[str], params) -> list[Future]:
-        """One sample per prompt (sample i with seed + i) from one replica, queued there as one
-        call; the futures outlive that replica going down. Every replica needs `submit_many`
-        (`supports_submit_many`)."""
-        request = _Request(list(prompts), len(prompts), params, [Future() for _ in prompts])
+    def submit_many(self, prompts: list[str], params, n: int = 1) -> list[Future]:
+        """N samples per prompt (prompt i's sample j with seed + i * N + j) from one replica, queued
+        there as one call; the futures outlive that replica going down. Every replica needs
+        `submit_many` (`supports_submit_many`)."""
+        num_samples = len(prompts) * n
+        request = _Request(list(prompts), num_samples, params, [Future() for _ in range(num_samples)], n)
         self._dispatch(request)
         return list(request.futures)
 
@@ -252,7 +254,7 @@ def _send(replica, request: _Request) -> list[Future]:
     """A single sample goes through `submit` (which every replica has), a group through
     `submit_batched`, a list of prompts through `submit_many`."""
     if isinstance(request.prompt, list):
-        return replica.submit_many(request.prompt, request.params)
+        return replica.submit_many(request.prompt, request.params, request.num_outputs_per_prompt)
     if request.num_samples == 1:
         return [replica.submit(request.prompt, request.params)]
     return replica.submit_batched(request.prompt, request.num_samples, request.params)

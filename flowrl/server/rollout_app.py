@@ -6,8 +6,9 @@ GET /v1/stats (engine.stats()), GET /metrics (Prometheus), and, with an admin to
 GET|POST /v1/weights and POST /v1/admin/pause|resume.
 
 A generation request goes: parse (flowrl.server.generation_request: shape and HTTP limits) ->
-admission (flowrl.server.admission: capacity, pause, weight swaps) -> engine.submit_batched per
-prompt (SamplingParams.validate: the engine's ValueError becomes a 400 naming the field) -> await
+admission (flowrl.server.admission: capacity, pause, weight swaps) -> engine.submit_batched (one
+prompt) or engine.submit_many (several, queued together) (SamplingParams.validate: the engine's
+ValueError becomes a 400 naming the field) -> await
 the futures -> encode in a worker thread. If the client disconnects first, the request's futures
 are cancelled, so its samples leave the engine at the next step. Errors use OpenAI's shape
 {"error": {"message", "type", "param", "code"}}; a refused request changes nothing.
@@ -126,13 +127,10 @@ class RolloutService:
         async with self.admission.admit(request.num_samples):
             futures = []
             try:
-                if n == 1 and len(request.prompts) > 1:  # engine.generate([...])'s path: queued at once
-                    futures = self._submit(self.engine.submit_many, request.prompts, params)
+                if len(request.prompts) > 1:  # queued at once: the engine groups them the same way every time
+                    futures = self._submit(self.engine.submit_many, request.prompts, params, n)
                 else:
-                    for i, prompt in enumerate(request.prompts):
-                        # Prompt 0 carries the request's own seed, so the engine checks it before any sum.
-                        prompt_params = params if i == 0 else params.replace(seed=params.seed + i * n)
-                        futures += self._submit(self.engine.submit_batched, prompt, n, prompt_params)
+                    futures = self._submit(self.engine.submit_batched, request.prompts[0], n, params)
                 return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
             except BaseException as error:
                 for future in futures:

@@ -1,9 +1,9 @@
 """RemoteEngine against a real `flowrl serve` app on 127.0.0.1: its outputs equal the in-process
-engine's for the same seeds (generate, generate_batched, the async twins, submit_many), stats
-count the server's forwards, a bad request raises the ValueError the in-process engine raises, a
-closed client fails and refuses requests with EngineClosedError as a shut-down engine does, and a
-server that is down or refuses a request gives a clear error naming it. Nothing listens beyond
-loopback."""
+engine's for the same seeds (generate, generate_batched, the async twins, submit_many with one or
+more samples per prompt), stats count the server's forwards, a bad request raises the ValueError
+the in-process engine raises, a closed client fails and refuses requests with EngineClosedError as
+a shut-down engine does, and a server that is down or refuses a request gives a clear error naming
+it. Nothing listens beyond loopback."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ def test_round_trip_equals_the_in_process_engine(remote, local_engine, check_loo
     assert_same_outputs([single], [local_engine.generate("a cat", PARAMS)])
     futures = remote.submit_batched("a red cube", 2, PARAMS)
     assert_same_outputs([f.result() for f in futures], local_engine.generate_batched("a red cube", 2, PARAMS))
+    # Several prompts, two samples each, in one request: prompt i's sample j with seed + 2i + j.
+    futures = remote.submit_many(["a cat", "a dog"], PARAMS, 2)
+    local = [f.result() for f in local_engine.submit_many(["a cat", "a dog"], PARAMS, 2)]
+    assert [o.seed for o in local] == [PARAMS.seed + k for k in range(4)]
+    assert_same_outputs([f.result() for f in futures], local)
     check_loopback_only()
 
 

@@ -159,7 +159,7 @@ def test_validation_mode_is_ode_with_fixed_seeds(engine):
 
 
 class _Recording:
-    """An engine whose calls are recorded: (method, number of samples)."""
+    """An engine whose calls are recorded: (method, number of prompts, samples per prompt)."""
 
     supports_batched_generation = True
 
@@ -167,50 +167,71 @@ class _Recording:
         self.engine, self.calls = engine, []
 
     def submit(self, prompt, params):
-        self.calls.append(("submit", 1))
+        self.calls.append(("submit", 1, 1))
         return self.engine.submit(prompt, params)
 
     def submit_batched(self, prompt, n, params):
-        self.calls.append(("submit_batched", n))
+        self.calls.append(("submit_batched", 1, n))
         return self.engine.submit_batched(prompt, n, params)
 
-    def submit_many(self, prompts, params):
-        self.calls.append(("submit_many", len(prompts)))
-        return self.engine.submit_many(prompts, params)
+    def submit_many(self, prompts, params, n=1):
+        self.calls.append(("submit_many", len(prompts), n))
+        return self.engine.submit_many(prompts, params, n)
 
 
 def test_rows_that_differ_in_prompt_and_seed_only_are_queued_as_one_call(engine):
     config = make_config(val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False))
     recording = _Recording(engine)
     out = AgentLoop(recording, config).generate_sequences(make_batch(n=1), validation=True)
-    assert recording.calls == [("submit_many", 2)]
+    assert recording.calls == [("submit_many", 2, 1)]
     # The same samples as one single request per row (an engine without submit_many)
     singles = _Recording(engine)
     singles.submit_many = None
     reference = AgentLoop(singles, config).generate_sequences(make_batch(n=1), validation=True)
-    assert singles.calls == [("submit", 1), ("submit", 1)]
+    assert singles.calls == [("submit", 1, 1), ("submit", 1, 1)]
     assert list(out.non_tensor_batch["seed"]) == list(reference.non_tensor_batch["seed"])
     torch.testing.assert_close(out.batch["all_latents"], reference.batch["all_latents"], atol=ATOL, rtol=0)
     # Over two engines each row goes to the least busy one, as a single request.
     a, b = _Recording(engine), _Recording(engine)
     AgentLoop([a, b], config).generate_sequences(make_batch(n=1), validation=True)
-    assert a.calls == b.calls == [("submit", 1)]
+    assert a.calls == b.calls == [("submit", 1, 1)]
     # Rows whose settings differ are single requests, as before.
     batch = make_batch(n=1)
     batch.non_tensor_batch["sampling_overrides"] = np.array([None, {"noise_level": 0.5}], dtype=object)
     recording.calls.clear()
     AgentLoop(recording, make_config()).generate_sequences(batch)
-    assert recording.calls == [("submit", 1), ("submit", 1)]
+    assert recording.calls == [("submit", 1, 1), ("submit", 1, 1)]
 
 
-def test_a_validation_batch_is_grouped_into_forwards_the_same_way_every_time(tiny_qwen_path):
-    """Queued as one call, the engine admits the rows in order up to max_batch_rows: 3 rows, then
-    the 2 left once the first finish, at every one of the 4 steps, on every run. Single requests
-    reached the engine one by one, so its first forward could start with fewer rows: the engine
-    here pauses after each request it queues, as a busy host may, which made that happen."""
-    rows = [{"raw_prompt": f"prompt {i}", "uid": f"u{i}"} for i in range(5)]
-    config = make_config(val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False))
-    with DiffusionEngine.from_pretrained(tiny_qwen_path, max_batch_rows=3) as small:
+def test_groups_of_a_training_batch_on_one_engine_are_queued_as_one_call(engine):
+    recording = _Recording(engine)
+    out = AgentLoop(recording, make_config()).generate_sequences(make_batch())
+    assert recording.calls == [("submit_many", 2, 4)]
+    assert out.meta_info["num_batched_groups"] == 2
+    # The same samples, and one SDE window per group, as one submit_batched call per group
+    per_group = _Recording(engine)
+    per_group.submit_many = None
+    reference = AgentLoop(per_group, make_config()).generate_sequences(make_batch())
+    assert per_group.calls == [("submit_batched", 1, 4), ("submit_batched", 1, 4)]
+    assert_same_samples(out, reference)
+    assert list(out.non_tensor_batch["sde_window"]) == list(reference.non_tensor_batch["sde_window"])
+    # Over two engines each group goes to the least busy one.
+    a, b = _Recording(engine), _Recording(engine)
+    AgentLoop([a, b], make_config()).generate_sequences(make_batch())
+    assert a.calls == b.calls == [("submit_batched", 1, 4)]
+
+
+@pytest.mark.parametrize("samples_per_prompt, expected", [(1, {2: 4, 3: 4}), (2, {2: 4, 4: 4})])
+def test_an_eval_batch_is_grouped_into_forwards_the_same_way_every_time(tiny_qwen_path, samples_per_prompt, expected):
+    """Queued as one call, the engine admits the rows in order up to max_batch_rows, at every one
+    of the 4 steps, on every run. Separate calls (one per row, or one per group) reached the
+    engine one by one, so its first forward could start with fewer rows: the engine here pauses
+    after each request it queues, as a busy host may, which made that happen."""
+    prompts = [{"raw_prompt": f"prompt {i}", "uid": f"u{i}"} for i in range(5 if samples_per_prompt == 1 else 3)]
+    rows = RolloutBatch.from_rows(prompts).repeat(samples_per_prompt, interleave=True)
+    config = make_config(n=samples_per_prompt, val_sampling=SAMPLING.replace(noise_level=0.0, logprobs=False))
+    max_batch_rows = 3 if samples_per_prompt == 1 else 4
+    with DiffusionEngine.from_pretrained(tiny_qwen_path, max_batch_rows=max_batch_rows) as small:
         enqueue = small._enqueue
 
         def enqueue_then_pause(requests):
@@ -221,8 +242,8 @@ def test_a_validation_batch_is_grouped_into_forwards_the_same_way_every_time(tin
         loop = AgentLoop(small, config)
         for _ in range(3):
             small.reset_stats()
-            loop.generate_sequences(RolloutBatch.from_rows(rows), validation=True)
-            assert small.stats()["rows_per_forward_hist"] == {2: 4, 3: 4}
+            loop.generate_sequences(rows, validation=True)
+            assert small.stats()["rows_per_forward_hist"] == expected
 
 
 def test_on_sample_done_sees_every_row(engine):

@@ -33,9 +33,9 @@ class FakeReplica:
         self.calls.append((prompt, n))
         return self._answer([prompt] * n, params)
 
-    def submit_many(self, prompts, params):
-        self.calls.append((tuple(prompts), 1))
-        return self._answer(prompts, params)
+    def submit_many(self, prompts, params, n=1):
+        self.calls.append((tuple(prompts), n))
+        return self._answer([p for p in prompts for _ in range(n)], params)
 
     def _answer(self, prompts, params):
         futures = [Future() for _ in prompts]
@@ -98,16 +98,19 @@ def test_a_group_that_half_finished_is_completed_from_the_resend():
     assert alive.calls == [("p", 3)]  # the whole group re-sent as one request
 
 
-def test_a_list_of_prompts_goes_to_one_replica_as_one_call_and_is_resent_whole():
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_list_of_prompts_goes_to_one_replica_as_one_call_and_is_resent_whole(n):
     flaky = FakeReplica("flaky", ReplicaDownError("died mid-rollout"), fail_after=2)
     alive = FakeReplica("alive")
     balancer = LeastInFlightBalancer([flaky, alive], max_failures=1)
     assert balancer.supports_submit_many
-    prompts = ["p0", "p1", "p2", "p3"]
-    samples = [f.result(timeout=10) for f in balancer.submit_many(prompts, SamplingParams(seed=20))]
-    assert [(prompt, seed) for _, prompt, seed in samples] == [(p, 20 + i) for i, p in enumerate(prompts)]
+    prompts = ["p0", "p1", "p2", "p3"][: 4 // n]
+    samples = [f.result(timeout=10) for f in balancer.submit_many(prompts, SamplingParams(seed=20), n)]
+    assert [(prompt, seed) for _, prompt, seed in samples] == [
+        (p, 20 + i * n + j) for i, p in enumerate(prompts) for j in range(n)
+    ]
     assert [s[0] for s in samples] == ["flaky", "flaky", "alive", "alive"]
-    assert flaky.calls == alive.calls == [(tuple(prompts), 1)]  # one call each: the list stays together
+    assert flaky.calls == alive.calls == [(tuple(prompts), n)]  # one call each: the list stays together
     assert balancer.in_flight == [0, 0]
 
 

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_server_helpers import ADMIN, LIMITS, MODEL_NAME, SAMPLING, serving
 
 import flowrl.engine
+from flowrl.engine.api import wait_all
 from flowrl.server import wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -73,12 +74,13 @@ def test_rollouts_equal_the_in_process_engine(served, params):
         prompts = ["a", "b c", "d"]
         remote = _rollouts(client, prompts, 1, params)
         _assert_equal_outputs(remote, served.engine.generate(prompts, params), atol=1e-6)
-        # Several prompts, n each: prompt i, sample j gets seed + i * n + j, one window per prompt.
+        # Several prompts, n each: prompt i, sample j gets seed + i * n + j, one window per prompt,
+        # queued together as engine.submit_many queues them.
         remote = _rollouts(client, ["x", "y"], 2, params)
         assert [o.seed for o in remote] == [params.seed + k for k in range(4)]
-        _assert_equal_outputs(
-            remote[2:], served.engine.generate_batched("y", 2, params.replace(seed=params.seed + 2)), 1e-6
-        )
+        _assert_equal_outputs(remote, wait_all(served.engine.submit_many(["x", "y"], params, 2)))
+        second = served.engine.generate_batched("y", 2, params.replace(seed=params.seed + 2))
+        assert [o.sde_window for o in remote[2:]] == [o.sde_window for o in second]
 
 
 def test_openai_client_generates_images(served):
