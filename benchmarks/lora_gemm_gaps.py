@@ -6,7 +6,10 @@ projections, while the launching thread was inside those GEMMs' launches. Boundi
 host ran ahead did not change the rollout's time. This script runs just the projections of a
 block (its 12 LoRA linears: q, k, v, out and the MLP's two, per stream, at the recipe's rollout
 rows) several ways, each profiled, and reports per way the time per block, how busy the GPU was,
-and the gaps of 0.1 ms or more by the kernel that ended them:
+the gaps of 0.1 ms or more by the kernel that ended them, and those gaps by when that kernel's
+launch call returned (before the gap began: the GPU idled with the kernel queued; inside it: the
+GPU waited for the host, and the call's own share of the gap says whether the host was blocked in
+it):
 
 - folded: the rollout's op (flowrl.accel.lora_fold.linear_into: x A^T, the low-rank GEMM with the
   bias into the output, the base GEMM accumulating into it);
@@ -30,7 +33,8 @@ import time
 import torch
 
 from flowrl.accel.lora_fold import linear_into
-from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps
+from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps, launch_calls, long_gaps_by_launch
+from flowrl.bench.summary import launch_split_text
 
 MODES = ("folded", "folded-base-first", "unfolded", "base-only", "attention+folded")
 HEAD_DIM = 128
@@ -101,11 +105,9 @@ def measure(block, mode: str, blocks: int, device, sync_every: int | None = None
     if on_gpu:
         host = torch.autograd.DeviceType.CPU
         host_names = {e.name for e in prof.events() if e.device_type == host}
-        work = [
-            (e.time_range.start, e.time_range.end, e.name)
-            for e in prof.events()
-            if e.device_type != host and e.name not in host_names
-        ]
+        device_events = [e for e in prof.events() if e.device_type != host and e.name not in host_names]
+        work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
+        calls = launch_calls([e for e in prof.events() if e.device_type == host])
         start = min(a for a, _, _ in work)
         end = max(b for _, b, _ in work)
         busy, gaps = busy_and_gaps(work, start, end)
@@ -113,6 +115,7 @@ def measure(block, mode: str, blocks: int, device, sync_every: int | None = None
             gpu_busy=busy / (end - start),
             idle_ms=sum(b - a for a, b in gaps) / 1000 / blocks,
             after_long_gaps=kernels_after_gaps(work, gaps, min_ms=0.1, top=4),
+            by_launch=long_gaps_by_launch([(e.time_range.start, e.id) for e in device_events], calls, gaps, 0.1),
         )
     return result
 
@@ -150,6 +153,7 @@ def main() -> None:
         if "gpu_busy" in r:
             gaps = ", ".join(f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms" for k in r["after_long_gaps"])
             line += f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block; long gaps before: {gaps or 'none'}"
+            line += launch_split_text(r["by_launch"])
         print(line, flush=True)
 
 

@@ -9,7 +9,11 @@ where the GPU is busy throughout, the kernels are. The idle time is also split b
 its gaps: many gaps of microseconds are launch overhead spread over every kernel, a few of tens of
 milliseconds are stalls (a wait for the device, a copy to the host, a garbage collection: Python's
 collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Gaps of 0.1 ms or
-more are also counted per kernel that ended them: the launches the GPU waited for. Host ops nest
+more are also counted per kernel that ended them, and split by when that kernel's launch call
+(the CUDA runtime or driver call with the kernel's correlation id) returned: before the gap began
+(the kernel was queued and the GPU idled anyway: the wait was on the device's side) or inside it
+(the GPU waited for the host to launch it; how much of the gap the launch call itself took says
+whether the host was busy elsewhere or blocked inside the driver's call). Host ops nest
 (an autograd node holds the ops it calls), so each op's figure is the idle time it was running,
 its callees' included. On a CPU run each phase lists its ops by their own (self) CPU time instead.
 """
@@ -17,6 +21,7 @@ its callees' included. On a CPU run each phase lists its ops by their own (self)
 from __future__ import annotations
 
 import bisect
+import re
 
 import torch
 
@@ -35,6 +40,8 @@ _RANGE_NAMES = frozenset(PHASE_RANGES.values())
 GAP_CLASSES_MS = (0.1, 1.0, 10.0, 100.0)
 # gaps at least this long (ms) are attributed to the kernel that ends them: the GPU waited for its launch
 LONG_GAP_MS = 0.1
+# a CUDA runtime or driver API call's name (cudaLaunchKernel, cuLaunchKernelEx), not an op's (aten::cumsum)
+_API_CALL = re.compile(r"cu(da)?[A-Z]")
 
 
 def profile_step(fn, device: torch.device, top: int = 8) -> dict:
@@ -84,11 +91,12 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
         out["host_ops_self_ms"] = _top_ms(own, top)
         return out
     host_names = {e.name for e in events if e.device_type == host}
-    device_work = [
-        (max(e.time_range.start, start), min(e.time_range.end, end), e.name)
+    device_events = [
+        e
         for e in inside
         if e.device_type != host and e.name not in host_names and e.time_range.end > e.time_range.start
     ]
+    device_work = [(max(e.time_range.start, start), min(e.time_range.end, end), e.name) for e in device_events]
     busy, gaps = busy_and_gaps(device_work, start, end)
     categories: dict[str, float] = {}
     for a, b, name in device_work:
@@ -107,6 +115,9 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
         longest_gaps_ms=sorted(((b - a) / 1000.0 for a, b in gaps), reverse=True)[:5],
         idle_by_gap_length=idle_by_gap_length(gaps),
         kernels_after_long_gaps_ms=kernels_after_gaps(device_work, gaps, LONG_GAP_MS, top),
+        long_gaps_by_launch=long_gaps_by_launch(
+            [(a, e.id) for (a, _, _), e in zip(device_work, device_events)], launch_calls(host_ops), gaps, LONG_GAP_MS
+        ),
         share_by_category={c: t / kernel_time for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
         host_ops_in_idle_ms=_top_ms(idle, top),
     )
@@ -158,6 +169,44 @@ def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float
         totals[name] = totals.get(name, 0.0) + (b - a)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return [{"name": name[:120], "gaps": counts[name], "ms": us / 1000.0} for name, us in ranked]
+
+
+def launch_calls(host_events) -> dict[int, tuple[float, float]]:
+    """The CUDA runtime and driver calls among `host_events` (cudaLaunchKernel, cuLaunchKernelEx,
+    cudaMemsetAsync, ...) by correlation id, the id their kernel or copy carries: {id: (start, end)}."""
+    return {e.id: (e.time_range.start, e.time_range.end) for e in host_events if _API_CALL.match(e.name)}
+
+
+def long_gaps_by_launch(
+    starts: list[tuple[float, int]],
+    calls: dict[int, tuple[float, float]],
+    gaps: list[tuple[float, float]],
+    min_ms: float,
+) -> dict[str, dict]:
+    """The `gaps` of at least `min_ms`, split by when the launch call of the kernel that ended each
+    one returned (module docstring): {"queued_before_gap", "launched_in_gap", "unmatched": {"gaps",
+    "ms"}}, and for "launched_in_gap" also "launch_call_ms", the part of those gaps the launch calls
+    themselves took. `starts`: (start, correlation id) of the device events the gaps were computed
+    from; `calls`: launch_calls(); a kernel whose call the profile lacks is unmatched."""
+    first_id: dict[float, int] = {}
+    for a, correlation in sorted(starts):
+        first_id.setdefault(a, correlation)
+    out = {key: {"gaps": 0, "ms": 0.0} for key in ("queued_before_gap", "launched_in_gap", "unmatched")}
+    out["launched_in_gap"]["launch_call_ms"] = 0.0
+    for a, b in gaps:
+        if b not in first_id or (b - a) / 1000.0 < min_ms:
+            continue
+        call = calls.get(first_id[b])
+        if call is None:
+            key = "unmatched"
+        elif call[1] <= a:
+            key = "queued_before_gap"
+        else:
+            key = "launched_in_gap"
+            out[key]["launch_call_ms"] += max(0.0, min(call[1], b) - max(call[0], a)) / 1000.0
+        out[key]["gaps"] += 1
+        out[key]["ms"] += (b - a) / 1000.0
+    return out
 
 
 def host_time_in_gaps(host_ops, gaps: list[tuple[float, float]]) -> dict[str, float]:

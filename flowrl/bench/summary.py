@@ -226,6 +226,20 @@ def _kernels_after_gaps(kernels: list[dict] | None) -> str:
     )
 
 
+def launch_split_text(split: dict | None) -> str:
+    """'; those gaps by their kernel's launch call: returned before the gap N gaps X ms, ...' of
+    step_profile.long_gaps_by_launch ('' without)."""
+    if not split or not any(v["gaps"] for v in split.values()):
+        return ""
+    queued, launched, unmatched = split["queued_before_gap"], split["launched_in_gap"], split["unmatched"]
+    text = (
+        f"; those gaps by their kernel's launch call: returned before the gap began {queued['gaps']} gaps "
+        f"{queued['ms']:.1f} ms, returned inside it {launched['gaps']} gaps {launched['ms']:.1f} ms (the calls "
+        f"themselves {launched['launch_call_ms']:.1f} ms of it)"
+    )
+    return text + (f", no call found {unmatched['gaps']} gaps {unmatched['ms']:.1f} ms" if unmatched["gaps"] else "")
+
+
 def _gc_pauses(steps: list[dict]) -> str:
     """'Python GC paused X s a step (N full collections)' of the timed steps (median; '' when not measured)."""
     pauses = [s["gc_pauses"] for s in steps if s.get("gc_pauses")]
@@ -265,7 +279,7 @@ def _step_profile_lines(profile: dict | None) -> list[str]:
             f"{head}, GPU busy {p['gpu_busy']:.1%} (idle {p['idle_ms']:.0f} ms in {p['gaps']} gaps, the longest "
             f"{longest} ms{_gap_classes(p.get('idle_by_gap_length'))}); kernels: {shares}; host ops running while "
             f"the GPU idled (ms, callees included): {_ms_list(p['host_ops_in_idle_ms'])}"
-            f"{_kernels_after_gaps(p.get('kernels_after_long_gaps_ms'))}"
+            f"{_kernels_after_gaps(p.get('kernels_after_long_gaps_ms'))}{launch_split_text(p.get('long_gaps_by_launch'))}"
         )
     return lines
 

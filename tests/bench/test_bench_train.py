@@ -282,3 +282,7 @@ def test_bench_train_on_cuda_in_bf16(tmp_path):
     phases = report["flowrl"]["profile"]["phases"]
     assert all(0 < phases[name]["gpu_busy"] <= 1 for name in ("rollout", "update"))
     assert phases["update"]["share_by_category"].get("matmul", 0) > 0
+    # Each long gap's kernel was matched with its launch call (they share the profiler's correlation id).
+    for name in ("rollout", "update"):
+        split = phases[name]["long_gaps_by_launch"]
+        assert split["unmatched"]["gaps"] == 0, split

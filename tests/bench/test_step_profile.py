@@ -13,14 +13,18 @@ from flowrl.bench.step_profile import (
     host_time_in_gaps,
     idle_by_gap_length,
     kernels_after_gaps,
+    launch_calls,
+    long_gaps_by_launch,
     phase_summary,
 )
+from flowrl.bench.summary import launch_split_text
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def _event(name, start, end, device=CPU, thread=1, launches=False, self_us=0.0):
+def _event(name, start, end, device=CPU, thread=1, launches=False, self_us=0.0, id=0):
     return SimpleNamespace(
+        id=id,
         name=name,
         device_type=device,
         thread=thread,
@@ -70,24 +74,49 @@ def test_long_gaps_are_counted_per_kernel_that_ended_them():
     assert kernels_after_gaps(work, gaps, min_ms=1.0) == [{"name": "gemm", "gaps": 1, "ms": 1.1}]
 
 
+def test_long_gaps_are_split_by_when_their_kernels_launch_call_returned():
+    work = [(0, 100, 1), (300, 400, 2), (900, 1000, 3), (2000, 2100, 4), (2150, 2200, 5)]
+    busy, gaps = busy_and_gaps([(a, b, "k") for a, b, _ in work], 0, 2200)
+    calls = launch_calls(
+        [
+            _event("cudaLaunchKernel", 20, 30, id=2),  # returned before its gap (100-300) began: queued
+            _event("cuLaunchKernelEx", 350, 880, id=3),  # blocked in the call through its gap (400-900)
+            _event("aten::cumsum", 0, 2200, id=4),  # an op, not a launch call: kernel 4 is unmatched
+            _event("cudaLaunchKernel", 2120, 2130, id=5),  # ends a 50 us gap: too short to count
+        ]
+    )
+    assert set(calls) == {2, 3, 5}
+    split = long_gaps_by_launch([(a, correlation) for a, _, correlation in work], calls, gaps, min_ms=0.1)
+    assert split["queued_before_gap"] == pytest.approx({"gaps": 1, "ms": 0.2})
+    assert split["launched_in_gap"] == pytest.approx({"gaps": 1, "ms": 0.5, "launch_call_ms": 0.48})
+    assert split["unmatched"] == pytest.approx({"gaps": 1, "ms": 1.0})
+    text = launch_split_text(split)
+    assert "returned before the gap began 1 gaps 0.2 ms" in text and "no call found 1 gaps 1.0 ms" in text
+    assert "returned inside it 1 gaps 0.5 ms (the calls themselves 0.5 ms of it)" in text
+    assert launch_split_text(long_gaps_by_launch([], calls, gaps, min_ms=0.1)) == ""
+
+
 def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
     events = [
         _event("flowrl/update", 0, 1000),
         # the launching thread: a backward node holding a copy, then a launch
         _event("autograd::engine::evaluate_function: Backward", 100, 500, thread=2),
         _event("aten::copy_", 300, 400, thread=2, launches=True),
-        _event("cudaLaunchKernel", 480, 490, thread=2),
+        _event("cudaLaunchKernel", 480, 490, thread=2, id=7),
         # another thread's op during the idle time is not the cause
         _event("reward scoring", 0, 1000, thread=3),
         _event("sm90_xmma_gemm_bf16", 0, 300, device=CUDA),
-        _event("triton_poi_fused_add_0", 500, 1000, device=CUDA),
-        _event("triton_poi_fused_add_0", 2000, 3000, device=CUDA),  # after the phase
+        _event("triton_poi_fused_add_0", 500, 1000, device=CUDA, id=7),
+        _event("triton_poi_fused_add_0", 2000, 3000, device=CUDA, id=8),  # after the phase
     ]
     p = phase_summary(events, 0, 1000, on_gpu=True)
     assert p["wall_ms"] == pytest.approx(1.0)
     assert p["gpu_busy"] == pytest.approx(0.8) and p["idle_ms"] == pytest.approx(0.2) and p["gaps"] == 1
     assert p["share_by_category"] == pytest.approx({"compiled (triton)": 0.625, "matmul": 0.375})
     assert [c["gaps"] for c in p["idle_by_gap_length"]] == [0, 1, 0, 0, 0]  # one gap of 0.2 ms
+    # its kernel's launch call returned 190 us into it, having run for the gap's last 10 us before that
+    launched = p["long_gaps_by_launch"]["launched_in_gap"]
+    assert launched == pytest.approx({"gaps": 1, "ms": 0.2, "launch_call_ms": 0.01})
     idle = {op["name"]: op["ms"] for op in p["host_ops_in_idle_ms"]}
     assert idle == pytest.approx(
         {"autograd::engine::evaluate_function: Backward": 0.2, "aten::copy_": 0.1, "cudaLaunchKernel": 0.01}
