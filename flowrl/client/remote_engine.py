@@ -55,6 +55,10 @@ _RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProto
 class RemoteEngine(EngineAPI):
     """A `flowrl serve` server behind the engine's API (see the module docstring)."""
 
+    # A call is one HTTP request: its samples come back together, in one response, and the server
+    # takes at most --max-samples-per-request of them.
+    is_in_process = False
+
     def __init__(
         self,
         url: str,

@@ -88,6 +88,7 @@ class EngineAPI:
     """generate / generate_batched / async twins / submit over submit_batched and submit_many."""
 
     supports_batched_generation = True
+    is_in_process = False  # True for an engine of this process (DiffusionEngine), False behind a wire
 
     def submit_batched(self, prompt: str, num_outputs_per_prompt: int, sampling_params=None) -> list[Future]:
         raise NotImplementedError

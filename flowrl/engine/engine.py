@@ -84,6 +84,8 @@ class DiffusionEngine(EngineAPI):
     memory on a GPU machine, copied to the device per request without blocking) or "device".
     """
 
+    is_in_process = True  # each sample's future resolves as soon as that sample is done, at any call size
+
     def __init__(
         self,
         adapter: FlowModelAdapter,

@@ -10,7 +10,8 @@ usual training step, a validation or eval batch), all of them are queued as one 
 call instead (n samples per prompt on the batched path, one on the fallback): the engine takes
 them together, so which rows share a forward, and how the forwards round, is the same on every
 run (separate calls reach it one by one, and its first forward may start before the last one
-arrived).
+arrived). The groups of a batch take that path on an engine of this process only: a remote
+engine answers a call's samples in one response, and its server bounds the samples per request.
 Equality of the two paths rests on seeds: row i gets seed base + global row index, and
 generate_batched(seed=s) gives sample j the seed s + j, so a group's rows get the same seeds
 either way. Every returned row records the settings its sample was drawn with (the fields of
@@ -170,7 +171,7 @@ class AgentLoop:
         one_call = self._one_call_fits(params)
         if reason is None:
             n = self.config.n
-            if one_call:
+            if one_call and self.balancer.is_in_process:
                 futures += self.balancer.submit_many(prompts[::n], params[0], n)
             else:
                 for start in range(0, len(batch), n):

@@ -103,6 +103,11 @@ class LeastInFlightBalancer:
         return all(callable(getattr(r, "submit_many", None)) for r in self.live_replicas)
 
     @property
+    def is_in_process(self) -> bool:
+        """Whether every live replica is an engine of this process (`is_in_process`)."""
+        return all(getattr(r, "is_in_process", False) for r in self.live_replicas)
+
+    @property
     def live_replicas(self) -> list:
         with self._lock:
             return [r for r, dropped in zip(self.replicas, self.is_dropped) if not dropped]

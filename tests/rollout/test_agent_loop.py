@@ -162,6 +162,7 @@ class _Recording:
     """An engine whose calls are recorded: (method, number of prompts, samples per prompt)."""
 
     supports_batched_generation = True
+    is_in_process = True
 
     def __init__(self, engine):
         self.engine, self.calls = engine, []
@@ -219,6 +220,12 @@ def test_groups_of_a_training_batch_on_one_engine_are_queued_as_one_call(engine)
     a, b = _Recording(engine), _Recording(engine)
     AgentLoop([a, b], make_config()).generate_sequences(make_batch())
     assert a.calls == b.calls == [("submit_batched", 1, 4)]
+    # A remote engine answers a call's samples in one response, within its server's per-request
+    # limit: each group is a request of its own.
+    remote = _Recording(engine)
+    remote.is_in_process = False
+    AgentLoop(remote, make_config()).generate_sequences(make_batch())
+    assert remote.calls == [("submit_batched", 1, 4), ("submit_batched", 1, 4)]
 
 
 @pytest.mark.parametrize("samples_per_prompt, expected", [(1, {2: 4, 3: 4}), (2, {2: 4, 4: 4})])
