@@ -3,8 +3,9 @@
 `EngineAPI` derives `generate`, `generate_batched`, their async twins and `submit` from the two
 methods an engine implements: `submit_batched(prompt, n, params) -> list[Future]` (N samples of
 one prompt, sample j with seed + j) and `submit_many(prompts, params, n=1) -> list[Future]` (N
-samples per prompt, queued together, prompt i's sample j with seed + i * N + j). `flowrl.engine.DiffusionEngine` (in process) and
-`flowrl.client.RemoteEngine` (a server) both use it, so callers drive either the same way.
+samples per prompt, queued together, prompt i's sample j with seed + i * N + j).
+`flowrl.engine.DiffusionEngine` (in process) and `flowrl.client.RemoteEngine` (a server) both use
+it, so callers drive either the same way.
 
 An interrupted wait (an error, KeyboardInterrupt, a cancelled coroutine) cancels the samples still
 in flight instead of leaving them running for nobody.

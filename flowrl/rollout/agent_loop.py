@@ -118,12 +118,15 @@ class AgentLoop:
                 return f"rows {start}..{start + n - 1} {why}"
         return None
 
-    def _one_call_fits(self, params: list[SamplingParams]) -> bool:
-        """Whether the rows go as one `submit_many` call: one engine (over several, each request
-        goes to the least busy one, which spreads them) that takes such calls, and rows that differ
-        in their prompts and seeds only, the seeds counting up by one."""
+    def _one_call_fits(self, params: list[SamplingParams], samples_per_prompt: int) -> bool:
+        """Whether the rows go as one `submit_many` call of `samples_per_prompt` samples per prompt:
+        one engine (over several, each request goes to the least busy one, which spreads them) that
+        takes such calls, in this process where a prompt has several samples (module docstring), and
+        rows that differ in their prompts and seeds only, the seeds counting up by one."""
         live = self.balancer.live_replicas
-        return len(live) == 1 and self.balancer.supports_submit_many and _not_one_call(params) is None
+        if len(live) != 1 or not self.balancer.supports_submit_many:
+            return False
+        return (samples_per_prompt == 1 or self.balancer.is_in_process) and _not_one_call(params) is None
 
     def _seeds(self, batch: RolloutBatch, base_seed: int | None, row_offset: int) -> list[int]:
         """Row seeds: an explicit per-row `seed` wins; otherwise base + global row index."""
@@ -168,15 +171,15 @@ class AgentLoop:
         #    engine, one call for them all where the rows differ in prompt and seed only
         reason = self.batched_path_blocker(batch, params)
         futures: list[Future] = []
-        one_call = self._one_call_fits(params)
         if reason is None:
             n = self.config.n
-            if one_call and self.balancer.is_in_process:
+            if self._one_call_fits(params, n):
                 futures += self.balancer.submit_many(prompts[::n], params[0], n)
             else:
                 for start in range(0, len(batch), n):
                     futures += self.balancer.submit_batched(prompts[start], n, params[start])
         else:
+            one_call = self._one_call_fits(params, 1)
             # Validation batches hold one row per prompt, so the fallback is expected there.
             if not validation and reason not in self._logged_reasons:
                 self._logged_reasons.add(reason)
