@@ -18,7 +18,14 @@ it):
 - base-only: the base GEMMs without LoRA;
 - folded-synced-N: folded, the host waiting for the GPU after every N projections;
 - attention+folded: the block's joint attention (SDPA over text and image tokens) before the
-  folded projections, as in the block, where the projections' inputs come from it.
+  folded projections, as in the block, where the projections' inputs come from it;
+- masked-attention+folded: the same attention as the block runs it: sequence-major q, k, v
+  ((L, B, H, Dh) in memory), a boolean key mask over the text tokens (half the rows padded, as a
+  CFG batch's short negative prompts are), SDPA's own backend choice, and the two output
+  projections reading their rows of its output in place; masked-cudnn-attention+folded and
+  masked-efficient-attention+folded force SDPA's cuDNN and memory-efficient backends.
+
+Each long gap is also reported with the kernel that most often ran just before it.
 
     python benchmarks/lora_gemm_gaps.py                     # on a GPU, the recipe's shapes
     python benchmarks/lora_gemm_gaps.py --device cpu --rows 1 --image-tokens 16 --text-tokens 8 \\
@@ -36,7 +43,22 @@ from flowrl.accel.lora_fold import linear_into
 from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps, launch_calls, long_gaps_by_launch
 from flowrl.bench.summary import launch_split_text
 
-MODES = ("folded", "folded-base-first", "unfolded", "base-only", "attention+folded")
+MODES = (
+    "folded",
+    "folded-base-first",
+    "unfolded",
+    "base-only",
+    "attention+folded",
+    "masked-attention+folded",
+    "masked-cudnn-attention+folded",
+    "masked-efficient-attention+folded",
+)
+# SDPA backends the masked modes force (None: SDPA's own choice)
+_MASKED_BACKENDS = {
+    "masked-attention+folded": None,
+    "masked-cudnn-attention+folded": "CUDNN_ATTENTION",
+    "masked-efficient-attention+folded": "EFFICIENT_ATTENTION",
+}
 HEAD_DIM = 128
 
 
@@ -57,20 +79,50 @@ def build(args, device, dtype):
     head_dim = args.width // heads
     tokens = args.image_tokens + args.text_tokens
     qkv = [rand(args.rows, heads, tokens, head_dim) for _ in range(3)]
+    # the block's layout: (L, B, H, Dh) in memory, text rows first, and a key mask over the text
+    # tokens with the second half of the rows padded to half their text length
+    joint = [rand(tokens, args.rows, heads, head_dim) for _ in range(3)]
+    mask = torch.ones(args.rows, tokens, dtype=torch.bool, device=device)
+    mask[args.rows // 2 :, args.text_tokens // 2 : args.text_tokens] = False
+    masked = (joint, mask[:, None, None, :], args.text_tokens)
     layers = []
     for tokens in (args.image_tokens, args.text_tokens):
         rows = args.rows * tokens
         inputs = {k: rand(rows, k) for k in {args.width, args.mlp_width}}
         for k, n in _projections(args.width, args.mlp_width):
             layers.append((inputs[k], rand(n, k), rand(n), rand(args.rank, k), rand(n, args.rank)))
-    return qkv, layers
+    return qkv, masked, layers
+
+
+def _masked_attention(masked, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's joint attention (flowrl.accel.qwen_image.block._joint_attention): its output's
+    image and text rows, (L_img * B, D) and (L_txt * B, D), views where SDPA kept q's layout."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    (q, k, v), mask, text_tokens = masked
+    views = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    if backend is None:
+        out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask)
+    else:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask)
+    out = out.permute(2, 0, 1, 3).flatten(2)
+    return out[text_tokens:].reshape(-1, out.shape[-1]), out[:text_tokens].reshape(-1, out.shape[-1])
 
 
 def run_block(block, mode: str, sync_every: int | None = None) -> list[torch.Tensor]:
-    qkv, layers = block
+    qkv, masked, layers = block
     outs = []
     if mode == "attention+folded":
         outs.append(torch.nn.functional.scaled_dot_product_attention(*qkv))
+        mode = "folded"
+    if mode in _MASKED_BACKENDS:
+        # the output projections (each stream's 4th linear) read the attention's rows
+        img_rows, txt_rows = _masked_attention(masked, _MASKED_BACKENDS[mode])
+        per_stream = len(layers) // 2
+        layers = list(layers)
+        for index, rows in ((3, img_rows), (per_stream + 3, txt_rows)):
+            layers[index] = (rows, *layers[index][1:])
         mode = "folded"
     for i, (x, weight, bias, down, up) in enumerate(layers):
         if mode == "base-only":
@@ -136,14 +188,15 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block = build(args, device, dtype)
     reference = run_block(block, "unfolded")
-    for mode in MODES:
+    # the forced backends are CUDA's
+    variants = [(mode, None) for mode in MODES if device.type == "cuda" or not _MASKED_BACKENDS.get(mode)]
+    for mode, _ in variants:
         got = run_block(block, mode)
         if mode == "attention+folded":
             got = got[1:]
-        if mode != "base-only":
+        if mode != "base-only" and mode not in _MASKED_BACKENDS:  # the masked modes change two inputs
             err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, reference))
             print(f"{mode}: max relative difference to unfolded {err:.2e}")
-    variants = [(mode, None) for mode in MODES]
     if device.type == "cuda":
         variants += [("folded", n) for n in args.sync_every]
     for mode, sync_every in variants:
@@ -151,7 +204,10 @@ def main() -> None:
         r = measure(block, mode, args.blocks, device, sync_every)
         line = f"{name:22s} {r['ms_per_block']:8.2f} ms per block"
         if "gpu_busy" in r:
-            gaps = ", ".join(f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms" for k in r["after_long_gaps"])
+            gaps = ", ".join(
+                f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms (after {(k['after'] or '-')[:60]})"
+                for k in r["after_long_gaps"]
+            )
             line += f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block; long gaps before: {gaps or 'none'}"
             line += launch_split_text(r["by_launch"])
         print(line, flush=True)

@@ -153,22 +153,41 @@ def idle_by_gap_length(gaps: list[tuple[float, float]]) -> list[dict]:
 
 def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float, top: int = 8) -> list[dict]:
     """Per name of the kernel (or copy) that ended them, the `gaps` (microseconds) of at least
-    `min_ms`: [{"name", "gaps", "ms"}], longest total first. `intervals` are the (start, end, name)
-    device events the gaps were computed from; a gap ends where one of them starts (the window's
-    last gap, which ends at the phase's end, is left out)."""
+    `min_ms`: [{"name", "gaps", "ms", "after"}], longest total first; "after" names the kernel
+    that most often ran last before those gaps (None where no kernel ran before one). `intervals`
+    are the (start, end, name) device events the gaps were computed from; a gap ends where one of
+    them starts (the window's last gap, which ends at the phase's end, is left out) and begins
+    where the last one before it ended."""
     first_at: dict[float, str] = {}
-    for a, _, name in sorted(intervals):
+    last_at: dict[float, str] = {}
+    for a, b, name in sorted(intervals):
         first_at.setdefault(a, name)
+        last_at[b] = name
     counts: dict[str, int] = {}
     totals: dict[str, float] = {}
+    before: dict[str, dict[str | None, int]] = {}
     for a, b in gaps:
         name = first_at.get(b)
         if name is None or (b - a) / 1000.0 < min_ms:
             continue
         counts[name] = counts.get(name, 0) + 1
         totals[name] = totals.get(name, 0.0) + (b - a)
+        previous = before.setdefault(name, {})
+        previous[last_at.get(a)] = previous.get(last_at.get(a), 0) + 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return [{"name": name[:120], "gaps": counts[name], "ms": us / 1000.0} for name, us in ranked]
+    return [
+        {
+            "name": name[:120],
+            "gaps": counts[name],
+            "ms": us / 1000.0,
+            "after": _truncated(max(before[name].items(), key=lambda kv: kv[1])[0]),
+        }
+        for name, us in ranked
+    ]
+
+
+def _truncated(name: str | None) -> str | None:
+    return None if name is None else name[:120]
 
 
 def launch_calls(host_events) -> dict[int, tuple[float, float]]:

@@ -221,8 +221,9 @@ def _kernels_after_gaps(kernels: list[dict] | None) -> str:
     """'; gaps of 0.1 ms or more, by the kernel that ended them: NAME N gaps X ms, ...' ('' without)."""
     if not kernels:
         return ""
-    return "; gaps of 0.1 ms or more, by the kernel that ended them: " + ", ".join(
-        f"{k['name']} {k['gaps']} gaps {k['ms']:.1f} ms" for k in kernels
+    return "; gaps of 0.1 ms or more, by the kernel that ended them (and the one most often before them): " + ", ".join(
+        f"{k['name']} {k['gaps']} gaps {k['ms']:.1f} ms" + (f" (after {k['after']})" if k.get("after") else "")
+        for k in kernels
     )
 
 

@@ -68,10 +68,21 @@ def test_long_gaps_are_counted_per_kernel_that_ended_them():
     # gaps: 200 us before attention, 50 us before gemm (short), 300 us before attention, 1100 us
     # before gemm, then 900 us to the window's end (no kernel ended it)
     assert kernels_after_gaps(work, gaps, min_ms=0.1) == [
-        {"name": "gemm", "gaps": 1, "ms": 1.1},
-        {"name": "attention", "gaps": 2, "ms": 0.5},
+        {"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention"},
+        {"name": "attention", "gaps": 2, "ms": 0.5, "after": "gemm"},
     ]
-    assert kernels_after_gaps(work, gaps, min_ms=1.0) == [{"name": "gemm", "gaps": 1, "ms": 1.1}]
+    assert kernels_after_gaps(work, gaps, min_ms=1.0) == [{"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention"}]
+
+
+def test_the_kernel_before_a_gap_is_the_one_that_ended_last_before_it():
+    # "b" ends last before the first gemm's gap though "a" started first; the first gap opens the
+    # window, so no kernel ran before it
+    work = [(100, 150, "a"), (120, 200, "b"), (500, 600, "gemm"), (700, 800, "b"), (1200, 1300, "gemm")]
+    busy, gaps = busy_and_gaps(work, 0, 1300)
+    assert kernels_after_gaps(work, gaps, min_ms=0.05, top=2) == [
+        {"name": "gemm", "gaps": 2, "ms": 0.7, "after": "b"},
+        {"name": "a", "gaps": 1, "ms": 0.1, "after": None},
+    ]
 
 
 def test_long_gaps_are_split_by_when_their_kernels_launch_call_returned():
