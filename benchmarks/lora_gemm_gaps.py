@@ -17,6 +17,9 @@ it):
 - unfolded: base GEMM, low-rank GEMMs and an add, as the training graphs compute it;
 - base-only: the base GEMMs without LoRA;
 - folded-synced-N: folded, the host waiting for the GPU after every N projections;
+- folded-B-blocks: folded, B blocks queued at once (as the rollout's 60 blocks a forward), so that
+  the host runs far enough ahead to block on the driver's full command buffer; with -ahead-N the
+  host waits before each block until at most N blocks are still queued;
 - attention+folded: the block's joint attention (SDPA over text and image tokens) before the
   folded projections, as in the block, where the projections' inputs come from it;
 - masked-attention+folded: the same attention as the block runs it: sequence-major q, k, v
@@ -138,7 +141,9 @@ def run_block(block, mode: str, sync_every: int | None = None) -> list[torch.Ten
     return outs
 
 
-def measure(block, mode: str, blocks: int, device, sync_every: int | None = None) -> dict:
+def measure(block, mode: str, blocks: int, device, sync_every: int | None = None, ahead: int | None = None) -> dict:
+    """Profile `blocks` calls of run_block; with `ahead`, the host waits before each call until
+    the GPU has finished all but the last `ahead` calls it queued."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
@@ -146,10 +151,16 @@ def measure(block, mode: str, blocks: int, device, sync_every: int | None = None
     if on_gpu:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    queued: list = []
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(blocks):
+            if ahead and len(queued) >= ahead:
+                queued.pop(0).synchronize()
             run_block(block, mode, sync_every)
+            if ahead:
+                queued.append(torch.cuda.Event())
+                queued[-1].record()
         if on_gpu:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -164,6 +175,11 @@ def measure(block, mode: str, blocks: int, device, sync_every: int | None = None
         end = max(b for _, b, _ in work)
         busy, gaps = busy_and_gaps(work, start, end)
         result.update(
+            # the host blocked in a launch because the driver's command buffer was full
+            command_buffer_full_ms=sum(
+                e.time_range.end - e.time_range.start for e in prof.events() if e.name == "Command Buffer Full"
+            )
+            / 1000,
             gpu_busy=busy / (end - start),
             idle_ms=sum(b - a for a, b in gaps) / 1000 / blocks,
             after_long_gaps=kernels_after_gaps(work, gaps, min_ms=0.1, top=4),
@@ -183,6 +199,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--sync-every", type=int, nargs="*", default=[1, 3], help="folded-synced-N variants")
+    parser.add_argument("--deep-blocks", type=int, default=60, help="blocks of the host-far-ahead variants")
+    parser.add_argument(
+        "--ahead", type=int, nargs="*", default=[1, 3], help="folded-...-ahead-N variants: at most N blocks queued"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -197,18 +217,26 @@ def main() -> None:
         if mode != "base-only" and mode not in _MASKED_BACKENDS:  # the masked modes change two inputs
             err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, reference))
             print(f"{mode}: max relative difference to unfolded {err:.2e}")
+    variants = [(mode, mode, None, args.blocks, None) for mode, _ in variants]
     if device.type == "cuda":
-        variants += [("folded", n) for n in args.sync_every]
-    for mode, sync_every in variants:
-        name = mode if sync_every is None else f"folded-synced-{sync_every}"
-        r = measure(block, mode, args.blocks, device, sync_every)
+        variants += [(f"folded-synced-{n}", "folded", n, args.blocks, None) for n in args.sync_every]
+        # the host far ahead of the GPU, as in the rollout, where launches block on a full command buffer
+        variants += [(f"folded-{args.deep_blocks}-blocks", "folded", None, args.deep_blocks, None)]
+        variants += [
+            (f"folded-{args.deep_blocks}-blocks-ahead-{n}", "folded", None, args.deep_blocks, n) for n in args.ahead
+        ]
+    for name, mode, sync_every, blocks, ahead in variants:
+        r = measure(block, mode, blocks, device, sync_every, ahead)
         line = f"{name:22s} {r['ms_per_block']:8.2f} ms per block"
         if "gpu_busy" in r:
             gaps = ", ".join(
                 f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms (after {(k['after'] or '-')[:60]})"
                 for k in r["after_long_gaps"]
             )
-            line += f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block; long gaps before: {gaps or 'none'}"
+            line += (
+                f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block, host in Command Buffer Full "
+                f"{r['command_buffer_full_ms']:.0f} ms; long gaps before: {gaps or 'none'}"
+            )
             line += launch_split_text(r["by_launch"])
         print(line, flush=True)
 
