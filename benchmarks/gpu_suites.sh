@@ -83,8 +83,11 @@
 #                      gradient checkpointing one at a time, all together, full fine-tuning
 #                      under autocast, and eager                                              ~3 min
 #   lora-gemm-gaps     benchmarks/lora_gemm_gaps.py: one Qwen-Image block's LoRA projections alone at the
-#                      recipe's 64 rollout rows (folded, unfolded, base only, host-synced, after attention): time per
-#                      block, GPU busy, the long gaps by the kernel that ended them          ~1 min
+#                      recipe's 64 rollout rows (folded, unfolded, base only, host-synced, after the block's
+#                      masked attention, 60 blocks queued with the host free or bounded): time per block, GPU
+#                      busy, the long gaps by the kernel that ended them and the one before   ~1 min
+#   lora-gemm-gaps-sustained  the same projections, 700 blocks queued at once (18 s of GEMMs at the card's
+#                      power cap), with nvidia-smi's SM clock, power and power-cap state every 250 ms ~1 min
 #   checkpoint-ab      benchmarks/checkpoint_host_time.py: one Qwen-Image training fwd + bwd (LoRA 32,
 #                      1 sample with CFG) with the gradient checkpoint inside each compiled block,
 #                      around it, and none: time, activations kept, equal log-probs          ~3 min
@@ -360,6 +363,15 @@ suite() {
       done ;;
     lora-gemm-gaps)
       script "$s" 150 "$log" benchmarks/lora_gemm_gaps.py ;;
+    lora-gemm-gaps-sustained)  # 700 blocks queued (18 s of GEMMs), the card's clocks, power and their limits logged
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active,clocks_event_reasons.sw_power_cap \
+        --format=csv -lms 250 >"$OUT/$s-clocks.csv" 2>&1 &
+      local smi=$!
+      script "$s" 150 "$log" benchmarks/lora_gemm_gaps.py --blocks 1 --sync-every --ahead --deep-blocks 700
+      kill "$smi"
+      echo "[gpu_suites] $s: SM clock and power while busy (samples drawing over 300 W: count, clock, power-cap state), from $OUT/$s-clocks.csv" | tee -a "$log"
+      awk -F', ' 'NR > 1 && $3 + 0 > 300 {print $2, "power cap", $5}' "$OUT/$s-clocks.csv" | sort | uniq -c | sort -rn | head -5 \
+        | tee -a "$log" ;;
     checkpoint-ab)
       script "$s" 300 "$log" benchmarks/checkpoint_host_time.py --model qwen-image --samples 1 --size 512 --lora-rank 32 ;;
     qwen-gemm-shapes)
