@@ -152,3 +152,6 @@ def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
     assert set(diffs) == {"folded", "folded-base-first", "unfolded", "attention+folded"}, out
     assert max(diffs.values()) < 1e-5, diffs
     assert "base-only" in out and "ms per block" in out
+    # the block's masked attention runs on a CPU with SDPA's own backend; the forced ones are CUDA's
+    assert re.search(r"^masked-attention\+folded +\S+ ms per block", out, re.M), out
+    assert "masked-cudnn" not in out
