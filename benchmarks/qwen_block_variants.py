@@ -18,15 +18,20 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   kernel (flowrl.accel.qwen_image.modulated_norm): A/Bs against inductor's own kernels;
   `lora=R` wraps the block's attention projections in the trainer's rank-R LoRA adapter (the
   recipes' targets, float32 master weights, product in bf16: flowrl.trainer.lora), as a training
-  run's rollout compiles them; `lora_fold=0` leaves the low-rank term to inductor instead of
+  run's rollout compiles them, and `lora_mlp=1` its MLP projections too (the Qwen-Image recipe's
+  targets); `lora_fold=0` leaves the low-rank term to inductor instead of
   accumulating it inside the projection's GEMM (flowrl.accel.lora_fold); `lora_first=1` (the
   shipped order, `lora_low_rank_first`) runs the low-rank GEMM first and accumulates the base GEMM
   into it, `lora_first=0` the other way round.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
-call, averaged over `--profile-calls` calls), and each variant's largest output difference from the
-first (bf16 rounding differences; the layouts are equal in float32, tests/accel/test_qwen_block.py).
-On a CPU it runs a small block as a smoke test.
+call, averaged over `--profile-calls` calls), on a GPU how busy it was over those calls and its
+gaps of 0.1 ms or more by the kernel that ended them (with the kernel most often before them, and
+whether the GPU waited with that kernel queued or for the host to launch it: flowrl.bench.step_profile),
+and each variant's largest output difference from the first (bf16 rounding differences; the layouts
+are equal in float32, tests/accel/test_qwen_block.py). `--text-mask` passes a text mask with half
+the rows padded to half their text length, as a CFG batch's short negative prompts make the engine
+pass one (flowrl.models.qwen_image). On a CPU it runs a small block as a smoke test.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 from timing import sustained_seconds
 from torch._inductor.utils import run_and_get_code
+from torch.autograd import DeviceType
 
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
@@ -47,6 +53,8 @@ from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image import NO_GRAD_INDUCTOR_OPTIONS
 from flowrl.accel.qwen_image.block import prepare_block
 from flowrl.accel.regional_compile import compile_in_place
+from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps, launch_calls, long_gaps_by_launch
+from flowrl.bench.summary import launch_split_text
 from flowrl.models.qwen_image import QwenImageAdapter
 
 LAYOUTS = ("batch-major", "sequence-major")
@@ -90,8 +98,9 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     switches = {name: bool(extra.pop(key)) for key, name in SWITCHES.items() if key in extra}
     options = AccelOptions(sequence_major=layout == "sequence-major", **switches)
     lora_rank = extra.pop("lora", 0)
+    lora_mlp = bool(extra.pop("lora_mlp", 0))
     if lora_rank:
-        add_lora(block, lora_rank)
+        add_lora(block, lora_rank, lora_mlp)
     prepare_block(block, options)
     fuse_gelu_epilogues(block, options)
     fold_lora_projections(block, options)
@@ -99,20 +108,35 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     return block
 
 
-def add_lora(block, rank: int) -> None:
-    """The trainer's LoRA adapter on the block's attention projections, as the Qwen-Image recipe
-    sets it (flowrl.trainer.lora.inject_lora on the adapter's default targets), with nonzero B so
-    that nothing is zero; the same weights in every variant of one rank."""
+# the MLP projections the Qwen-Image recipe adapts besides the attention's (recipes/qwen_image_ocr_lora.yaml)
+MLP_LORA_TARGETS = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+
+
+def add_lora(block, rank: int, mlp: bool = False) -> None:
+    """The trainer's LoRA adapter on the block's attention projections (flowrl.trainer.lora.inject_lora
+    on the adapter's default targets), and with `mlp` on its MLP projections too, as the Qwen-Image
+    recipe sets it, with nonzero B so that nothing is zero; the same weights in every variant of
+    one rank."""
     from flowrl.trainer.lora import inject_lora
 
     torch.manual_seed(rank)
-    inject_lora(block, rank, QwenImageAdapter.default_lora_targets)
+    inject_lora(block, rank, list(QwenImageAdapter.default_lora_targets) + (MLP_LORA_TARGETS if mlp else []))
     for name, param in block.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param.data, std=1e-3)
 
 
-def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim: int, layout: str, device, dtype):
+def inputs(
+    rows: int,
+    image_tokens: int,
+    text_tokens: int,
+    width: int,
+    head_dim: int,
+    layout: str,
+    device,
+    dtype,
+    text_mask: bool = False,
+):
     gen = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     img, txt, temb = rand(rows, image_tokens, width), rand(rows, text_tokens, width), rand(rows, width)
@@ -124,19 +148,23 @@ def inputs(rows: int, image_tokens: int, text_tokens: int, width: int, head_dim:
         tables.append(
             (angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2))
         )
+    mask = None
+    if text_mask:  # the second half of the rows padded to half their text length
+        mask = torch.ones(rows, text_tokens, dtype=torch.bool, device=device)
+        mask[rows // 2 :, text_tokens // 2 :] = False
     return dict(
         hidden_states=img,
         encoder_hidden_states=txt,
-        encoder_hidden_states_mask=None,
+        encoder_hidden_states_mask=mask,
         temb=temb,
         image_rotary_emb=tuple(tables),
     )
 
 
-def kernel_table(call, device, calls: int) -> list[tuple[str, float, int]]:
+def kernel_table(call, device, calls: int) -> tuple[list[tuple[str, float, int]], str]:
     """(kernel, ms per block call, launches per block call) of `calls` profiled calls, largest
-    first: GPU kernels on a GPU, aten ops (CPU time) on a CPU."""
-    from torch.autograd import DeviceType
+    first: GPU kernels on a GPU, aten ops (CPU time) on a CPU; and on a GPU a line on how busy it
+    was over those calls and its long gaps ('' on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
@@ -151,7 +179,30 @@ def kernel_table(call, device, calls: int) -> list[tuple[str, float, int]]:
             rows.append((e.key, e.self_device_time_total / 1e3 / calls, e.count // calls))
         elif not on_gpu and e.key.startswith("aten::"):
             rows.append((e.key, e.self_cpu_time_total / 1e3 / calls, e.count // calls))
-    return sorted(rows, key=lambda r: -r[1])
+    return sorted(rows, key=lambda r: -r[1]), (_gaps_line(prof.events()) if on_gpu else "")
+
+
+def _gaps_line(events) -> str:
+    """How busy the GPU was over the profiled calls and its gaps of 0.1 ms or more (module docstring)."""
+    host = DeviceType.CPU
+    host_events = [e for e in events if e.device_type == host]
+    host_names = {e.name for e in host_events}
+    device_events = [e for e in events if e.device_type != host and e.name not in host_names]
+    if not device_events:
+        return "no kernels recorded"
+    work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
+    start, end = min(a for a, _, _ in work), max(b for _, b, _ in work)
+    busy, gaps = busy_and_gaps(work, start, end)
+    long_gaps = ", ".join(
+        f"{k['name'][:70]} {k['gaps']} gaps {k['ms']:.2f} ms (after {(k['after'] or '-')[:70]})"
+        for k in kernels_after_gaps(work, gaps, min_ms=0.1, top=4)
+    )
+    split = long_gaps_by_launch(
+        [(e.time_range.start, e.id) for e in device_events], launch_calls(host_events), gaps, 0.1
+    )
+    return (
+        f"GPU busy {busy / (end - start):.1%}; gaps of 0.1 ms or more: {long_gaps or 'none'}{launch_split_text(split)}"
+    )
 
 
 def main() -> int:
@@ -166,6 +217,9 @@ def main() -> int:
         "--variants",
         default=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS),
         help="comma-separated layout:rounding[:inductor_option=int...] (default: every layout x rounding)",
+    )
+    parser.add_argument(
+        "--text-mask", action="store_true", help="pass a text mask with padded rows (as a CFG batch makes the engine)"
     )
     parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -186,7 +240,15 @@ def main() -> int:
         layout, rounding, extra = parse_variant(spec)
         block = variant(base, layout, rounding, backend, extra)
         kwargs = inputs(
-            args.rows, args.image_tokens, args.text_tokens, heads * head_dim, head_dim, layout, device, dtype
+            args.rows,
+            args.image_tokens,
+            args.text_tokens,
+            heads * head_dim,
+            head_dim,
+            layout,
+            device,
+            dtype,
+            args.text_mask,
         )
         with torch.no_grad():
             call = functools.partial(block, **kwargs)
@@ -196,7 +258,7 @@ def main() -> int:
                 Path(args.code_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.code_dir, spec.replace(":", "-").replace("=", "") + ".py").write_text("\n\n".join(code))
             seconds = sustained_seconds(call, device, args.seconds)["seconds"]
-            kernels = kernel_table(call, device, args.profile_calls)
+            kernels, gaps = kernel_table(call, device, args.profile_calls)
         reference = out if reference is None else reference
         diff = (out - reference).abs().max().item()
         print(f"\n{spec:40s} {seconds * 1e3:8.3f} ms per block   max |out - first| {diff:.3g}")
@@ -205,6 +267,8 @@ def main() -> int:
         )
         for name, ms, count in kernels[: args.top]:
             print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
+        if gaps:
+            print(f"    {gaps}")
         del block
     return 0
 

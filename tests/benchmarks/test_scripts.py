@@ -86,6 +86,30 @@ def test_qwen_block_variants_script_runs_and_layouts_agree():
     assert all(line.endswith("max |out - first| 0") for line in lines)
 
 
+def test_qwen_block_variants_runs_the_recipes_lora_on_a_masked_batch():
+    """qwen_block_variants.py with --text-mask (padded text rows) and the recipe's LoRA targets
+    (attention and MLP projections): both layouts run and compute the same block (float32 on the
+    CPU: the folded low-rank term changes only the summation order)."""
+    out = run_script(
+        "qwen_block_variants.py",
+        "--rows",
+        "2",
+        "--seconds",
+        "0.01",
+        "--profile-calls",
+        "1",
+        "--text-mask",
+        "--variants",
+        "batch-major:eager:lora=4:lora_mlp=1,sequence-major:eager:lora=4:lora_mlp=1",
+    )
+    lines = [line for line in out.splitlines() if "ms per block" in line]
+    assert [line.split()[0] for line in lines] == [
+        "batch-major:eager:lora=4:lora_mlp=1",
+        "sequence-major:eager:lora=4:lora_mlp=1",
+    ], out
+    assert float(lines[1].rsplit(" ", 1)[1]) < 1e-4, lines
+
+
 def test_qwen_forward_ab_script_runs_and_configurations_agree():
     """benchmarks/qwen_forward_ab.py on the CPU (tiny model, float32): both layouts, and the four
     table/kernel configurations, run and give the same forward (the kernel does not apply on a
