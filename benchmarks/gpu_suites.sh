@@ -112,7 +112,8 @@
 #                      with the trainer's rank-32 LoRA on the attention projections (the low-rank
 #                      term inside the GEMMs' outputs, and left to inductor), with its kernels ~2 min
 #   qwen-lora-block-recipe  qwen_block_variants.py: one block as the Qwen recipe's training rollout compiles it
-#                      (64 rows, a padded text mask, rank-64 LoRA on the attention and MLP projections), folded,
+#                      (64 rows, a padded text mask, rank-64 LoRA on the attention and MLP projections), folded
+#                      (low-rank GEMM first, and base GEMM first),
 #                      left to inductor, and without LoRA: time, kernels, and the long gaps with the kernel
 #                      before them (does one compiled block show the rollout's waits after its base GEMMs?) ~3 min
 #   qwen-lora-order    qwen_block_variants.py: the LoRA block with the base GEMM written first (the
@@ -407,7 +408,7 @@ suite() {
         --variants "sequence-major:eager,sequence-major:eager:lora=32,sequence-major:eager:lora=32:lora_fold=0" ;;
     qwen-lora-block-recipe)  # one block as the Qwen recipe's training rollout compiles it: 64 rows, masked, LoRA 64 incl. MLPs
       script "$s" 300 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 12 \
-        --variants "sequence-major:eager:lora=64:lora_mlp=1,sequence-major:eager:lora=64:lora_mlp=1:lora_fold=0,sequence-major:eager" ;;
+        --variants "sequence-major:eager:lora=64:lora_mlp=1,sequence-major:eager:lora=64:lora_mlp=1:lora_first=0,sequence-major:eager:lora=64:lora_mlp=1:lora_fold=0,sequence-major:eager" ;;
     qwen-lora-order)
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 3 --top 12 \
         --variants "sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1,sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1" ;;
