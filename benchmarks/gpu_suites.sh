@@ -69,7 +69,9 @@
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
 #             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer,
 #             PROFILE=1 adds one profiled step (--profile);
-#             train-step-qwen-graphs: the Qwen-Image one with trainer.cuda_graphs=true
+#             train-step-qwen-graphs: the Qwen-Image one with trainer.cuda_graphs=true;
+#             train-step-qwen-workspace: with cuBLASLt's workspace at WORKSPACE_KIB (default 262144 KiB,
+#             8 x PyTorch's Hopper default): do the update's memsets before split-K GEMMs go away?
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
 #             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
@@ -337,12 +339,15 @@ suite() {
     train-step)
       suite "$log" train-step-qwen
       suite "$log" train-step-sd35-eager ;;
-    train-step-qwen|train-step-qwen-graphs)
+    train-step-qwen|train-step-qwen-graphs|train-step-qwen-workspace)
       local graphs=""; [[ $s == *-graphs ]] && graphs="trainer.cuda_graphs=true"
+      # cuBLASLt's workspace in KiB (PyTorch's default on Hopper: 32768); larger lets split-K GEMMs
+      # reduce through it rather than zero their output with a memset first
       # shellcheck disable=SC2086  # $RANDOM_RUN and $graphs are lists of overrides
+      ( [[ $s == *-workspace ]] && export CUBLASLT_WORKSPACE_SIZE=${WORKSPACE_KIB:-262144}
       run $s 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         $RANDOM_RUN trainer.prompts_per_step=2 $graphs --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
-        ${PROFILE:+--profile} ;;
+        ${PROFILE:+--profile} ) ;;
     train-step-qwen-ocr)
       python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
