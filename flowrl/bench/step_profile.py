@@ -9,9 +9,10 @@ where the GPU is busy throughout, the kernels are. The idle time is also split b
 its gaps: many gaps of microseconds are launch overhead spread over every kernel, a few of tens of
 milliseconds are stalls (a wait for the device, a copy to the host, a garbage collection: Python's
 collections show as `python gc (generation N)` ops, flowrl.bench.gc_pauses). Gaps of 0.1 ms or
-more are also counted per kernel that ended them, and split by when that kernel's launch call
-(the CUDA runtime or driver call with the kernel's correlation id) returned: before the gap began
-(the kernel was queued and the GPU idled anyway: the wait was on the device's side) or inside it
+more are also counted per kernel that ended them (with the kernel most often just before them),
+and split by when that kernel's launch call (the CUDA runtime or driver call with the kernel's
+correlation id) returned: before the gap began (the kernel was queued and the GPU idled anyway:
+the wait was on the device's side) or inside it
 (the GPU waited for the host to launch it; how much of the gap the launch call itself took says
 whether the host was busy elsewhere or blocked inside the driver's call). Host ops nest
 (an autograd node holds the ops it calls), so each op's figure is the idle time it was running,
