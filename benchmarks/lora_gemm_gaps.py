@@ -43,8 +43,8 @@ import time
 import torch
 
 from flowrl.accel.lora_fold import linear_into
-from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps, launch_calls, long_gaps_by_launch
-from flowrl.bench.summary import launch_split_text
+from flowrl.bench.step_profile import profile_gaps
+from flowrl.bench.summary import kernels_after_gaps_text, launch_split_text
 
 MODES = (
     "folded",
@@ -166,24 +166,12 @@ def measure(block, mode: str, blocks: int, device, sync_every: int | None = None
         seconds = time.perf_counter() - t0
     result = {"ms_per_block": seconds / blocks * 1000}
     if on_gpu:
-        host = torch.autograd.DeviceType.CPU
-        host_names = {e.name for e in prof.events() if e.device_type == host}
-        device_events = [e for e in prof.events() if e.device_type != host and e.name not in host_names]
-        work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
-        calls = launch_calls([e for e in prof.events() if e.device_type == host])
-        start = min(a for a, _, _ in work)
-        end = max(b for _, b, _ in work)
-        busy, gaps = busy_and_gaps(work, start, end)
-        result.update(
-            # the host blocked in a launch because the driver's command buffer was full
-            command_buffer_full_ms=sum(
-                e.time_range.end - e.time_range.start for e in prof.events() if e.name == "Command Buffer Full"
-            )
-            / 1000,
-            gpu_busy=busy / (end - start),
-            idle_ms=sum(b - a for a, b in gaps) / 1000 / blocks,
-            after_long_gaps=kernels_after_gaps(work, gaps, min_ms=0.1, top=4),
-            by_launch=long_gaps_by_launch([(e.time_range.start, e.id) for e in device_events], calls, gaps, 0.1),
+        events = prof.events()
+        result.update(profile_gaps(events, top=4) or {})
+        result["idle_ms"] = result.get("idle_ms", 0.0) / blocks
+        # the host blocked in a launch because the driver's command buffer was full
+        result["command_buffer_full_ms"] = (
+            sum(e.time_range.end - e.time_range.start for e in events if e.name == "Command Buffer Full") / 1000
         )
     return result
 
@@ -229,15 +217,12 @@ def main() -> None:
         r = measure(block, mode, blocks, device, sync_every, ahead)
         line = f"{name:22s} {r['ms_per_block']:8.2f} ms per block"
         if "gpu_busy" in r:
-            gaps = ", ".join(
-                f"{k['name'][:60]} {k['gaps']} gaps {k['ms']:.1f} ms (after {(k['after'] or '-')[:60]})"
-                for k in r["after_long_gaps"]
-            )
             line += (
                 f", GPU busy {r['gpu_busy']:.1%}, idle {r['idle_ms']:.2f} ms per block, host in Command Buffer Full "
-                f"{r['command_buffer_full_ms']:.0f} ms; long gaps before: {gaps or 'none'}"
+                f"{r['command_buffer_full_ms']:.0f} ms"
             )
-            line += launch_split_text(r["by_launch"])
+            line += kernels_after_gaps_text(r["kernels_after_long_gaps_ms"]) or "; no gap of 0.1 ms or more"
+            line += launch_split_text(r["long_gaps_by_launch"])
         print(line, flush=True)
 
 

@@ -53,8 +53,8 @@ from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image import NO_GRAD_INDUCTOR_OPTIONS
 from flowrl.accel.qwen_image.block import prepare_block
 from flowrl.accel.regional_compile import compile_in_place
-from flowrl.bench.step_profile import busy_and_gaps, kernels_after_gaps, launch_calls, long_gaps_by_launch
-from flowrl.bench.summary import launch_split_text
+from flowrl.bench.step_profile import profile_gaps
+from flowrl.bench.summary import kernels_after_gaps_text, launch_split_text
 from flowrl.models.qwen_image import QwenImageAdapter
 
 LAYOUTS = ("batch-major", "sequence-major")
@@ -184,25 +184,11 @@ def kernel_table(call, device, calls: int) -> tuple[list[tuple[str, float, int]]
 
 def _gaps_line(events) -> str:
     """How busy the GPU was over the profiled calls and its gaps of 0.1 ms or more (module docstring)."""
-    host = DeviceType.CPU
-    host_events = [e for e in events if e.device_type == host]
-    host_names = {e.name for e in host_events}
-    device_events = [e for e in events if e.device_type != host and e.name not in host_names]
-    if not device_events:
+    r = profile_gaps(events, top=4)
+    if r is None:
         return "no kernels recorded"
-    work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
-    start, end = min(a for a, _, _ in work), max(b for _, b, _ in work)
-    busy, gaps = busy_and_gaps(work, start, end)
-    long_gaps = ", ".join(
-        f"{k['name'][:70]} {k['gaps']} gaps {k['ms']:.2f} ms (after {(k['after'] or '-')[:70]})"
-        for k in kernels_after_gaps(work, gaps, min_ms=0.1, top=4)
-    )
-    split = long_gaps_by_launch(
-        [(e.time_range.start, e.id) for e in device_events], launch_calls(host_events), gaps, 0.1
-    )
-    return (
-        f"GPU busy {busy / (end - start):.1%}; gaps of 0.1 ms or more: {long_gaps or 'none'}{launch_split_text(split)}"
-    )
+    long_gaps = kernels_after_gaps_text(r["kernels_after_long_gaps_ms"]) or "; no gap of 0.1 ms or more"
+    return f"GPU busy {r['gpu_busy']:.1%}{long_gaps}{launch_split_text(r['long_gaps_by_launch'])}"
 
 
 def main() -> int:

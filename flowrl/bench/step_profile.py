@@ -125,6 +125,29 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
     return out
 
 
+def profile_gaps(events, top: int = 8) -> dict | None:
+    """How busy the GPU was over a whole profile (a benchmark's profiled calls, from its first
+    device event to its last) and its long gaps: {"gpu_busy", "idle_ms", "kernels_after_long_gaps_ms",
+    "long_gaps_by_launch"}, as phase_summary reports a phase; None without device events."""
+    host = torch.autograd.DeviceType.CPU
+    host_events = [e for e in events if e.device_type == host]
+    host_names = {e.name for e in host_events}
+    device_events = [e for e in events if e.device_type != host and e.name not in host_names]
+    if not device_events:
+        return None
+    work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
+    start, end = min(a for a, _, _ in work), max(b for _, b, _ in work)
+    busy, gaps = busy_and_gaps(work, start, end)
+    return {
+        "gpu_busy": busy / max(end - start, 1e-9),
+        "idle_ms": sum(b - a for a, b in gaps) / 1000.0,
+        "kernels_after_long_gaps_ms": kernels_after_gaps(work, gaps, LONG_GAP_MS, top),
+        "long_gaps_by_launch": long_gaps_by_launch(
+            [(e.time_range.start, e.id) for e in device_events], launch_calls(host_events), gaps, LONG_GAP_MS
+        ),
+    }
+
+
 def busy_and_gaps(intervals, start: float, end: float) -> tuple[float, list[tuple[float, float]]]:
     """The time within [start, end] covered by the union of `intervals` ((a, b, ...) tuples), and
     the uncovered stretches as sorted (a, b) gaps (the edges of the window included)."""
@@ -173,8 +196,8 @@ def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float
             continue
         counts[name] = counts.get(name, 0) + 1
         totals[name] = totals.get(name, 0.0) + (b - a)
-        previous = before.setdefault(name, {})
-        previous[last_at.get(a)] = previous.get(last_at.get(a), 0) + 1
+        previous, prior = before.setdefault(name, {}), last_at.get(a)
+        previous[prior] = previous.get(prior, 0) + 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return [
         {

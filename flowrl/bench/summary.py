@@ -217,8 +217,9 @@ def _gap_classes(classes: list[dict] | None) -> str:
     return "; by gap length: " + ", ".join(texts)
 
 
-def _kernels_after_gaps(kernels: list[dict] | None) -> str:
-    """'; gaps of 0.1 ms or more, by the kernel that ended them: NAME N gaps X ms, ...' ('' without)."""
+def kernels_after_gaps_text(kernels: list[dict] | None) -> str:
+    """'; gaps of 0.1 ms or more, by the kernel that ended them (...): NAME N gaps X ms (after NAME),
+    ...' of step_profile.kernels_after_gaps ('' without)."""
     if not kernels:
         return ""
     return "; gaps of 0.1 ms or more, by the kernel that ended them (and the one most often before them): " + ", ".join(
@@ -280,7 +281,7 @@ def _step_profile_lines(profile: dict | None) -> list[str]:
             f"{head}, GPU busy {p['gpu_busy']:.1%} (idle {p['idle_ms']:.0f} ms in {p['gaps']} gaps, the longest "
             f"{longest} ms{_gap_classes(p.get('idle_by_gap_length'))}); kernels: {shares}; host ops running while "
             f"the GPU idled (ms, callees included): {_ms_list(p['host_ops_in_idle_ms'])}"
-            f"{_kernels_after_gaps(p.get('kernels_after_long_gaps_ms'))}{launch_split_text(p.get('long_gaps_by_launch'))}"
+            f"{kernels_after_gaps_text(p.get('kernels_after_long_gaps_ms'))}{launch_split_text(p.get('long_gaps_by_launch'))}"
         )
     return lines
 

@@ -16,6 +16,7 @@ from flowrl.bench.step_profile import (
     launch_calls,
     long_gaps_by_launch,
     phase_summary,
+    profile_gaps,
 )
 from flowrl.bench.summary import launch_split_text
 
@@ -132,6 +133,21 @@ def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
     assert idle == pytest.approx(
         {"autograd::engine::evaluate_function: Backward": 0.2, "aten::copy_": 0.1, "cudaLaunchKernel": 0.01}
     )
+
+
+def test_profile_gaps_report_a_whole_profile_from_its_first_kernel_to_its_last():
+    events = [
+        _event("cudaLaunchKernel", 10, 20, id=1),
+        _event("cuLaunchKernelEx", 30, 40, id=2),  # returned before the gap began
+        _event("Command Buffer Full", 30, 40),
+        _event("gemm_badd", 100, 400, device=CUDA, id=1),
+        _event("gemm_lora", 900, 1000, device=CUDA, id=2),
+    ]
+    r = profile_gaps(events)
+    assert r["gpu_busy"] == pytest.approx(400 / 900) and r["idle_ms"] == pytest.approx(0.5)
+    assert r["kernels_after_long_gaps_ms"] == [{"name": "gemm_lora", "gaps": 1, "ms": 0.5, "after": "gemm_badd"}]
+    assert r["long_gaps_by_launch"]["queued_before_gap"] == pytest.approx({"gaps": 1, "ms": 0.5})
+    assert profile_gaps([e for e in events if e.device_type == CPU]) is None
 
 
 def test_phase_summary_on_the_cpu_lists_ops_by_their_own_time():

@@ -61,10 +61,9 @@ def test_qwen_vae_decode_script_runs_and_saves_flops():
     assert re.search(r"largest pixel difference [01] \(of 255\)", out), out
 
 
-def test_qwen_block_variants_script_runs_and_layouts_agree():
-    """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
-    extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
-    out = run_script(
+def _block_variants(variants: str, *flags: str) -> str:
+    """benchmarks/qwen_block_variants.py's output on the CPU: 2 rows, one quick timing and profiled call."""
+    return run_script(
         "qwen_block_variants.py",
         "--rows",
         "2",
@@ -72,9 +71,18 @@ def test_qwen_block_variants_script_runs_and_layouts_agree():
         "0.01",
         "--profile-calls",
         "1",
+        *flags,
         "--variants",
+        variants,
+    )
+
+
+def test_qwen_block_variants_script_runs_and_layouts_agree():
+    """benchmarks/qwen_block_variants.py on the CPU (small block, float32): every variant runs,
+    extra inductor options parse, and the layouts compute the same block (difference exactly 0)."""
+    out = _block_variants(
         "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
-        "sequence-major:eager:joint_kernel=0",
+        "sequence-major:eager:joint_kernel=0"
     )
     lines = [line for line in out.splitlines() if "ms per block" in line]
     assert [line.split()[0] for line in lines] == [
@@ -90,18 +98,7 @@ def test_qwen_block_variants_runs_the_recipes_lora_on_a_masked_batch():
     """qwen_block_variants.py with --text-mask (padded text rows) and the recipe's LoRA targets
     (attention and MLP projections): both layouts run and compute the same block (float32 on the
     CPU: the folded low-rank term changes only the summation order)."""
-    out = run_script(
-        "qwen_block_variants.py",
-        "--rows",
-        "2",
-        "--seconds",
-        "0.01",
-        "--profile-calls",
-        "1",
-        "--text-mask",
-        "--variants",
-        "batch-major:eager:lora=4:lora_mlp=1,sequence-major:eager:lora=4:lora_mlp=1",
-    )
+    out = _block_variants("batch-major:eager:lora=4:lora_mlp=1,sequence-major:eager:lora=4:lora_mlp=1", "--text-mask")
     lines = [line for line in out.splitlines() if "ms per block" in line]
     assert [line.split()[0] for line in lines] == [
         "batch-major:eager:lora=4:lora_mlp=1",
