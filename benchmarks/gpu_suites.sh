@@ -118,6 +118,13 @@
 #                      (low-rank GEMM first, and base GEMM first),
 #                      left to inductor, and without LoRA: time, kernels, and the long gaps with the kernel
 #                      before them (does one compiled block show the rollout's waits after its base GEMMs?) ~3 min
+#   qwen-lora-block-launch  the folded and unfolded LoRA blocks of qwen-lora-block-recipe launched directly, with
+#                      a synchronize after each call, and replayed as a CUDA graph (is the wait after their base
+#                      GEMMs in the kernels' order, or in how far the host runs ahead?); then both launched
+#                      directly with cuBLASLt's workspace at WORKSPACE_KIB (default 262144); each
+#                      variant's inductor code in $OUT/qwen-lora-block-launch-code              ~4 min
+#   qwen-lora-gelu-ab  qwen_block_variants.py: the block of qwen-lora-block-recipe with the adapted MLP's GELU in
+#                      the epilogue of one GEMM over [x | x A^T] (shipped), and as a pass of its own, twice each ~2 min
 #   qwen-lora-order    qwen_block_variants.py: the LoRA block with the base GEMM written first (the
 #                      low-rank one accumulating into it) and the other way round (shipped), twice each ~2 min
 #   qwen-norm-kernel-ab   qwen_block_variants.py: the B=16 block as the rollout compiles it, with and
@@ -414,6 +421,17 @@ suite() {
     qwen-lora-block-recipe)  # one block as the Qwen recipe's training rollout compiles it: 64 rows, masked, LoRA 64 incl. MLPs
       script "$s" 300 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 12 \
         --variants "sequence-major:eager:lora=64:lora_mlp=1,sequence-major:eager:lora=64:lora_mlp=1:lora_first=0,sequence-major:eager:lora=64:lora_mlp=1:lora_fold=0,sequence-major:eager" ;;
+    qwen-lora-block-launch)  # the recipe's LoRA block launched directly, synced after each call, replayed as a CUDA graph
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 300 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 6 \
+        --launch direct,synced,graph --variants "$lora,$lora:lora_fold=0" --code-dir "$OUT/$s-code"
+      ( export CUBLASLT_WORKSPACE_SIZE=${WORKSPACE_KIB:-262144}
+      script "$s-workspace" 200 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 6 \
+        --variants "$lora,$lora:lora_fold=0" ) ;;
+    qwen-lora-gelu-ab)  # the recipe's LoRA block with its MLP's GELU in the folded op's epilogue, and as a pass of its own
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 8 \
+        --variants "$lora,$lora:gelu_epilogue=0,$lora,$lora:gelu_epilogue=0" ;;
     qwen-lora-order)
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 3 --top 12 \
         --variants "sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1,sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1" ;;

@@ -22,7 +22,9 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   targets); `lora_fold=0` leaves the low-rank term to inductor instead of
   accumulating it inside the projection's GEMM (flowrl.accel.lora_fold); `lora_first=1` (the
   shipped order, `lora_low_rank_first`) runs the low-rank GEMM first and accumulates the base GEMM
-  into it, `lora_first=0` the other way round.
+  into it, `lora_first=0` the other way round; `gelu_epilogue=0` runs the MLPs' GELU as a pass of
+  its own (with LoRA on the MLP, instead of the folded op with the GELU in its epilogue:
+  flowrl.accel.lora_fold.lora_linear_gelu_tanh).
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), on a GPU how busy it was over those calls and its
@@ -31,7 +33,11 @@ whether the GPU waited with that kernel queued or for the host to launch it: flo
 and each variant's largest output difference from the first (bf16 rounding differences; the layouts
 are equal in float32, tests/accel/test_qwen_block.py). `--text-mask` passes a text mask with half
 the rows padded to half their text length, as a CFG batch's short negative prompts make the engine
-pass one (flowrl.models.qwen_image). On a CPU it runs a small block as a smoke test.
+pass one (flowrl.models.qwen_image). `--launch` times and profiles each variant launched in more
+than one way: `direct` (calls back to back, the host free to run ahead, as the engine launches),
+`synced` (a device synchronize after each call: the GPU never waits on work queued by a later
+call) and `graph` (one call captured as a CUDA graph and replayed; GPU only). On a CPU it runs a
+small block as a smoke test.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image import NO_GRAD_INDUCTOR_OPTIONS
 from flowrl.accel.qwen_image.block import prepare_block
 from flowrl.accel.regional_compile import compile_in_place
+from flowrl.bench.flops import synchronize
 from flowrl.bench.step_profile import profile_gaps
 from flowrl.bench.summary import kernels_after_gaps_text, launch_split_text
 from flowrl.models.qwen_image import QwenImageAdapter
@@ -65,6 +72,7 @@ SWITCHES = {
     "norm_kernel": "norm_kernel",
     "lora_fold": "lora_fold",
     "lora_first": "lora_low_rank_first",
+    "gelu_epilogue": "gelu_epilogue",
 }
 
 
@@ -161,6 +169,33 @@ def inputs(
     )
 
 
+LAUNCHES = ("direct", "synced", "graph")
+
+
+def launched(call, how: str, device):
+    """`call` launched as `how` says (module docstring): a function of no arguments."""
+    if how == "direct":
+        return call
+    if how == "synced":
+
+        def synced():
+            call()
+            synchronize(device)
+
+        return synced
+    # graph: warm up on a side stream (as torch.cuda.graph's docs ask), then capture one call
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def kernel_table(call, device, calls: int) -> tuple[list[tuple[str, float, int]], str]:
     """(kernel, ms per block call, launches per block call) of `calls` profiled calls, largest
     first: GPU kernels on a GPU, aten ops (CPU time) on a CPU; and on a GPU a line on how busy it
@@ -207,10 +242,19 @@ def main() -> int:
     parser.add_argument(
         "--text-mask", action="store_true", help="pass a text mask with padded rows (as a CFG batch makes the engine)"
     )
+    parser.add_argument(
+        "--launch",
+        default="direct",
+        help=f"comma-separated ways to launch each variant, of {LAUNCHES} (module docstring; default direct)",
+    )
     parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
+    launches = args.launch.split(",")
+    for how in launches:
+        if how not in LAUNCHES or (how == "graph" and device.type != "cuda"):
+            raise SystemExit(f"--launch: {how!r} is not one of {LAUNCHES} ('graph' needs a CUDA device)")
     dtype, backend = (torch.bfloat16, "inductor") if device.type == "cuda" else (torch.float32, "aot_eager")
     heads, head_dim = 24, 128
     if device.type == "cpu":  # a smoke run: small widths
@@ -243,18 +287,23 @@ def main() -> int:
             if args.code_dir:
                 Path(args.code_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.code_dir, spec.replace(":", "-").replace("=", "") + ".py").write_text("\n\n".join(code))
-            seconds = sustained_seconds(call, device, args.seconds)["seconds"]
-            kernels, gaps = kernel_table(call, device, args.profile_calls)
+            timed = []
+            for how in launches:
+                run = launched(call, how, device)
+                seconds = sustained_seconds(run, device, args.seconds)["seconds"]
+                timed.append((how, seconds, *kernel_table(run, device, args.profile_calls)))
         reference = out if reference is None else reference
         diff = (out - reference).abs().max().item()
-        print(f"\n{spec:40s} {seconds * 1e3:8.3f} ms per block   max |out - first| {diff:.3g}")
-        print(
-            f"    {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels per call, of which:"
-        )
-        for name, ms, count in kernels[: args.top]:
-            print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
-        if gaps:
-            print(f"    {gaps}")
+        print(f"\n{spec}   max |out - first| {diff:.3g}")
+        for how, seconds, kernels, gaps in timed:
+            print(
+                f"  {how:7s} {seconds * 1e3:8.3f} ms per block call; {sum(ms for _, ms, _ in kernels):7.3f} ms in "
+                f"{sum(n for *_, n in kernels)} kernels per call, of which:"
+            )
+            for name, ms, count in kernels[: args.top]:
+                print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
+            if gaps:
+                print(f"    {gaps}")
         del block
     return 0
 

@@ -15,10 +15,12 @@ Rollout and trainer call the same op, so their forwards stay bitwise equal (the 
 the trainer relies on).
 
 `fuse_gelu_epilogues(module)` switches every diffusers FeedForward whose first layer is a tanh
-GELU to the op, per instance (parameter names and state_dict unchanged). A call falls back to
-the module's own forward when the projection is not a plain biased nn.Linear (LoRA wraps it),
-its dtype differs from the input's, autocast is on (the op does not cast), or the adapter was
-compiled with `gelu_epilogue=False` (flowrl.accel.options.AccelOptions).
+GELU to the op, per instance (parameter names and state_dict unchanged). Where LoRA wraps the
+projection, rollout graphs take the folded LoRA op with the GELU in its epilogue instead
+(flowrl.accel.lora_fold.lora_linear_gelu_tanh). A call falls back to the module's own forward
+when neither applies: the projection is not a biased nn.Linear (plain, or under a LoRA that
+folds), its dtype differs from the input's, autocast is on (the plain op does not cast), or the
+adapter was compiled with `gelu_epilogue=False` (flowrl.accel.options.AccelOptions).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from flowrl.accel.lora_fold import folded_gelu_forward
 from flowrl.accel.options import AccelOptions
 
 
@@ -75,11 +78,20 @@ def epilogue_applies(proj: torch.nn.Module, x: torch.Tensor, options: AccelOptio
     )
 
 
+def gelu_tanh_projection(proj: torch.nn.Module, x: torch.Tensor, options: AccelOptions) -> torch.Tensor | None:
+    """gelu_tanh(proj(x)) with the GELU in the GEMM's epilogue: `linear_gelu_tanh` where
+    `epilogue_applies`, the folded LoRA op where `proj` is a LoRA projection a rollout graph folds
+    (flowrl.accel.lora_fold.folded_gelu_forward); None where neither does."""
+    if epilogue_applies(proj, x, options):
+        return linear_gelu_tanh(x, proj.weight, proj.bias)
+    return folded_gelu_forward(proj, x) if options.gelu_epilogue else None
+
+
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    proj = self.net[0].proj
-    if not epilogue_applies(proj, hidden_states, self._flowrl_accel):
+    activated = gelu_tanh_projection(self.net[0].proj, hidden_states, self._flowrl_accel)
+    if activated is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    hidden_states = linear_gelu_tanh(hidden_states, proj.weight, proj.bias)
+    hidden_states = activated
     for layer in self.net[1:]:
         hidden_states = layer(hidden_states)
     return hidden_states

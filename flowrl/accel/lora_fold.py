@@ -13,6 +13,13 @@ first. The op instead runs x A^T, then the low-rank GEMM with the base layer's b
 output, then the base GEMM accumulating into it in place (cuBLAS beta = 1, read in the GEMM's
 epilogue): no add kernel, and its output is a plain tensor those kernels take.
 
+A LoRA projection followed by a tanh GELU (the first projection of an adapted MLP) cannot take the
+GELU into the GEMM that accumulates (cuBLASLt applies it only with a bias vector, not with beta =
+1), and a separate GELU pass would read and write the 4x-wide activation once more. There
+`lora_linear_gelu_tanh` runs one GEMM over the joint contraction [x | x A^T] [W | s B]^T, with the
+bias and the GELU in its epilogue (flowrl.accel.fused_mlp calls it): it copies x into the joint
+input instead of writing the wide low-rank output, reading it back and running the GELU pass.
+
 Exactness: the base GEMM's product is not rounded on its own (the low-rank term plus bias is,
 once), so the values differ from the eager expression's by bf16 rounding (in float32 only the
 summation order differs); the trainer's log-prob values come from this same graph when the model
@@ -28,6 +35,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 from flowrl.accel.options import AccelOptions
 from flowrl.trainer.lora import forward_in_activation_dtype
@@ -93,6 +101,17 @@ def folded_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return forward_in_activation_dtype(self, x, *args, **kwargs)
 
 
+def folded_gelu_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(layer(x)) as `flowrl::lora_linear_gelu_tanh` in a rollout graph, where `layer` folds
+    (`folds`) and its base layer has a bias (module docstring); None elsewhere."""
+    if not (_in_rollout_graph() and folds(layer) and layer.base_layer.bias is not None):
+        return None
+    dtype = compute_dtype(x)
+    base = layer.base_layer
+    down, up = low_rank_factors(layer, dtype)
+    return lora_linear_gelu_tanh(x.to(dtype), base.weight.to(dtype), base.bias.to(dtype), down, up)
+
+
 def fold_lora_projections(module: torch.nn.Module, options: AccelOptions = AccelOptions()) -> int:
     """Put every LoRA Linear under `module` that runs the trainer's forward (flowrl.trainer.lora)
     on `folded_forward` with `options`; returns how many. Layers on peft's own forward are left
@@ -153,4 +172,25 @@ def lora_linear(
 
 @lora_linear.register_fake
 def _(x, weight, bias, down, up, low_rank_first):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flowrl::lora_linear_gelu_tanh", mutates_args=())
+def lora_linear_gelu_tanh(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, down: torch.Tensor, up: torch.Tensor
+) -> torch.Tensor:
+    """gelu_tanh(x (..., K) W^T + bias + (x down^T) up^T), (..., N), in x's dtype: one GEMM over
+    [x | x down^T] (M, K + r) and [W | up] (N, K + r), the bias and GELU in its epilogue on CUDA."""
+    rows = x.reshape(-1, x.shape[-1])
+    joint = torch.cat([rows, torch.mm(rows, down.t())], dim=1)
+    weights = torch.cat([weight, up], dim=1)
+    if x.is_cuda:
+        out = torch._addmm_activation(bias, joint, weights.t(), use_gelu=True)
+    else:
+        out = F.gelu(torch.addmm(bias, joint, weights.t()), approximate="tanh")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@lora_linear_gelu_tanh.register_fake
+def _(x, weight, bias, down, up):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

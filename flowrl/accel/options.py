@@ -22,7 +22,8 @@ COMPILE_ROUNDINGS: tuple[str, ...] = get_args(CompileRounding)
 class AccelOptions:
     """Which fast paths a compiled adapter runs (see flowrl.accel's module docstring).
 
-    gelu_epilogue: GELU(tanh) inside the MLP's first GEMM on CUDA (flowrl.accel.fused_mlp).
+    gelu_epilogue: GELU(tanh) inside the MLP's first GEMM on CUDA (flowrl.accel.fused_mlp), with
+        LoRA on that GEMM too where `lora_fold` folds it (flowrl.accel.lora_fold).
     lora_fold: in rollout graphs, each LoRA projection as one op that accumulates the low-rank term
         inside the base GEMM's output (flowrl.accel.lora_fold).
     lora_low_rank_first: the folded op's GEMM order: the low-rank GEMM with the bias writes the

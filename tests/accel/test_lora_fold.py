@@ -175,3 +175,52 @@ def test_joint_projection_takes_folding_lora_projections(bias):
     assert got.shape == (16, 3, 16)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert not joint_linear.applies(_adapted(dropout=0.1).proj, module.proj)
+
+
+def _adapted_mlp(options=AccelOptions()):
+    """A diffusers tanh-GELU FeedForward with the trainer's LoRA on both projections (B nonzero), on
+    the folding and GELU-epilogue forwards as compile_adapter installs them."""
+    from diffusers.models.attention import FeedForward
+
+    from flowrl.accel.fused_mlp import fuse_gelu_epilogues
+    from flowrl.trainer.lora import inject_lora
+
+    torch.manual_seed(0)
+    mlp = FeedForward(24, dim_out=24, mult=2, activation_fn="gelu-approximate")
+    inject_lora(mlp, 4, ["net.0.proj", "net.2"])
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    assert lora_fold.fold_lora_projections(mlp, options) == 2
+    assert fuse_gelu_epilogues(mlp, options) == 1
+    return mlp
+
+
+@pytest.mark.parametrize("gelu_epilogue", [True, False])
+def test_rollout_graph_of_an_adapted_mlp_takes_its_gelu_into_the_folded_op(gelu_epilogue):
+    """The MLP's first projection runs `lora_linear_gelu_tanh` (one GEMM over [x | x A^T] and
+    [W | s B], the GELU in its epilogue) with the eager module's values; with `gelu_epilogue=False`
+    it stays the folded projection and a GELU of its own."""
+    mlp = _adapted_mlp(AccelOptions(gelu_epilogue=gelu_epilogue))
+    x = torch.randn(3, 5, 24)
+    graphs = []
+    compiled = torch.compile(mlp, backend=_recording_backend(graphs), dynamic=False)
+    with torch.no_grad():
+        got = compiled(x)
+        want = mlp(x)  # eager: the trainer's LoRA expression, then GELU
+    assert len(graphs) == 1 and _calls_op(graphs[0], "lora_linear_gelu_tanh") is gelu_epilogue
+    assert _calls_op(graphs[0], "lora_linear.")  # the second projection folds either way
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # float32: only the summation order differs
+    up = mlp.net[0].proj
+    without_low_rank = mlp.net[2](torch.nn.functional.gelu(up.base_layer(x), approximate="tanh"))
+    assert not torch.allclose(without_low_rank, want, atol=1e-3)  # the first low-rank term is there to be lost
+
+
+def test_training_graph_of_an_adapted_mlp_keeps_the_differentiable_expression():
+    mlp = _adapted_mlp()
+    graphs = []
+    compiled = torch.compile(mlp, backend=_recording_backend(graphs), dynamic=False)
+    compiled(torch.randn(2, 3, 24)).square().sum().backward()
+    assert len(graphs) == 1 and not _calls_op(graphs[0], "lora_linear")
+    assert all(p.grad is not None for name, p in mlp.named_parameters() if "lora_" in name)

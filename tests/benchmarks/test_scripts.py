@@ -84,7 +84,7 @@ def test_qwen_block_variants_script_runs_and_layouts_agree():
         "batch-major:eager,sequence-major:eager,sequence-major:fused:realize_opcount_threshold=50,"
         "sequence-major:eager:joint_kernel=0"
     )
-    lines = [line for line in out.splitlines() if "ms per block" in line]
+    lines = [line for line in out.splitlines() if "max |out - first|" in line]
     assert [line.split()[0] for line in lines] == [
         "batch-major:eager",
         "sequence-major:eager",
@@ -97,9 +97,17 @@ def test_qwen_block_variants_script_runs_and_layouts_agree():
 def test_qwen_block_variants_runs_the_recipes_lora_on_a_masked_batch():
     """qwen_block_variants.py with --text-mask (padded text rows) and the recipe's LoRA targets
     (attention and MLP projections): both layouts run and compute the same block (float32 on the
-    CPU: the folded low-rank term changes only the summation order)."""
-    out = _block_variants("batch-major:eager:lora=4:lora_mlp=1,sequence-major:eager:lora=4:lora_mlp=1", "--text-mask")
-    lines = [line for line in out.splitlines() if "ms per block" in line]
+    CPU: the folded low-rank term changes only the summation order), each launched both ways asked
+    for (--launch), in that order."""
+    out = _block_variants(
+        "batch-major:eager:lora=4:lora_mlp=1,sequence-major:eager:lora=4:lora_mlp=1",
+        "--text-mask",
+        "--launch",
+        "direct,synced",
+    )
+    launches = [line.split()[0] for line in out.splitlines() if "ms per block call" in line]
+    assert launches == ["direct", "synced"] * 2, out
+    lines = [line for line in out.splitlines() if "max |out - first|" in line]
     assert [line.split()[0] for line in lines] == [
         "batch-major:eager:lora=4:lora_mlp=1",
         "sequence-major:eager:lora=4:lora_mlp=1",
