@@ -103,6 +103,16 @@ def summarize(steps: list[dict], peak_flops: float) -> dict:
     return out
 
 
+def _record_steps(report, steps: list[dict], peak_flops: float) -> None:
+    """flowrl's timed steps so far, summarized (`summarize`), with the peer's step over flowrl's where
+    the peer ran, saved: a run stopped by its time limit later still reports them."""
+    report.data["flowrl"].update(summarize(steps, peak_flops))
+    peer = report.data.get("peer", {})
+    if "step_seconds" in peer:
+        report.data["peer_over_flowrl"] = peer["step_seconds"] / report.data["flowrl"]["step_seconds"]
+    report.save()
+
+
 def projection(cfg, recipe_cfg, flowrl: dict, gpus: int) -> dict:
     """trainer.total_steps at the measured step time (validation every val_every steps when it was
     timed), and at the recipe file's own step size, scaled linearly in samples."""
@@ -333,7 +343,7 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
         report.data["flowrl"] = {"warmup": warmup, "steps": steps}
         for _ in range(args.steps):
             steps.append(_flowrl_step(trainer, units, cfg))
-            report.save()  # a run cut short keeps the steps it timed
+            _record_steps(report, steps, peak["sustained_flops"])  # a run cut short keeps the steps it timed
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
         report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
@@ -356,10 +366,8 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
         trainer.logger.close()
         engine.shutdown()
     untrained = sum(not s["rows_trained"] for s in steps + report.data.get("peer", {}).get("steps", []))
-    report.data["flowrl"].update(summarize(steps, peak["sustained_flops"]))
+    _record_steps(report, steps, peak["sustained_flops"])
     peer = report.data.get("peer", {})
-    if "step_seconds" in peer:
-        report.data["peer_over_flowrl"] = peer["step_seconds"] / report.data["flowrl"]["step_seconds"]
     report.data["projection"] = projection(cfg, recipe_cfg, report.data["flowrl"], args.project_gpus)
     if untrained:
         report.data["error"] = (

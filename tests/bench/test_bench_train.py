@@ -286,3 +286,30 @@ def test_bench_train_on_cuda_in_bf16(tmp_path):
     for name in ("rollout", "update"):
         split = phases[name]["long_gaps_by_launch"]
         assert split["unmatched"]["gaps"] == 0, split
+
+
+def test_a_run_stopped_after_its_timed_steps_keeps_their_summary(tmp_path, monkeypatch):
+    """A bench stopped by its time limit after its timed steps (here: while it times the rollout
+    alone) leaves a JSON whose flowrl summary covers the steps it timed, and the markdown reports them."""
+    import flowrl.bench.train as bench_train
+    from flowrl.bench.summary import train_markdown
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(bench_train, "_rollout_alone", stop)
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", "--config", str(REPO / "recipes" / "qwen_image_ocr_lora.yaml"), *TINY, *QWEN]
+    with pytest.raises(Stopped):
+        main([*argv, "--steps", "2", "--peer-steps", "0", "--peak-seconds", "0.02", "--json", str(out)])
+    report = json.loads(out.read_text())
+    flowrl = report["flowrl"]
+    assert [s["step"] for s in flowrl["steps"]] == [2, 3]
+    assert flowrl["step_seconds"] == pytest.approx(np.median([s["step_seconds"] for s in flowrl["steps"]]))
+    assert set(flowrl["phases"]) >= {"rollout", "old_log_prob", "update"}
+    assert "rollout_alone_seconds" not in flowrl and "projection" not in report
+    table = "\n".join(train_markdown("train", report))
+    assert f"| **training step** (validation apart) | {flowrl['step_seconds']:.2f} |" in table
