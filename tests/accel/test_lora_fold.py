@@ -224,3 +224,24 @@ def test_training_graph_of_an_adapted_mlp_keeps_the_differentiable_expression():
     compiled(torch.randn(2, 3, 24)).square().sum().backward()
     assert len(graphs) == 1 and not _calls_op(graphs[0], "lora_linear")
     assert all(p.grad is not None for name, p in mlp.named_parameters() if "lora_" in name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width, rank", [(64, 16), (24, 4)], ids=["aligned", "unaligned"])
+def test_lora_gelu_op_on_cuda_is_the_activation_within_bf16_rounding(width, rank):
+    """On CUDA the op's GEMM takes the bias and GELU into cuBLASLt's epilogue (the joint contraction
+    width + rank, 16-byte aligned or not): its values are the float32 expression's within bf16
+    rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bf16 = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to("cuda", torch.bfloat16)  # noqa: E731
+    x, weight, bias = bf16(3, 100, width), bf16(4 * width, width, scale=width**-0.5), bf16(4 * width, scale=0.1)
+    down, up = bf16(rank, width, scale=width**-0.5), bf16(4 * width, rank, scale=0.3)
+    with torch.no_grad():
+        got = lora_fold.lora_linear_gelu_tanh(x, weight, bias, down, up)
+        low_rank_input = (x @ down.t()).float()  # bf16, as the op keeps it
+        pre = x.float() @ weight.float().t() + bias.float() + low_rank_input @ up.float().t()
+        want = torch.nn.functional.gelu(pre, approximate="tanh")
+    assert got.shape == (3, 100, 4 * width) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
