@@ -25,7 +25,8 @@ eager expression runs.
 
 Layout: options.py (the switches), adapter.py (what compiling an adapter does, per family),
 regional_compile.py (torch.compile in place), fused_mlp.py (GELU in the GEMM epilogue),
-lora_fold.py (LoRA's low-rank term inside the base GEMM), qwen_image/ (Qwen-Image's block fast
+lora_fold.py (LoRA's low-rank term inside the base GEMM, with an adapted MLP's GELU in its
+epilogue), qwen_image/ (Qwen-Image's block fast
 path and modulation table), flux.py (FLUX.1's single-stream blocks without their concatenation).
 The core (config, sampler, models, engine, rollout, trainer) imports
 only the four functions below from here, inside the functions that need them, and the
