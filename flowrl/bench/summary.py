@@ -263,15 +263,37 @@ def _allocator(steps: list[dict]) -> str:
     )
 
 
-def _step_profile_lines(profile: dict | None) -> list[str]:
-    """flowrl.bench.step_profile's result, a line per phase ('' without a profile)."""
+# A profiled phase this much slower than unprofiled: the profiler's own host work shows in its split
+PROFILER_SLOWDOWN_FLAGGED = 0.10
+
+
+def profiled_time_text(profiled_ms: float, unprofiled_seconds: float | None) -> str:
+    """' (unprofiled N ms, +x%)' for a profiled phase, with a warning where the profile ran more
+    than PROFILER_SLOWDOWN_FLAGGED slower: its gaps then overstate how long the GPU waits on the
+    host ('' where the phase was not timed unprofiled)."""
+    if not unprofiled_seconds:
+        return ""
+    slower = profiled_ms / (unprofiled_seconds * 1e3) - 1
+    text = f" (unprofiled {unprofiled_seconds * 1e3:.0f} ms, {slower:+.1%}"
+    if slower > PROFILER_SLOWDOWN_FLAGGED:
+        text += ": the profiler's own host work slowed it, so its gaps overstate the waits on the host"
+    return text + ")"
+
+
+def _step_profile_lines(profile: dict | None, timed_phases: dict) -> list[str]:
+    """flowrl.bench.step_profile's result, a line per phase, each against the timed steps' median
+    of that phase (`timed_phases`, summarize's phases); '' without a profile."""
     if not profile:
         return []
     if "error" in profile:
         return [f"- the profiled step failed: {profile['error']}"]
     lines = []
     for phase, p in profile["phases"].items():
-        head = f"- profiled step, {_PHASE_LABELS.get(phase, phase)}: {p['wall_ms']:.0f} ms"
+        unprofiled = timed_phases.get(phase, {}).get("seconds")
+        head = (
+            f"- profiled step, {_PHASE_LABELS.get(phase, phase)}: {p['wall_ms']:.0f} ms"
+            f"{profiled_time_text(p['wall_ms'], unprofiled)}"
+        )
         if "gpu_busy" not in p:
             lines.append(f"{head}; host ops by their own CPU time (ms): {_ms_list(p['host_ops_self_ms'])}")
             continue
@@ -352,7 +374,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
             + ", ".join(f"{phase} {s:.1f}" for phase, s in warmup["seconds"].items())
             + ")"
         )
-    lines += _step_profile_lines(flowrl.get("profile"))
+    lines += _step_profile_lines(flowrl.get("profile"), flowrl.get("phases", {}))
     if peer.get("phases"):
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "

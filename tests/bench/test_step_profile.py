@@ -18,7 +18,7 @@ from flowrl.bench.step_profile import (
     phase_summary,
     profile_gaps,
 )
-from flowrl.bench.summary import launch_split_text
+from flowrl.bench.summary import PROFILER_SLOWDOWN_FLAGGED, launch_split_text, profiled_time_text
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -161,3 +161,13 @@ def test_phase_summary_on_the_cpu_lists_ops_by_their_own_time():
         "wall_ms": 0.1,
         "host_ops_self_ms": [{"name": "aten::mm", "ms": 0.05}, {"name": "aten::add", "ms": 0.005}],
     }
+
+
+def test_a_profiled_phase_is_read_against_its_unprofiled_time():
+    """Each profiled phase states its timed steps' median; one the profiler slowed by more than
+    PROFILER_SLOWDOWN_FLAGGED says that its gaps overstate the waits on the host."""
+    close = profiled_time_text(9450.0, 9.39)
+    assert close == " (unprofiled 9390 ms, +0.6%)"
+    slowed = profiled_time_text(9390.0 * (1 + PROFILER_SLOWDOWN_FLAGGED) + 10, 9.39)
+    assert slowed.startswith(" (unprofiled 9390 ms, +10.1%: ") and "overstate the waits on the host" in slowed
+    assert profiled_time_text(9450.0, None) == ""  # a phase the timed steps did not run
