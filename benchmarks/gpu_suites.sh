@@ -125,6 +125,9 @@
 #                      variant's inductor code in $OUT/qwen-lora-block-launch-code              ~4 min
 #   qwen-lora-gelu-ab  qwen_block_variants.py: the block of qwen-lora-block-recipe with the adapted MLP's GELU in
 #                      the epilogue of one GEMM over [x | x A^T] (shipped), and as a pass of its own, twice each ~2 min
+#   qwen-train-block   qwen_train_block.py: one block's training forward + backward at the recipe's micro-batch (8
+#                      rows, masked) against its no-grad forward, with the recipe's LoRA (attention + MLPs),
+#                      attention-only LoRA and none: the update's time per FLOP, and its kernels  ~3 min
 #   qwen-lora-order    qwen_block_variants.py: the LoRA block with the base GEMM written first (the
 #                      low-rank one accumulating into it) and the other way round (shipped), twice each ~2 min
 #   qwen-norm-kernel-ab   qwen_block_variants.py: the B=16 block as the rollout compiles it, with and
@@ -432,6 +435,8 @@ suite() {
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 8 \
         --variants "$lora,$lora:gelu_epilogue=0,$lora,$lora:gelu_epilogue=0" ;;
+    qwen-train-block)  # one block's training forward + backward as the trainer compiles it, against its no-grad forward
+      script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --text-mask --seconds 3 --top 14 ;;
     qwen-lora-order)
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 3 --top 12 \
         --variants "sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1,sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1" ;;

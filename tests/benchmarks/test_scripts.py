@@ -184,3 +184,29 @@ def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
     # the block's masked attention runs on a CPU with SDPA's own backend; the forced ones are CUDA's
     assert re.search(r"^masked-attention\+folded +\S+ ms per block", out, re.M), out
     assert "masked-cudnn" not in out
+
+
+def test_qwen_train_block_script_trains_the_recipes_lora_and_times_both_graphs():
+    """benchmarks/qwen_train_block.py on the CPU: the recipe's LoRA targets (8 attention and 4 MLP
+    projections: 24 LoRA tensors) all get gradients, the block without LoRA none, and each variant
+    reports its training call against its forward."""
+    out = run_script(
+        "qwen_train_block.py",
+        "--rows",
+        "2",
+        "--text-mask",
+        "--seconds",
+        "0.01",
+        "--profile-calls",
+        "1",
+        "--variants",
+        "sequence-major:eager:lora=4:lora_mlp=1,sequence-major:eager",
+    )
+    heads = re.findall(r"^(\S+)\s+max \|grad graph - no-grad graph\| (\S+); (\d+) LoRA gradients$", out, re.M)
+    assert [(spec, int(count)) for spec, _, count in heads] == [
+        ("sequence-major:eager:lora=4:lora_mlp=1", 24),
+        ("sequence-major:eager", 0),
+    ], out
+    assert all(float(gap) < 1e-4 for _, gap, _ in heads)  # float32: the two graphs differ by summation order
+    ratios = re.findall(r"train \(fwd \+ bwd\)\s+[\d.]+ ms per call = ([\d.]+) x the forward", out)
+    assert len(ratios) == 2 and all(float(r) > 1 for r in ratios), out
