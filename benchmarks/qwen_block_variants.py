@@ -226,42 +226,41 @@ def _gaps_line(events) -> str:
     return f"GPU busy {r['gpu_busy']:.1%}{long_gaps}{launch_split_text(r['long_gaps_by_launch'])}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=16, help="batch rows (default 16)")
+def print_kernels(kernels: list[tuple[str, float, int]], top: int, gaps: str) -> None:
+    """`kernel_table`'s largest `top` kernels, a line each, then its gaps line (if any)."""
+    for name, ms, count in kernels[:top]:
+        print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
+    if gaps:
+        print(f"    {gaps}")
+
+
+def add_block_arguments(parser: argparse.ArgumentParser, rows: int, variants: str) -> None:
+    """The block's shape, its variants and the device: the arguments this script shares with
+    qwen_train_block.py."""
+    parser.add_argument("--rows", type=int, default=rows, help=f"batch rows (default {rows})")
     parser.add_argument("--image-tokens", type=int, default=1024, help="512 px: 1024")
     parser.add_argument("--text-tokens", type=int, default=64, help="flowrl bench's qwen-image prompts: 64")
-    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant")
-    parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
-    parser.add_argument("--profile-calls", type=int, default=5, help="block calls profiled per variant")
     parser.add_argument(
         "--variants",
-        default=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS),
-        help="comma-separated layout:rounding[:inductor_option=int...] (default: every layout x rounding)",
+        default=variants,
+        help="comma-separated layout:rounding[:option=int...] (this script's docstring lists the options)",
     )
     parser.add_argument(
         "--text-mask", action="store_true", help="pass a text mask with padded rows (as a CFG batch makes the engine)"
     )
-    parser.add_argument(
-        "--launch",
-        default="direct",
-        help=f"comma-separated ways to launch each variant, of {LAUNCHES} (module docstring; default direct)",
-    )
-    parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+
+
+def compiled_variants(args):
+    """(spec, compiled block, its inputs) for each of `args.variants`, one at a time, after the
+    run's header line; on a CPU a small float32 block under aot_eager (a smoke run)."""
     device = torch.device(args.device)
-    launches = args.launch.split(",")
-    for how in launches:
-        if how not in LAUNCHES or (how == "graph" and device.type != "cuda"):
-            raise SystemExit(f"--launch: {how!r} is not one of {LAUNCHES} ('graph' needs a CUDA device)")
     dtype, backend = (torch.bfloat16, "inductor") if device.type == "cuda" else (torch.float32, "aot_eager")
     heads, head_dim = 24, 128
     if device.type == "cpu":  # a smoke run: small widths
         heads, head_dim, args.image_tokens, args.text_tokens = 4, 32, 64, 8
     torch.manual_seed(0)
     base = build_block(heads, head_dim, device, dtype)
-    reference = None
     print(
         f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
         f"{args.rows} rows x ({args.text_tokens} text + {args.image_tokens} image) tokens, width {heads * head_dim}"
@@ -280,6 +279,30 @@ def main() -> int:
             dtype,
             args.text_mask,
         )
+        yield spec, block, kwargs
+        del block, kwargs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_block_arguments(parser, rows=16, variants=",".join(f"{lay}:{r}" for lay in LAYOUTS for r in ROUNDINGS))
+    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    parser.add_argument("--profile-calls", type=int, default=5, help="block calls profiled per variant")
+    parser.add_argument(
+        "--launch",
+        default="direct",
+        help=f"comma-separated ways to launch each variant, of {LAUNCHES} (module docstring; default direct)",
+    )
+    parser.add_argument("--code-dir", help="write each variant's inductor-generated code here (GPU: Triton kernels)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    launches = args.launch.split(",")
+    for how in launches:
+        if how not in LAUNCHES or (how == "graph" and device.type != "cuda"):
+            raise SystemExit(f"--launch: {how!r} is not one of {LAUNCHES} ('graph' needs a CUDA device)")
+    reference = None
+    for spec, block, kwargs in compiled_variants(args):
         with torch.no_grad():
             call = functools.partial(block, **kwargs)
             first, code = run_and_get_code(call)  # the first call compiles
@@ -300,10 +323,7 @@ def main() -> int:
                 f"  {how:7s} {seconds * 1e3:8.3f} ms per block call; {sum(ms for _, ms, _ in kernels):7.3f} ms in "
                 f"{sum(n for *_, n in kernels)} kernels per call, of which:"
             )
-            for name, ms, count in kernels[: args.top]:
-                print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
-            if gaps:
-                print(f"    {gaps}")
+            print_kernels(kernels, args.top, gaps)
         del block
     return 0
 

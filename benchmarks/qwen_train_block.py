@@ -26,7 +26,7 @@ import argparse
 import functools
 
 import torch
-from qwen_block_variants import build_block, inputs, kernel_table, parse_variant, variant
+from qwen_block_variants import add_block_arguments, compiled_variants, kernel_table, print_kernels
 from timing import sustained_seconds
 
 STREAMS = ("hidden_states", "encoder_hidden_states")
@@ -46,45 +46,17 @@ def train(block, kwargs: dict, cotangents: tuple) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=8, help="batch rows (default 8: the recipe's micro-batch)")
-    parser.add_argument("--image-tokens", type=int, default=1024, help="512 px: 1024")
-    parser.add_argument("--text-tokens", type=int, default=64)
+    add_block_arguments(
+        parser,
+        rows=8,  # the recipe's micro-batch
+        variants="sequence-major:eager:lora=64:lora_mlp=1,sequence-major:eager:lora=64,sequence-major:eager",
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant and mode")
     parser.add_argument("--top", type=int, default=16, help="kernels listed per variant")
     parser.add_argument("--profile-calls", type=int, default=3, help="training calls profiled per variant")
-    parser.add_argument(
-        "--variants",
-        default="sequence-major:eager:lora=64:lora_mlp=1,sequence-major:eager:lora=64,sequence-major:eager",
-        help="comma-separated layout:rounding[:option=int...] (qwen_block_variants.py's docstring)",
-    )
-    parser.add_argument("--text-mask", action="store_true", help="half the rows' text padded, as a CFG batch's")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
-    dtype, backend = (torch.bfloat16, "inductor") if device.type == "cuda" else (torch.float32, "aot_eager")
-    heads, head_dim = 24, 128
-    if device.type == "cpu":  # a smoke run: small widths
-        heads, head_dim, args.image_tokens, args.text_tokens = 4, 32, 64, 8
-    torch.manual_seed(0)
-    base = build_block(heads, head_dim, device, dtype)
-    print(
-        f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
-        f"{args.rows} rows x ({args.text_tokens} text + {args.image_tokens} image) tokens, width {heads * head_dim}"
-    )
-    for spec in args.variants.split(","):
-        layout, rounding, extra = parse_variant(spec)
-        block = variant(base, layout, rounding, backend, extra)
-        kwargs = inputs(
-            args.rows,
-            args.image_tokens,
-            args.text_tokens,
-            heads * head_dim,
-            head_dim,
-            layout,
-            device,
-            dtype,
-            args.text_mask,
-        )
+    for spec, block, kwargs in compiled_variants(args):
         for name in STREAMS:
             kwargs[name].requires_grad_(True)
         no_grad_out = forward(block, kwargs)  # compiles the no-grad graph
@@ -108,10 +80,7 @@ def main() -> int:
             f"the forward; {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels "
             "per call, of which:"
         )
-        for name, ms, count in kernels[: args.top]:
-            print(f"    {ms:7.3f} ms  x{count:<3d} {name[:110]}")
-        if gaps:
-            print(f"    {gaps}")
+        print_kernels(kernels, args.top, gaps)
         del block
     return 0
 
