@@ -128,6 +128,12 @@
 #   qwen-train-block   qwen_train_block.py: one block's training forward + backward at the recipe's micro-batch (8
 #                      rows, masked) against its no-grad forward, with the recipe's LoRA (attention + MLPs),
 #                      attention-only LoRA and none: the update's time per FLOP, and its kernels  ~3 min
+#   qwen-text-mask-attention  qwen_text_mask_attention.py: the joint attention of a padded batch (the rollout's 64
+#                      rows forward, the trainer's 8 rows forward + backward), masked, per run of equal text
+#                      lengths, and unmasked                                                      ~1 min
+#   qwen-prefix-attention-ab  qwen_block_variants.py and qwen_train_block.py: the recipe's LoRA block with padded
+#                      text, its attention per run of equal lengths (shipped) and masked: the rollout's block
+#                      twice each, alternating, then the training call                            ~5 min
 #   qwen-lora-order    qwen_block_variants.py: the LoRA block with the base GEMM written first (the
 #                      low-rank one accumulating into it) and the other way round (shipped), twice each ~2 min
 #   qwen-norm-kernel-ab   qwen_block_variants.py: the B=16 block as the rollout compiles it, with and
@@ -437,6 +443,14 @@ suite() {
         --variants "$lora,$lora:gelu_epilogue=0,$lora,$lora:gelu_epilogue=0" ;;
     qwen-train-block)  # one block's training forward + backward as the trainer compiles it, against its no-grad forward
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --text-mask --seconds 3 --top 14 ;;
+    qwen-text-mask-attention)  # a padded batch's joint attention: masked, one call per run of equal lengths, unmasked
+      script "$s" 150 "$log" benchmarks/qwen_text_mask_attention.py --seconds 3 ;;
+    qwen-prefix-attention-ab)  # the recipe's LoRA block with padded text: attention per run of equal lengths, and masked
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 6 \
+        --variants "$lora,$lora:prefix_attention=0,$lora,$lora:prefix_attention=0"
+      script "$s-train" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --text-mask --seconds 3 --top 6 \
+        --variants "$lora,$lora:prefix_attention=0" ;;
     qwen-lora-order)
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 16 --seconds 3 --top 12 \
         --variants "sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1,sequence-major:eager:lora=32:lora_first=0,sequence-major:eager:lora=32:lora_first=1" ;;

@@ -82,7 +82,7 @@ def build(args, device, dtype):
     head_dim = args.width // heads
     tokens = args.image_tokens + args.text_tokens
     qkv = [rand(args.rows, heads, tokens, head_dim) for _ in range(3)]
-    # the block's layout: (L, B, H, Dh) in memory, text rows first, and a key mask over the text
+    # the block's layout when this was measured: (L, B, H, Dh) in memory, text rows first, a key mask over the text
     # tokens with the second half of the rows padded to half their text length
     joint = [rand(tokens, args.rows, heads, head_dim) for _ in range(3)]
     mask = torch.ones(args.rows, tokens, dtype=torch.bool, device=device)

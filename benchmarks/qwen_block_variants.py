@@ -24,16 +24,18 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   shipped order, `lora_low_rank_first`) runs the low-rank GEMM first and accumulates the base GEMM
   into it, `lora_first=0` the other way round; `gelu_epilogue=0` runs the MLPs' GELU as a pass of
   its own (with LoRA on the MLP, instead of the folded op with the GELU in its epilogue:
-  flowrl.accel.lora_fold.lora_linear_gelu_tanh).
+  flowrl.accel.lora_fold.lora_linear_gelu_tanh); `prefix_attention=0` runs a padded batch's
+  joint attention as one masked call instead of one call per run of equal text lengths
+  (flowrl.accel.qwen_image.prefix_attention; with `--text-mask`).
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), on a GPU how busy it was over those calls and its
 gaps of 0.1 ms or more by the kernel that ended them (with the kernel most often before them, and
 whether the GPU waited with that kernel queued or for the host to launch it: flowrl.bench.step_profile),
 and each variant's largest output difference from the first (bf16 rounding differences; the layouts
-are equal in float32, tests/accel/test_qwen_block.py). `--text-mask` passes a text mask with half
+are equal in float32 up to the order the attention sums its keys in, tests/accel/test_qwen_block.py). `--text-mask` passes a text mask with half
 the rows padded to half their text length, as a CFG batch's short negative prompts make the engine
-pass one (flowrl.models.qwen_image). `--launch` times and profiles each variant launched in more
+pass one (flowrl.models.qwen_image), with each row's text length as the adapter passes them. `--launch` times and profiles each variant launched in more
 than one way: `direct` (calls back to back, the host free to run ahead, as the engine launches),
 `synced` (a device synchronize after each call: the GPU never waits on work queued by a later
 call) and `graph` (one call captured as a CUDA graph and replayed; GPU only). On a CPU it runs a
@@ -58,6 +60,7 @@ from flowrl.accel.options import COMPILE_ROUNDINGS as ROUNDINGS
 from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image import NO_GRAD_INDUCTOR_OPTIONS
 from flowrl.accel.qwen_image.block import prepare_block
+from flowrl.accel.qwen_image.prefix_attention import TEXT_LENGTHS_KEY
 from flowrl.accel.regional_compile import compile_in_place
 from flowrl.bench.flops import synchronize
 from flowrl.bench.step_profile import profile_gaps
@@ -73,6 +76,7 @@ SWITCHES = {
     "lora_fold": "lora_fold",
     "lora_first": "lora_low_rank_first",
     "gelu_epilogue": "gelu_epilogue",
+    "prefix_attention": "prefix_attention",
 }
 
 
@@ -156,16 +160,18 @@ def inputs(
         tables.append(
             (angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2))
         )
-    mask = None
-    if text_mask:  # the second half of the rows padded to half their text length
-        mask = torch.ones(rows, text_tokens, dtype=torch.bool, device=device)
-        mask[rows // 2 :, text_tokens // 2 :] = False
+    mask = attention_kwargs = None
+    if text_mask:  # the second half of the rows padded to half their text length, as the adapter passes it
+        lengths = [text_tokens] * (rows // 2) + [text_tokens // 2] * (rows - rows // 2)
+        mask = torch.arange(text_tokens, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        attention_kwargs = {TEXT_LENGTHS_KEY: torch.tensor(lengths)}
     return dict(
         hidden_states=img,
         encoder_hidden_states=txt,
         encoder_hidden_states_mask=mask,
         temb=temb,
         image_rotary_emb=tuple(tables),
+        joint_attention_kwargs=attention_kwargs,
     )
 
 

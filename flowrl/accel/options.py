@@ -39,6 +39,9 @@ class AccelOptions:
         hand-written kernel (flowrl.accel.qwen_image.modulated_norm).
     modulation_table: Qwen-Image rollout forwards read each block's modulation from a
         per-timestep table (flowrl.accel.qwen_image.modulation).
+    prefix_attention: Qwen-Image batches whose rows' text lengths differ run their joint
+        attention as one unmasked call per run of rows with equal lengths, rollout and training
+        (flowrl.accel.qwen_image.prefix_attention), instead of one masked call.
     split_output: FLUX single-stream blocks project their attention and MLP branches with the two
         halves of the output projection instead of concatenating them (flowrl.accel.flux).
     """
@@ -51,6 +54,7 @@ class AccelOptions:
     joint_v: bool = True
     norm_kernel: bool = True
     modulation_table: bool = True
+    prefix_attention: bool = True
     split_output: bool = True
 
     @classmethod

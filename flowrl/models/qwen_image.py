@@ -36,8 +36,9 @@ class QwenImageAdapter(PackedLatentAdapter):
         "attn.to_add_out",
     )
     # Set by flowrl.accel.compile_adapter; None runs diffusers' forward as is. Called in `velocity`
-    # as hook(num_rows, row_sigmas) with the forward's row count and its rows' sigmas as host
-    # floats (None when the caller passed no sigma_values); returns (pad, attention_kwargs):
+    # as hook(num_rows, row_sigmas, text_lengths) with the forward's row count, its rows' sigmas as
+    # host floats (None when the caller passed no sigma_values) and its rows' text lengths (None
+    # when no row's text is padded); returns (pad, attention_kwargs):
     # whether a batch of one runs as two identical rows (row 0 kept), and extra attention kwargs
     # for the blocks (or None). Results stay the same function of the inputs either way.
     transformer_call_hook = None
@@ -96,19 +97,20 @@ class QwenImageAdapter(PackedLatentAdapter):
         embeds, mask, _ = pad_encodings(encodings)
         # Lengths are known on the host, so deciding whether a mask is needed costs no sync;
         # without padding we pass no mask (the pipeline does the same, and fast kernels apply).
-        lengths = {e.embeds.shape[0] for e in encodings}
+        lengths = [e.embeds.shape[0] for e in encodings]
+        padded_text = len(set(lengths)) > 1
         h, w = self._latent_hw(height, width)
         rows = hidden.shape[0]
         padded, attention_kwargs = False, None
         if self.transformer_call_hook is not None:
             row_sigmas = None if sigma_values is None else list(sigma_values) + [sigma_values[i] for i in cfg_rows]
-            padded, attention_kwargs = self.transformer_call_hook(rows, row_sigmas)
+            padded, attention_kwargs = self.transformer_call_hook(rows, row_sigmas, lengths if padded_text else None)
         repeat = (lambda t: torch.cat([t, t])) if padded else (lambda t: t)  # noqa: E731
         out = self.transformer(
             hidden_states=repeat(hidden.to(self.dtype)),
             timestep=repeat(timestep.to(self.dtype)),
             encoder_hidden_states=repeat(embeds.to(self.dtype)),
-            encoder_hidden_states_mask=repeat(mask) if len(lengths) > 1 else None,
+            encoder_hidden_states_mask=repeat(mask) if padded_text else None,
             img_shapes=[[(1, h // 2, w // 2)]] * (rows + padded),
             attention_kwargs=attention_kwargs,
             return_dict=False,

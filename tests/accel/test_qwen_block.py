@@ -365,7 +365,8 @@ def test_joint_norm_rope_kernel_rounds_like_pytorch():
     with torch.no_grad():
         q_pair, k_pair, v_pair = qwen_block._projected_heads(attn, img, txt)
         assert qk_norm_rope.applicable(q_pair[1], attn.norm_q, rope)
-        want = [torch.cat(p) for p in qwen_block._normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)[:2]]
+        pairs = qwen_block._normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)[:2]
+        want = [torch.cat((img_part, txt_part)) for txt_part, img_part in pairs]  # image rows first
         got = [
             qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope),
             qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope),

@@ -5,7 +5,8 @@ them.
 switches the transformer's blocks to real-arithmetic RoPE and sequence-major activations with the
 rollout kernels (`block.prepare_for_compile`), and installs `TransformerCallHook` as the adapter's
 `transformer_call_hook`: it pads a batch of one to two rows and passes each row's modulation-table
-row (`modulation.ModulationTable`). Nothing here changes parameters or state_dict keys.
+row (`modulation.ModulationTable`) and, in a rollout batch with padded text, each row's text
+length (`prefix_attention`). Nothing here changes parameters or state_dict keys.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image.block import prepare_for_compile
 from flowrl.accel.qwen_image.modulation import ROWS_KEY, ModulationTable, applicable
+from flowrl.accel.qwen_image.prefix_attention import TEXT_LENGTHS_KEY
 from flowrl.models.base import rows_to_device
 
 # Inductor stores a pointwise result in its own buffer once its expression passes
@@ -28,7 +30,8 @@ NO_GRAD_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 200}
 
 class TransformerCallHook:
     """A compiled Qwen-Image adapter's `transformer_call_hook` (see QwenImageAdapter.velocity):
-    `hook(num_rows, row_sigmas)` -> (pad a batch of one to two rows?, extra attention kwargs).
+    `hook(num_rows, row_sigmas, text_lengths)` -> (pad a batch of one to two rows?, extra
+    attention kwargs).
 
     Padding: compiled blocks run a batch of 1 as 2 identical rows (see compile_in_place). Doing it
     at the model input, before the input projections lay the rows out sequence-major, lets batch 1
@@ -36,17 +39,32 @@ class TransformerCallHook:
 
     Modulation rows: with the rows' sigmas as host floats (the engine passes them), forwards
     without grad read each block's modulation from the per-timestep table; `table` holds it (None
-    until first used, and where it cannot reproduce the blocks)."""
+    until first used, and where it cannot reproduce the blocks).
+
+    Text lengths: forwards without grad (the rollout's, and the trainer's value passes that
+    reproduce it) get each row's text length (host ints; None when no row's text is padded) as a
+    CPU tensor under TEXT_LENGTHS_KEY, with `prefix_attention` on. Training forwards keep the
+    masked call: at the trainer's micro-batch the per-run calls' host time and copies cost more
+    than the unmasked kernels save (flowrl.accel.qwen_image.prefix_attention)."""
 
     def __init__(self, adapter, options: AccelOptions):
         self.adapter = adapter
         self.options = options
         self.table: ModulationTable | None = None
 
-    def __call__(self, num_rows: int, row_sigmas: list[float] | None) -> tuple[bool, dict | None]:
+    def __call__(
+        self, num_rows: int, row_sigmas: list[float] | None, text_lengths: list[int] | None = None
+    ) -> tuple[bool, dict | None]:
         padded = num_rows == 1
+        kwargs = {}
         rows = None if row_sigmas is None else self._table_rows(row_sigmas * (1 + padded))
-        return padded, None if rows is None else {ROWS_KEY: rows}
+        if rows is not None:
+            kwargs[ROWS_KEY] = rows
+        if text_lengths is not None and self.options.prefix_attention and not torch.is_grad_enabled():
+            lengths = torch.tensor(text_lengths * (1 + padded), dtype=torch.int64)
+            torch._dynamo.maybe_mark_dynamic(lengths, 0)  # one graph for every batch size
+            kwargs[TEXT_LENGTHS_KEY] = lengths
+        return padded, kwargs or None
 
     def _table_rows(self, row_sigmas: list[float]) -> torch.Tensor | None:
         """Device indices of each row's timestep in the modulation table, or None where the table

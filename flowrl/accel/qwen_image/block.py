@@ -18,6 +18,9 @@ switch of flowrl.accel.options.AccelOptions (named below; a block reads them fro
    ((L, B, D) in memory; the tensors still have the (B, L, D) shape diffusers passes between
    blocks), each stream is a contiguous run of rows of the joint buffer: cuDNN attention writes
    its output in its query's layout, so the two output projections read their rows in place.
+   The image rows come first, so the keys a row with padded text sees are a prefix of the joint
+   sequence: rollout forwards attend per run of equal text lengths without a mask
+   (flowrl.accel.qwen_image.prefix_attention; `prefix_attention`).
    (Inductor writes a GEMM's output only into a buffer of its own, so the v join is a copy,
    except in rollout graphs: item 3.) The training step gains most, its graphs copying more.
    The transformer's input projections (`img_in`, `txt_in`) hand the first block sequence-major
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 
 import flowrl.accel.qwen_image.joint_linear as joint_linear
 import flowrl.accel.qwen_image.modulated_norm as modulated_norm
+import flowrl.accel.qwen_image.prefix_attention as prefix_attention
 import flowrl.accel.qwen_image.qk_norm_rope as qk_norm_rope
 from flowrl.accel.lora_fold import folds
 from flowrl.accel.options import AccelOptions
@@ -84,12 +88,14 @@ def _real_rope_tables(module, args, output):
     return tuple(tables)
 
 
-def _joint_mask(text_mask: torch.Tensor | None, batch: int, image_tokens: int) -> torch.Tensor | None:
-    """(B, 1, 1, L) boolean mask over [text, image] keys from the text mask (B, L_txt), or None."""
+def _joint_mask(text_mask: torch.Tensor | None, batch: int, image_tokens: int, image_first: bool = False):
+    """(B, 1, 1, L) boolean mask over the joint keys ([text, image], or [image, text] with
+    `image_first`) from the text mask (B, L_txt), or None."""
     if text_mask is None:
         return None
     image_mask = text_mask.new_ones((batch, image_tokens))
-    return torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
+    parts = (image_mask, text_mask) if image_first else (text_mask, image_mask)
+    return torch.cat(parts, dim=1)[:, None, None, :]
 
 
 def _split_heads(attn, x: torch.Tensor) -> torch.Tensor:
@@ -155,18 +161,20 @@ def _joint_kernel_applies(attn, img_q: torch.Tensor, rope, options: AccelOptions
 
 
 def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, options: AccelOptions):
-    """The joint (L_txt + L_img, B, H, Dh) q, k, v of sequence-major streams, text rows first."""
+    """The joint (L_img + L_txt, B, H, Dh) q, k, v of sequence-major streams, image rows first (the
+    keys a row with padded text sees are then a prefix: flowrl.accel.qwen_image.prefix_attention)."""
     q_pair = (_split_heads(attn, attn.add_q_proj(txt)), _split_heads(attn, attn.to_q(img)))
     k_pair = (_split_heads(attn, attn.add_k_proj(txt)), _split_heads(attn, attn.to_k(img)))
     if not _joint_kernel_applies(attn, q_pair[1], rope, options):
         v_pair = (_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img)))
-        return tuple(torch.cat(pair) for pair in _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0))
+        pairs = _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)
+        return tuple(torch.cat((img_part, txt_part)) for txt_part, img_part in pairs)
     q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
     k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-    if options.joint_v and joint_linear.applies(attn.add_v_proj, attn.to_v):
-        v = joint_linear.joint_projection(txt, attn.add_v_proj, img, attn.to_v, options.lora_low_rank_first)
+    if options.joint_v and joint_linear.applies(attn.to_v, attn.add_v_proj):
+        v = joint_linear.joint_projection(img, attn.to_v, txt, attn.add_v_proj, options.lora_low_rank_first)
         return q, k, _split_heads(attn, v)
-    return q, k, torch.cat((_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img))))
+    return q, k, torch.cat((_split_heads(attn, attn.to_v(img)), _split_heads(attn, attn.add_v_proj(txt))))
 
 
 class RealRopeQwenAttention:
@@ -186,7 +194,7 @@ class RealRopeQwenAttention:
         assert encoder_hidden_states is not None and attention_mask is None
         attention_mask = _joint_mask(encoder_hidden_states_mask, *hidden_states.shape[:2])
         pairs = _rotated_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, seq_dim=1)
-        # Joint sequence [text, image]; SDPA wants (B, H, L, D).
+        # Joint sequence [text, image] (diffusers' order in this batch-major path); SDPA wants (B, H, L, D).
         q, k, v = (torch.cat(pair, dim=1).transpose(1, 2) for pair in pairs)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
         out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
@@ -202,17 +210,25 @@ def _joint_attention(
     text_mask: torch.Tensor | None,
     rope,
     options: AccelOptions = AccelOptions(),
+    text_lengths: torch.Tensor | None = None,
 ):
     """RealRopeQwenAttention's math on sequence-major streams img (L_img, B, D), txt (L_txt, B, D);
     returns the two streams' outputs, sequence-major. The joint buffers are (L, B, H, Dh) with the
-    text rows first, so each stream is a contiguous block of rows (see the module docstring)."""
+    image rows first, so each stream is a contiguous block of rows (see the module docstring).
+    text_lengths: each row's valid text tokens (a CPU int64 tensor; the mask's leading True
+    values), with which a padded batch runs `prefix_attention` instead of the masked call."""
+    image_tokens, batch = img.shape[:2]
     # (L, B, H, Dh) -> the (B, H, L, Dh) view SDPA takes; no copy.
     q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope, options))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_joint_mask(text_mask, img.shape[1], img.shape[0]))
+    if text_mask is not None and options.prefix_attention and prefix_attention.applies(q, text_lengths):
+        out = prefix_attention.attention(q, k, v, text_lengths + image_tokens)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_joint_mask(text_mask, batch, image_tokens, image_first=True)
+        )
     out = out.permute(2, 0, 1, 3).flatten(2).to(q.dtype)  # (L, B, H*Dh): a view when cuDNN kept q's layout
-    seq_txt = txt.shape[0]
-    img_out = attn.to_out[1](attn.to_out[0](out[seq_txt:]))  # to_out[1]: dropout
-    return img_out, attn.to_add_out(out[:seq_txt])
+    img_out = attn.to_out[1](attn.to_out[0](out[:image_tokens]))  # to_out[1]: dropout
+    return img_out, attn.to_add_out(out[image_tokens:])
 
 
 def _autocast_on(x: torch.Tensor) -> bool:
@@ -280,6 +296,7 @@ def _sequence_major_forward(
     Same signature and return value ((text, image) states of diffusers' shapes)."""
     kwargs = dict(joint_attention_kwargs or {})
     table_rows = kwargs.pop(ROWS_KEY, None)
+    text_lengths = kwargs.pop(prefix_attention.TEXT_LENGTHS_KEY, None)
     if modulate_index is not None or self.zero_cond_t or kwargs:
         return type(self).forward(
             self,
@@ -302,7 +319,7 @@ def _sequence_major_forward(
     img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1, kernel)
     txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1, kernel)
     img_attn, txt_attn = _joint_attention(
-        self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, self._flowrl_accel
+        self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, self._flowrl_accel, text_lengths
     )
     img, img_in, img_gate2 = _residual_modulated_input(img, img_gate1, img_attn, self.img_norm2, img_mod2, kernel)
     txt, txt_in, txt_gate2 = _residual_modulated_input(txt, txt_gate1, txt_attn, self.txt_norm2, txt_mod2, kernel)

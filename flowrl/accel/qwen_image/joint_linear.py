@@ -1,12 +1,12 @@
 """Two streams' projections written straight into one joint buffer: the v of Qwen-Image's joint
 attention without the copy that joins it.
 
-Joint attention reads v as one (T + L, B, H*D) sequence-major buffer, text rows first. Projected
-separately, text and image v are two GEMM outputs, and inductor copies them into that buffer (it
+Joint attention reads v as one (L + T, B, H*D) sequence-major buffer, image rows first. Projected
+separately, image and text v are two GEMM outputs, and inductor copies them into that buffer (it
 writes a GEMM's result only into a buffer of its own): a pass over v that does no arithmetic.
 This custom op runs the same two cuBLAS calls (`addmm` with the bias, as `F.linear` does) with
 `out=` the two row ranges of the joint buffer, so the values are the ones
-`torch.cat([F.linear(txt, ...), F.linear(img, ...)])` gives, bit for bit
+`torch.cat([F.linear(first, ...), F.linear(second, ...)])` gives, bit for bit
 (tests/accel/test_joint_linear.py). Inductor keeps a custom op whole and calls it.
 
 Used where the q/k kernel is (rollout graphs, no grad; `block._joint_qkv`), for plain
@@ -26,31 +26,53 @@ from flowrl.accel.lora_fold import linear_into
 
 @torch.library.custom_op("flowrl::joint_linear", mutates_args=())
 def joint_linear(
-    txt: torch.Tensor,
-    txt_weight: torch.Tensor,
-    txt_bias: torch.Tensor | None,
-    txt_down: torch.Tensor | None,
-    txt_up: torch.Tensor | None,
-    img: torch.Tensor,
-    img_weight: torch.Tensor,
-    img_bias: torch.Tensor | None,
-    img_down: torch.Tensor | None,
-    img_up: torch.Tensor | None,
+    first: torch.Tensor,
+    first_weight: torch.Tensor,
+    first_bias: torch.Tensor | None,
+    first_down: torch.Tensor | None,
+    first_up: torch.Tensor | None,
+    second: torch.Tensor,
+    second_weight: torch.Tensor,
+    second_bias: torch.Tensor | None,
+    second_down: torch.Tensor | None,
+    second_up: torch.Tensor | None,
     low_rank_first: bool,
 ) -> torch.Tensor:
-    """(T + L, B, N): txt (T, B, K) and img (L, B, K) through their own linear layers (each with
-    its LoRA factors down, up or None, in the GEMM order `low_rank_first`), joined."""
-    out = txt.new_empty((txt.shape[0] + img.shape[0], txt.shape[1], txt_weight.shape[0]))
+    """(T + L, B, N): first (T, B, K) and second (L, B, K) through their own linear layers (each
+    with its LoRA factors down, up or None, in the GEMM order `low_rank_first`), joined."""
+    out = first.new_empty((first.shape[0] + second.shape[0], first.shape[1], first_weight.shape[0]))
     rows = out.view(-1, out.shape[-1])
-    txt_rows = txt.shape[0] * txt.shape[1]
-    linear_into(txt.reshape(txt_rows, -1), txt_weight, txt_bias, rows[:txt_rows], txt_down, txt_up, low_rank_first)
-    linear_into(img.reshape(-1, img.shape[-1]), img_weight, img_bias, rows[txt_rows:], img_down, img_up, low_rank_first)
+    first_rows = first.shape[0] * first.shape[1]
+    linear_into(
+        first.reshape(first_rows, -1), first_weight, first_bias, rows[:first_rows], first_down, first_up, low_rank_first
+    )
+    linear_into(
+        second.reshape(-1, second.shape[-1]),
+        second_weight,
+        second_bias,
+        rows[first_rows:],
+        second_down,
+        second_up,
+        low_rank_first,
+    )
     return out
 
 
 @joint_linear.register_fake
-def _(txt, txt_weight, txt_bias, txt_down, txt_up, img, img_weight, img_bias, img_down, img_up, low_rank_first):
-    return txt.new_empty((txt.shape[0] + img.shape[0], txt.shape[1], txt_weight.shape[0]))
+def _(
+    first,
+    first_weight,
+    first_bias,
+    first_down,
+    first_up,
+    second,
+    second_weight,
+    second_bias,
+    second_down,
+    second_up,
+    low_rank_first,
+):
+    return first.new_empty((first.shape[0] + second.shape[0], first.shape[1], first_weight.shape[0]))
 
 
 def _linear(proj: torch.nn.Module) -> torch.nn.Linear | None:
@@ -61,10 +83,14 @@ def _linear(proj: torch.nn.Module) -> torch.nn.Linear | None:
     return proj.base_layer if lora_fold.folds(proj) else None
 
 
-def applies(txt_proj: torch.nn.Module, img_proj: torch.nn.Module) -> bool:
+def applies(first_proj: torch.nn.Module, second_proj: torch.nn.Module) -> bool:
     """Both projections are plain nn.Linear or folding LoRA Linears, with equal output widths."""
-    txt_linear, img_linear = _linear(txt_proj), _linear(img_proj)
-    return txt_linear is not None and img_linear is not None and txt_linear.out_features == img_linear.out_features
+    first_linear, second_linear = _linear(first_proj), _linear(second_proj)
+    return (
+        first_linear is not None
+        and second_linear is not None
+        and first_linear.out_features == second_linear.out_features
+    )
 
 
 def _operands(proj: torch.nn.Module, dtype: torch.dtype) -> tuple:
@@ -76,19 +102,19 @@ def _operands(proj: torch.nn.Module, dtype: torch.dtype) -> tuple:
 
 
 def joint_projection(
-    txt: torch.Tensor,
-    txt_proj: torch.nn.Module,
-    img: torch.Tensor,
-    img_proj: torch.nn.Module,
+    first: torch.Tensor,
+    first_proj: torch.nn.Module,
+    second: torch.Tensor,
+    second_proj: torch.nn.Module,
     low_rank_first: bool = True,
 ) -> torch.Tensor:
-    """The joint (T + L, B, N) output of txt_proj(txt) and img_proj(img), sequence-major inputs;
-    low_rank_first: the GEMM order of LoRA projections (AccelOptions.lora_low_rank_first)."""
-    dtype = lora_fold.compute_dtype(img)
+    """The joint (T + L, B, N) output of first_proj(first) then second_proj(second), sequence-major
+    inputs; low_rank_first: the GEMM order of LoRA projections (AccelOptions.lora_low_rank_first)."""
+    dtype = lora_fold.compute_dtype(second)
     return joint_linear(
-        txt.to(dtype).contiguous(),
-        *_operands(txt_proj, dtype),
-        img.to(dtype).contiguous(),
-        *_operands(img_proj, dtype),
+        first.to(dtype).contiguous(),
+        *_operands(first_proj, dtype),
+        second.to(dtype).contiguous(),
+        *_operands(second_proj, dtype),
         low_rank_first,
     )

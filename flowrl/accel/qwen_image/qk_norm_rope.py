@@ -1,5 +1,5 @@
 """One hand-written GPU kernel for the q (or k) of Qwen-Image's joint attention: RMSNorm of every
-head, the rotary embedding, and the join of the text and image tokens into one buffer.
+head, the rotary embedding, and the join of the image and text tokens into one buffer.
 
 The compiled rollout (no-grad graphs) calls it instead of inductor's kernel for the same
 expression, because inductor's stays well below the memory bandwidth on this pure streaming work
@@ -17,7 +17,7 @@ which autograd differentiates; this kernel has no backward and is used only with
 
 Layouts: `txt` (T, B, H, D) and `img` (L, B, H, D), contiguous (the q or k projection's output,
 split into heads, sequence-major); tables (T, D) and (L, D) float32 as `_real_rope_tables` makes
-them; the result is (T + L, B, H, D), text rows first. D must be a power of two (128 in Qwen-Image).
+them; the result is (L + T, B, H, D), image rows first. D must be a power of two (128 in Qwen-Image).
 Without Triton (CPU builds) `available()` is False and callers keep the PyTorch expression.
 """
 
@@ -62,17 +62,17 @@ if triton is not None:
 
     @triton.jit
     def _joint_norm_rope_kernel(
-        txt,
-        img,
-        txt_weight,
-        img_weight,
-        txt_cos,
-        txt_sin,
-        img_cos,
-        img_sin,
+        first,
+        second,
+        first_weight,
+        second_weight,
+        first_cos,
+        first_sin,
+        second_cos,
+        second_sin,
         out,
         rows_per_token,
-        txt_tokens,
+        first_tokens,
         eps,
         D: tl.constexpr,
         ROWS: tl.constexpr,
@@ -82,12 +82,16 @@ if triton is not None:
         token = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, D)
-        if token < txt_tokens:
-            src = txt + token * rows_per_token * D
-            weight, cos, sin = txt_weight, txt_cos + token * D, txt_sin + token * D
+        if token < first_tokens:
+            src = first + token * rows_per_token * D
+            weight, cos, sin = first_weight, first_cos + token * D, first_sin + token * D
         else:
-            src = img + (token - txt_tokens) * rows_per_token * D
-            weight, cos, sin = img_weight, img_cos + (token - txt_tokens) * D, img_sin + (token - txt_tokens) * D
+            src = second + (token - first_tokens) * rows_per_token * D
+            weight, cos, sin = (
+                second_weight,
+                second_cos + (token - first_tokens) * D,
+                second_sin + (token - first_tokens) * D,
+            )
         valid = (rows < rows_per_token)[:, None]
         x = tl.load(src + rows[:, None] * D + cols[None, :], mask=valid, other=0.0).to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -107,33 +111,34 @@ if triton is not None:
 
     @torch.library.triton_op("flowrl::joint_norm_rope", mutates_args={})
     def joint_norm_rope(
-        txt: torch.Tensor,
-        img: torch.Tensor,
-        txt_weight: torch.Tensor,
-        img_weight: torch.Tensor,
-        txt_cos: torch.Tensor,
-        txt_sin: torch.Tensor,
-        img_cos: torch.Tensor,
-        img_sin: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        first_weight: torch.Tensor,
+        second_weight: torch.Tensor,
+        first_cos: torch.Tensor,
+        first_sin: torch.Tensor,
+        second_cos: torch.Tensor,
+        second_sin: torch.Tensor,
         eps: float,
     ) -> torch.Tensor:
-        """(T + L, B, H, D): RMSNorm + RoPE of txt (T, B, H, D) and img (L, B, H, D), joined."""
-        txt_tokens, batch, heads, dim = txt.shape
-        out = txt.new_empty((txt_tokens + img.shape[0], batch, heads, dim))
+        """(T + L, B, H, D): RMSNorm + RoPE of `first` (T, B, H, D) and `second` (L, B, H, D), joined
+        in that order."""
+        first_tokens, batch, heads, dim = first.shape
+        out = first.new_empty((first_tokens + second.shape[0], batch, heads, dim))
         rows_per_token = batch * heads
         grid = (out.shape[0], triton.cdiv(rows_per_token, ROWS_PER_PROGRAM))
         torch.library.wrap_triton(_joint_norm_rope_kernel)[grid](
-            txt,
-            img,
-            txt_weight,
-            img_weight,
-            txt_cos,
-            txt_sin,
-            img_cos,
-            img_sin,
+            first,
+            second,
+            first_weight,
+            second_weight,
+            first_cos,
+            first_sin,
+            second_cos,
+            second_sin,
             out,
             rows_per_token,
-            txt_tokens,
+            first_tokens,
             eps,
             D=dim,
             ROWS=ROWS_PER_PROGRAM,
@@ -143,19 +148,20 @@ if triton is not None:
 
 
 def joint_rotated(txt: torch.Tensor, img: torch.Tensor, txt_norm, img_norm, rope) -> torch.Tensor:
-    """The joint (T + L, B, H, D) buffer of normed, rotated txt and img heads (see the module
-    docstring); rope = ((img_cos, img_sin), (txt_cos, txt_sin)). Call only where `applicable`."""
+    """The joint (L + T, B, H, D) buffer of normed, rotated img and txt heads, image rows first (see
+    the module docstring); rope = ((img_cos, img_sin), (txt_cos, txt_sin)). Call only where
+    `applicable`."""
     (img_cos, img_sin), (txt_cos, txt_sin) = rope
     if txt_norm.eps != img_norm.eps:
         raise ValueError(f"text and image RMSNorm eps differ ({txt_norm.eps} vs {img_norm.eps})")
     return torch.ops.flowrl.joint_norm_rope(
-        txt.contiguous(),
         img.contiguous(),
-        txt_norm.weight,
+        txt.contiguous(),
         img_norm.weight,
-        txt_cos,
-        txt_sin,
+        txt_norm.weight,
         img_cos,
         img_sin,
+        txt_cos,
+        txt_sin,
         float(img_norm.eps),
     )
