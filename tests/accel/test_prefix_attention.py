@@ -68,12 +68,10 @@ def test_compiled_equals_masked_attention():
 
 def test_runs_and_where_it_applies():
     assert pa.runs(torch.tensor([3, 3, 5, 3])) == [(0, 2, 3), (2, 3, 5), (3, 4, 3)]
-    q = torch.zeros(2, 1, 4, 8)
-    assert pa.applies(q, torch.tensor([4, 2])) and not pa.applies(q, None)
-    many_runs = torch.tensor([1, 2] * pa.MAX_RUNS)
-    assert not pa.applies(torch.zeros(len(many_runs), 1, 4, 8), many_runs)  # the masked call is kept
-    q, k, v, lengths = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8), torch.tensor([4, 2])
-    torch.library.opcheck(torch.ops.flowrl.prefix_attention, (q, k, v, lengths))
+    assert pa.applies(torch.zeros(2, 1, 4, 8))
+    assert pa.few_runs([4, 2]) and not pa.few_runs([1, 2] * pa.MAX_RUNS)  # then the masked call is kept
+    q, k, v, lengths = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8), torch.tensor([2, 0])
+    torch.library.opcheck(torch.ops.flowrl.prefix_attention, (q, k, v, lengths, 2))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +95,9 @@ def _ragged_velocity_args(adapter):
 def test_rollout_blocks_take_it_from_the_hook_with_diffusers_values(stock, monkeypatch):
     calls = []
     real = pa.attention
-    monkeypatch.setattr(pa, "attention", lambda *a: calls.append(a[-1].tolist()) or real(*a))
+    monkeypatch.setattr(
+        pa, "attention", lambda *a, **kw: calls.append((a[3] + kw["key_offset"]).tolist()) or real(*a, **kw)
+    )
     args = _ragged_velocity_args(stock)
     results = {}
     for name, options in (("prefix", AccelOptions()), ("masked", AccelOptions(prefix_attention=False))):
@@ -129,7 +129,33 @@ def test_hook_passes_lengths_only_to_no_grad_forwards_with_padded_text(stock):
         assert padded and kwargs[pa.TEXT_LENGTHS_KEY].tolist() == [4, 4]
         assert kwargs[pa.TEXT_LENGTHS_KEY].device.type == "cpu"
         assert TransformerCallHook(adapter, AccelOptions(prefix_attention=False))(2, None, [4, 2]) == (False, None)
+        assert hook(2 * pa.MAX_RUNS, None, [1, 2] * pa.MAX_RUNS) == (False, None)  # too many runs: masked
     assert hook(2, None, [4, 2]) == (False, None)  # with grad: the training graphs keep the masked call
+
+
+def test_compiled_blocks_trace_it_whole_for_any_lengths(stock):
+    """The compiled blocks read no lengths' values while tracing: no graph break inside a block,
+    and new lengths reuse the compiled graphs. (The run count used to be decided inside the block,
+    from the lengths tensor: a graph break in every block call.)"""
+    from torch._dynamo.utils import counters
+
+    from flowrl.accel import compile_adapter
+
+    adapter = copy.deepcopy(stock)
+    compile_adapter(adapter, "aot_eager")
+    args = list(_ragged_velocity_args(stock))
+    calls = []
+    real = pa._forward
+    counters.clear()
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pa, "_forward", lambda *a: calls.append(1) or real(*a))  # the op's runs, when they run
+        for text in (5, 9):  # the second prompt's length, then another one
+            args[2] = adapter.encode_prompts(["long prompt", "short", "x"])
+            args[2][1].embeds, args[2][1].mask = args[2][1].embeds[:text], args[2][1].mask[:text]
+            adapter.velocity(*args)
+    assert calls, "the compiled blocks did not take the per-run attention"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph for every block
 
 
 @pytest.mark.gpu
@@ -140,7 +166,7 @@ def test_cudnn_runs_equal_masked_attention(dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     q = torch.zeros(6, 3, 100, 128, device="cuda", dtype=dtype)
-    if not pa.applies(q, torch.tensor([100] * 6)):
+    if not pa.applies(q):
         pytest.skip("PyTorch does not run cuDNN attention on this GPU")
     (want, *want_grads), (got, *got_grads) = _masked_and_prefix(
         [90, 90, 61, 61, 61, 97], device="cuda", dtype=dtype, heads=3, dim=128

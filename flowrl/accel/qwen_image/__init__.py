@@ -16,7 +16,7 @@ import torch
 from flowrl.accel.options import AccelOptions
 from flowrl.accel.qwen_image.block import prepare_for_compile
 from flowrl.accel.qwen_image.modulation import ROWS_KEY, ModulationTable, applicable
-from flowrl.accel.qwen_image.prefix_attention import TEXT_LENGTHS_KEY
+from flowrl.accel.qwen_image.prefix_attention import TEXT_LENGTHS_KEY, few_runs
 from flowrl.models.base import rows_to_device
 
 # Inductor stores a pointwise result in its own buffer once its expression passes
@@ -43,9 +43,10 @@ class TransformerCallHook:
 
     Text lengths: forwards without grad (the rollout's, and the trainer's value passes that
     reproduce it) get each row's text length (host ints; None when no row's text is padded) as a
-    CPU tensor under TEXT_LENGTHS_KEY, with `prefix_attention` on. Training forwards keep the
-    masked call: at the trainer's micro-batch the per-run calls' host time and copies cost more
-    than the unmasked kernels save (flowrl.accel.qwen_image.prefix_attention)."""
+    CPU tensor under TEXT_LENGTHS_KEY, with `prefix_attention` on and at most
+    prefix_attention.MAX_RUNS runs of equal lengths; the blocks then attend per run. Training
+    forwards keep the masked call: at the trainer's micro-batch the per-run calls' host time and
+    copies cost more than the unmasked kernels save (flowrl.accel.qwen_image.prefix_attention)."""
 
     def __init__(self, adapter, options: AccelOptions):
         self.adapter = adapter
@@ -60,11 +61,20 @@ class TransformerCallHook:
         rows = None if row_sigmas is None else self._table_rows(row_sigmas * (1 + padded))
         if rows is not None:
             kwargs[ROWS_KEY] = rows
-        if text_lengths is not None and self.options.prefix_attention and not torch.is_grad_enabled():
+        if self._attend_per_run(text_lengths):
             lengths = torch.tensor(text_lengths * (1 + padded), dtype=torch.int64)
             torch._dynamo.maybe_mark_dynamic(lengths, 0)  # one graph for every batch size
             kwargs[TEXT_LENGTHS_KEY] = lengths
         return padded, kwargs or None
+
+    def _attend_per_run(self, text_lengths: list[int] | None) -> bool:
+        """Whether the blocks get this forward's text lengths (the class docstring)."""
+        return (
+            text_lengths is not None
+            and self.options.prefix_attention
+            and not torch.is_grad_enabled()
+            and few_runs(text_lengths)
+        )
 
     def _table_rows(self, row_sigmas: list[float]) -> torch.Tensor | None:
         """Device indices of each row's timestep in the modulation table, or None where the table

@@ -216,12 +216,13 @@ def _joint_attention(
     returns the two streams' outputs, sequence-major. The joint buffers are (L, B, H, Dh) with the
     image rows first, so each stream is a contiguous block of rows (see the module docstring).
     text_lengths: each row's valid text tokens (a CPU int64 tensor; the mask's leading True
-    values), with which a padded batch runs `prefix_attention` instead of the masked call."""
+    values), with which a padded batch runs `prefix_attention` instead of the masked call (the
+    hook passes them only where that pays)."""
     image_tokens, batch = img.shape[:2]
     # (L, B, H, Dh) -> the (B, H, L, Dh) view SDPA takes; no copy.
     q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope, options))
-    if text_mask is not None and options.prefix_attention and prefix_attention.applies(q, text_lengths):
-        out = prefix_attention.attention(q, k, v, text_lengths + image_tokens)
+    if text_mask is not None and text_lengths is not None and options.prefix_attention and prefix_attention.applies(q):
+        out = prefix_attention.attention(q, k, v, text_lengths, key_offset=image_tokens)
     else:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=_joint_mask(text_mask, batch, image_tokens, image_first=True)

@@ -16,15 +16,17 @@ to the same keys as the mask lets it (its output is never read by an image token
 exactly zero weight either way, so the result is the masked attention's up to the rounding of the
 shorter sums.
 
-`attention(q, k, v, kv_lengths)` takes (B, H, S, D) views of sequence-major (S, B, H, D) buffers
-and each row's key count as a CPU int64 tensor, so the runs are found on the host without waiting
-for the GPU; the blocks get it from the adapter, which knows every prompt's length
-(`TEXT_LENGTHS_KEY`). The two custom ops keep the call whole inside compiled graphs: the forward
+`attention(q, k, v, lengths, key_offset)` takes (B, H, S, D) views of sequence-major (S, B, H, D)
+buffers and each row's text length as a CPU int64 tensor (row b sees its first key_offset +
+lengths[b] keys), so the runs are found on the host without waiting for the GPU; the blocks get the
+lengths from the adapter, which knows every prompt's length (`TEXT_LENGTHS_KEY`), and the image
+token count as the offset. The two custom ops keep the call whole inside compiled graphs: the forward
 writes the runs' outputs (and their log-sum-exps, for the backward) into one buffer in q's layout;
 the backward runs each run's backward and gives the keys past a row's prefix zero gradient. On
 CUDA each call is cuDNN's attention kernel (where PyTorch can run it: `applies`), on a CPU
 PyTorch's flash kernel for CPUs. Many short runs would each launch a small call, so beyond
-`MAX_RUNS` runs the block keeps the masked call.
+`MAX_RUNS` runs the adapter's hook passes no lengths and the block keeps the masked call
+(`few_runs`: decided on the host, outside the compiled graphs, which read no tensor's values).
 
 Where it runs: the rollout's forwards (no grad), where a block of the Qwen-Image recipe gains by
 it (`bash benchmarks/gpu_suites.sh qwen-prefix-attention-ab`). At the trainer's micro-batch the
@@ -44,9 +46,9 @@ TEXT_LENGTHS_KEY = "flowrl_text_lengths"
 MAX_RUNS = 8
 
 
-def runs(kv_lengths: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first row, end row, key count) of each run of consecutive rows with equal key counts."""
-    values = kv_lengths.tolist()
+def runs(lengths: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
+    """(first row, end row, length) of each run of consecutive rows with equal lengths."""
+    values = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
     out, start = [], 0
     for row in range(1, len(values) + 1):
         if row == len(values) or values[row] != values[start]:
@@ -55,12 +57,15 @@ def runs(kv_lengths: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
-def applies(q: torch.Tensor, kv_lengths: torch.Tensor | None) -> bool:
-    """Whether `attention` runs this batch: lengths given, at most MAX_RUNS runs, and a kernel
-    that returns its log-sum-exp (cuDNN's on a CUDA device where PyTorch enables it, with a head
-    width it takes; the flash kernel on a CPU)."""
-    if kv_lengths is None or len(runs(kv_lengths)) > MAX_RUNS:
-        return False
+def few_runs(lengths: list[int]) -> bool:
+    """Whether a batch with these text lengths (host ints) has at most MAX_RUNS runs."""
+    return len(runs(lengths)) <= MAX_RUNS
+
+
+def applies(q: torch.Tensor) -> bool:
+    """Whether `attention` can run on q: a kernel that returns its log-sum-exp (cuDNN's on a CUDA
+    device where PyTorch enables it, with a head width it takes; the flash kernel on a CPU). Reads
+    only q's device, dtype and shape, so compiled graphs decide it when they are traced."""
     if q.device.type == "cpu":
         return True
     return (
@@ -72,10 +77,12 @@ def applies(q: torch.Tensor, kv_lengths: torch.Tensor | None) -> bool:
     )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, key_offset: int = 0
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v of (B, H, S, D) views, row b attending to its first
-    kv_lengths[b] keys; the output in q's memory layout. Call where `applies`."""
-    return torch.ops.flowrl.prefix_attention(q, k, v, kv_lengths)[0]
+    key_offset + lengths[b] keys; the output in q's memory layout. Call where `applies`."""
+    return torch.ops.flowrl.prefix_attention(q, k, v, lengths, key_offset)[0]
 
 
 def _sequence_major_like(t: torch.Tensor) -> torch.Tensor:
@@ -124,11 +131,12 @@ def _backward(grad_out, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, 
 
 @torch.library.custom_op("flowrl::prefix_attention", mutates_args=())
 def prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, key_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's layout, log-sum-exp (B, H, S) float32) of `attention`."""
     out, lse = _outputs_like(q)
-    for start, end, keys in runs(kv_lengths):
+    for start, end, length in runs(lengths):
+        keys = key_offset + length
         run_out, run_lse = _forward(q[start:end], k[start:end, :, :keys], v[start:end, :, :keys])
         out[start:end].copy_(run_out)
         lse[start:end].copy_(run_lse)
@@ -136,7 +144,7 @@ def prefix_attention(
 
 
 @prefix_attention.register_fake
-def _(q, k, v, kv_lengths):
+def _(q, k, v, lengths, key_offset):
     return _outputs_like(q)
 
 
@@ -148,14 +156,15 @@ def prefix_attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    kv_lengths: torch.Tensor,
+    lengths: torch.Tensor,
+    key_offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v (in their layouts); keys past a row's prefix get zero."""
     if grad_out.stride() != out.stride():  # the kernels take it in the output's layout
         grad_out = _sequence_major_like(grad_out).copy_(grad_out)
     grads = _gradients_like(q, k, v)
-    for start, end, keys in runs(kv_lengths):
-        rows = slice(start, end)
+    for start, end, length in runs(lengths):
+        rows, keys = slice(start, end), key_offset + length
         run_grads = _backward(
             grad_out[rows],
             q[rows],
@@ -176,21 +185,21 @@ def _gradients_like(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @prefix_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, kv_lengths):
+def _(grad_out, q, k, v, out, lse, lengths, key_offset):
     return _gradients_like(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_lengths = inputs
+    q, k, v, lengths, key_offset = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.kv_lengths = kv_lengths
+    ctx.lengths, ctx.key_offset = lengths, key_offset
 
 
 def _backward_of_op(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flowrl.prefix_attention_backward(grad_out, q, k, v, out, lse, ctx.kv_lengths)
-    return dq, dk, dv, None
+    dq, dk, dv = torch.ops.flowrl.prefix_attention_backward(grad_out, q, k, v, out, lse, ctx.lengths, ctx.key_offset)
+    return dq, dk, dv, None, None
 
 
 prefix_attention.register_autograd(_backward_of_op, setup_context=_setup_context)
