@@ -123,8 +123,15 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
 ):
     """trainer.gradient_checkpointing=auto with a compiled model on CUDA: the probe counts the
     compiled grad graph's activations (saved-tensor hooks and the allocator agree on a lower
-    bound), a tiny model fits (off), and the run's weights are those of the same run with
-    checkpointing off."""
+    bound), a tiny model fits (off), and the step's update is that of the same step with
+    checkpointing off.
+
+    One step: two compiled bf16 runs on CUDA are not bit-identical (backward kernels that add with
+    atomics), and from the second step on a weight one rounding step apart changes that step's
+    images, whose rewards on random weights differ by a few thousandths, so the normalized
+    advantages and the second update can differ entirely (2 of 6 GPU runs of two steps failed an
+    exact comparison). The first update is compared per parameter as a whole: a probe that touched
+    the gradients, the weights or a random stream would change it far more than rounding does."""
     run = (
         "model.path=random:tiny-qwen",
         "model.device=cuda",
@@ -134,21 +141,36 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
         "rollout.sampling.num_inference_steps=4",
         "rollout.sampling.guidance_scale=4.0",
         "trainer.micro_batch_size=2",
-        "trainer.total_steps=2",
+        "trainer.total_steps=1",
     )
-    weights = {}
+
+    def trained(trainer) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().to("cpu", torch.float32, copy=True)
+            for n, p in trainer.adapter.transformer.named_parameters()
+            if p.requires_grad
+        }
+
+    updates = {}
     for setting in ("auto", "false"):
         trainer = build_trainer(make_cfg(*run, f"trainer.gradient_checkpointing={setting}", output=setting))
+        initial = trained(trainer)
         trainer.fit()
-        weights[setting] = {
-            n: p.detach().float().cpu() for n, p in trainer.adapter.transformer.named_parameters() if p.requires_grad
-        }
+        updates[setting] = {name: value - initial[name] for name, value in trained(trainer).items()}
         if setting == "auto":
             choice = trainer.updater.checkpointing
             assert choice.measured and not choice.enabled and choice.sample_bytes > 0, choice
             print(choice.describe())
-    for name, value in weights["auto"].items():
-        torch.testing.assert_close(value, weights["false"][name], msg=name)
+    assert any(update.norm() > 0 for update in updates["false"].values())  # the step trained
+    worst = []
+    for name, update in updates["false"].items():
+        difference = (updates["auto"][name] - update).norm()
+        worst.append(
+            (float(difference / update.norm().clamp_min(1e-12)), int((updates["auto"][name] != update).sum()), name)
+        )
+    worst.sort(reverse=True)
+    print("largest relative differences of the updates (relative, elements that differ, name):", worst[:5])
+    assert worst[0][0] < 0.05, worst[:5]
 
 
 @pytest.mark.parametrize(
