@@ -69,7 +69,10 @@
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
 #             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer,
 #             PROFILE=1 adds one profiled step (--profile);
-#             train-step-qwen-graphs: the Qwen-Image one with trainer.cuda_graphs=true;
+#             train-step-qwen-graphs / train-step-sd35-graphs: with trainer.cuda_graphs=true (the
+#             SD3.5 update idles about a quarter of its time in short gaps; its first step compiles and
+#             records the graphs too: run it right after train-step-sd35 on the same machine, whose
+#             inductor cache then holds the rest);
 #             train-step-qwen-workspace: with cuBLASLt's workspace at WORKSPACE_KIB (default 262144 KiB,
 #             8 x PyTorch's Hopper default): do the update's memsets before split-K GEMMs go away?
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
@@ -369,10 +372,11 @@ suite() {
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         data.train_path="$OUT/ocr_train.jsonl" data.val_path=null algorithm.zero_std_policy=keep \
         trainer.prompts_per_step=2 --steps 1 --peer-steps 0 --profile ;;
-    train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3)
+    train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3|train-step-sd35-graphs)
       local variant=""
       [[ $s == *-eager ]] && variant="engine.compile=false"
       [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
+      [[ $s == *-graphs ]] && variant="trainer.cuda_graphs=true"
       # shellcheck disable=SC2086  # $RANDOM_RUN and $variant are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
         $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
