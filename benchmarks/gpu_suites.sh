@@ -131,6 +131,11 @@
 #   qwen-train-block   qwen_train_block.py: one block's training forward + backward at the recipe's micro-batch (8
 #                      rows, masked) against its no-grad forward, with the recipe's LoRA (attention + MLPs),
 #                      attention-only LoRA and none: the update's time per FLOP, and its kernels  ~3 min
+#   qwen-train-block-memsets  the same block unmasked (as flowrl bench train's equal-length prompts),
+#                      with the recipe's LoRA and SDPA's own choice, without LoRA, and with LoRA on
+#                      cuDNN's and on flash attention: which op's device memsets end the update's
+#                      long GPU gaps (the LoRA factors' split-K weight gradients, or cuDNN's
+#                      attention), and what each costs a training call                          ~4 min
 #   qwen-text-mask-attention  qwen_text_mask_attention.py: the joint attention of a padded batch (the rollout's 64
 #                      rows forward, the trainer's 8 rows forward + backward), masked, per run of equal text
 #                      lengths, and unmasked                                                      ~1 min
@@ -447,6 +452,10 @@ suite() {
         --variants "$lora,$lora:gelu_epilogue=0,$lora,$lora:gelu_epilogue=0" ;;
     qwen-train-block)  # one block's training forward + backward as the trainer compiles it, against its no-grad forward
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --text-mask --seconds 3 --top 14 ;;
+    qwen-train-block-memsets)
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
+        --variants "$lora,sequence-major:eager,$lora:sdpa=cudnn,$lora:sdpa=flash" ;;
     qwen-text-mask-attention)  # a padded batch's joint attention: masked, one call per run of equal lengths, unmasked
       script "$s" 150 "$log" benchmarks/qwen_text_mask_attention.py --seconds 3 ;;
     qwen-prefix-attention-ab)  # the recipe's LoRA block with padded text: attention per run of equal lengths, and masked

@@ -26,7 +26,9 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   its own (with LoRA on the MLP, instead of the folded op with the GELU in its epilogue:
   flowrl.accel.lora_fold.lora_linear_gelu_tanh); `prefix_attention=0` runs a padded batch's
   joint attention as one masked call instead of one call per run of equal text lengths
-  (flowrl.accel.qwen_image.prefix_attention; with `--text-mask`).
+  (flowrl.accel.qwen_image.prefix_attention; with `--text-mask`); `sdpa=NAME` runs the block's
+  SDPA calls with one backend, NAME one of SDPA_BACKENDS (cudnn, flash, efficient, math; flash takes
+  no mask, so not with `--text-mask`; cudnn needs a CUDA device), where the default is SDPA's own choice.
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), on a GPU how busy it was over those calls and its
@@ -53,6 +55,7 @@ import torch
 from timing import sustained_seconds
 from torch._inductor.utils import run_and_get_code
 from torch.autograd import DeviceType
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
@@ -68,6 +71,13 @@ from flowrl.bench.summary import kernels_after_gaps_text, launch_split_text
 from flowrl.models.qwen_image import QwenImageAdapter
 
 LAYOUTS = ("batch-major", "sequence-major")
+# --variants sdpa=NAME -> the one SDPA backend the block's attention runs with
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 # --variants option -> AccelOptions switch
 SWITCHES = {
     "joint_kernel": "qk_kernel",
@@ -88,7 +98,7 @@ def build_block(heads: int, head_dim: int, device, dtype):
 
 
 def parse_variant(spec: str) -> tuple[str, str, dict]:
-    """'layout:rounding[:inductor_option=int ...]' -> (layout, rounding, extra inductor options)."""
+    """'layout:rounding[:option=int ...][:sdpa=NAME]' -> (layout, rounding, extra options)."""
     layout, rounding, *options = spec.split(":")
     if layout not in LAYOUTS or rounding not in ROUNDINGS:
         raise SystemExit(
@@ -97,7 +107,9 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
     extra = {}
     for option in options:
         key, _, value = option.partition("=")
-        extra[key] = int(value)
+        if key == "sdpa" and value not in SDPA_BACKENDS:
+            raise SystemExit(f"--variants: sdpa={value!r} in {spec!r} is not one of {', '.join(SDPA_BACKENDS)}")
+        extra[key] = value if key == "sdpa" else int(value)
     return layout, rounding, extra
 
 
@@ -111,13 +123,27 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
     options = AccelOptions(sequence_major=layout == "sequence-major", **switches)
     lora_rank = extra.pop("lora", 0)
     lora_mlp = bool(extra.pop("lora_mlp", 0))
+    sdpa = extra.pop("sdpa", None)
     if lora_rank:
         add_lora(block, lora_rank, lora_mlp)
     prepare_block(block, options)
+    if sdpa is not None:
+        with_sdpa_backend(block, SDPA_BACKENDS[sdpa])
     fuse_gelu_epilogues(block, options)
     fold_lora_projections(block, options)
     compile_in_place(block, backend, rounding, {**NO_GRAD_INDUCTOR_OPTIONS, **extra})
     return block
+
+
+def with_sdpa_backend(block, backend: SDPBackend) -> None:
+    """Run `block`'s forward (and so its compiled graphs, traced inside it) with one SDPA backend."""
+    forward = block.forward
+
+    def forward_with_backend(*args, **kwargs):
+        with sdpa_kernel(backend):
+            return forward(*args, **kwargs)
+
+    block.forward = forward_with_backend
 
 
 # the MLP projections the Qwen-Image recipe adapts besides the attention's (recipes/qwen_image_ocr_lora.yaml)

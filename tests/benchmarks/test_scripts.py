@@ -233,3 +233,34 @@ def test_qwen_block_variants_with_and_without_per_run_attention_agree():
     out = _block_variants("sequence-major:eager,sequence-major:eager:prefix_attention=0", "--text-mask")
     lines = [line for line in out.splitlines() if "max |out - first|" in line]
     assert len(lines) == 2 and float(lines[1].rsplit(" ", 1)[1]) < 1e-4, out
+
+
+def test_qwen_train_block_runs_a_variant_with_one_sdpa_backend():
+    """qwen_train_block.py with `sdpa=math`: the block's attention runs SDPA's math backend (no
+    fused CPU attention op among its ops, which the default variant runs), and every LoRA tensor of
+    the attention projections (8, two each) gets a gradient."""
+    out = run_script(
+        "qwen_train_block.py",
+        "--rows",
+        "2",
+        "--seconds",
+        "0.01",
+        "--profile-calls",
+        "1",
+        "--top",
+        "200",
+        "--variants",
+        "sequence-major:eager:lora=4,sequence-major:eager:lora=4:sdpa=math",
+    )
+    default, math = re.split(r"^sequence-major:eager:lora=4:sdpa=math ", out, flags=re.M)[-2:]
+    fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert fused in default and fused not in math, out
+    heads = re.findall(r"max \|grad graph - no-grad graph\| (\S+); (\d+) LoRA gradients$", out, re.M)
+    assert [int(count) for _, count in heads] == [16, 16], out
+
+
+def test_qwen_block_variants_refuses_an_unknown_sdpa_backend():
+    from qwen_block_variants import parse_variant
+
+    with pytest.raises(SystemExit, match="sdpa='fast'.*cudnn, flash, efficient, math"):
+        parse_variant("sequence-major:eager:sdpa=fast")
