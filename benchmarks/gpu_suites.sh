@@ -136,6 +136,9 @@
 #                      cuDNN's and on flash attention: which op's device memsets end the update's
 #                      long GPU gaps (the LoRA factors' split-K weight gradients, or cuDNN's
 #                      attention), and what each costs a training call                          ~4 min
+#   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
+#                      kernels (independent small kernels, such as the LoRA weights' casts, launched
+#                      as one), in the training graph and the rollout's                          ~3 min
 #   qwen-text-mask-attention  qwen_text_mask_attention.py: the joint attention of a padded batch (the rollout's 64
 #                      rows forward, the trainer's 8 rows forward + backward), masked, per run of equal text
 #                      lengths, and unmasked                                                      ~1 min
@@ -456,6 +459,10 @@ suite() {
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
         --variants "$lora,sequence-major:eager,$lora:sdpa=cudnn,$lora:sdpa=flash" ;;
+    qwen-train-block-combo)
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
+        --variants "$lora,$lora:combo_kernels=1" ;;
     qwen-text-mask-attention)  # a padded batch's joint attention: masked, one call per run of equal lengths, unmasked
       script "$s" 150 "$log" benchmarks/qwen_text_mask_attention.py --seconds 3 ;;
     qwen-prefix-attention-ab)  # the recipe's LoRA block with padded text: attention per run of equal lengths, and masked

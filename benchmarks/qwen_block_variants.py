@@ -10,7 +10,8 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
   sequence-major blocks); `sequence-major`: flowrl.accel.qwen_image.block's forward, inputs stored
   (L, B, D) as the transformer's input hooks store them;
 - rounding `eager` / `fused`: `engine.compile_rounding` (inductor's emulate_precision_casts);
-- optional inductor settings on top, e.g. `sequence-major:eager:realize_opcount_threshold=80`;
+- optional inductor settings on top, for the no-grad and the grad graph, e.g.
+  `sequence-major:eager:realize_opcount_threshold=80` or `combo_kernels=1` (0/1 for on/off);
   and compile_adapter's switches (flowrl.accel.options.AccelOptions): `joint_kernel=0`
   (`qk_kernel`) turns off the hand-written q/k norm + RoPE kernel (flowrl.accel.qwen_image.qk_norm_rope) and the
   joint v projection (flowrl.accel.qwen_image.joint_linear) that sequence-major rollout graphs use,
@@ -131,8 +132,27 @@ def variant(base, layout: str, rounding: str, backend: str, extra: dict):
         with_sdpa_backend(block, SDPA_BACKENDS[sdpa])
     fuse_gelu_epilogues(block, options)
     fold_lora_projections(block, options)
-    compile_in_place(block, backend, rounding, {**NO_GRAD_INDUCTOR_OPTIONS, **extra})
+    compile_in_place(block, backend, rounding, NO_GRAD_INDUCTOR_OPTIONS, options=inductor_options(extra))
     return block
+
+
+_NOT_A_SETTING = object()
+
+
+def inductor_options(extra: dict) -> dict:
+    """The variant's remaining options as inductor settings, each int as the setting's own type
+    (`combo_kernels=1` -> True; torch.compile refuses an int for a bool setting)."""
+    import torch._inductor.config as inductor_config
+
+    out = {}
+    for key, value in extra.items():
+        default = inductor_config
+        for part in key.split("."):  # nested settings: triton.cudagraphs
+            default = getattr(default, part, _NOT_A_SETTING)
+        if default is _NOT_A_SETTING:
+            raise SystemExit(f"--variants: {key}={value} is neither a switch of this script nor an inductor setting")
+        out[key] = bool(value) if isinstance(default, bool) else value
+    return out
 
 
 def with_sdpa_backend(block, backend: SDPBackend) -> None:

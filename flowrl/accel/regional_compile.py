@@ -75,6 +75,7 @@ def compile_in_place(
     rounding: str = "eager",
     no_grad_options: dict | None = None,
     tune_kernels: bool = True,
+    options: dict | None = None,
 ) -> bool:
     """torch.compile `module`'s call in place (what `nn.Module.compile` does), batch dim dynamic.
     Parameter names, state_dict keys, hooks and LoRA injection stay as they were, so the trainer
@@ -95,6 +96,8 @@ def compile_in_place(
     tune_kernels: False compiles without INDUCTOR_OPTIONS' coordinate-descent tuning, which times
     candidate launch configurations of every generated kernel: a long compile for a module of many
     distinct large kernels, such as a VAE decoder.
+    options: inductor settings on top of all the others, for every compiled call, with and without
+    grad (experiments: the block benchmarks' variants).
 
     Gradient checkpointing: `module._flowrl_checkpointed_call(*args)` runs a grad call with the
     checkpoint inside a third compiled function (see `checkpoint_inside`).
@@ -109,11 +112,13 @@ def compile_in_place(
                 f"it cannot be recompiled with {(backend, rounding)} in this process"
             )
         return False
+    extra = options or {}
     options = (
         {
             **INDUCTOR_OPTIONS,
             "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding],
             **({} if tune_kernels else {"coordinate_descent_tuning": False}),
+            **extra,
         }
         if backend == "inductor"
         else None
@@ -123,7 +128,7 @@ def compile_in_place(
     if backend == "inductor" and no_grad_options:
         # A separate torch.compile (dynamo guards entries on their backend, so the two never mix).
         compiled_no_grad = torch.compile(
-            module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options}
+            module._call_impl, backend=backend, dynamic=None, options={**options, **no_grad_options, **extra}
         )
     # Compiled on its first call only (torch.compile is lazy): runs without checkpointing never pay.
     compiled_checkpointed = torch.compile(

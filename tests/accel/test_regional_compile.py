@@ -61,3 +61,38 @@ def test_checkpoint_inside_compiled_blocks_keeps_values_and_saves_memory(model):
     # What stays saved with the checkpoint inside: the blocks' inputs and each checkpoint's RNG
     # state (the CPU generator's 5056 bytes), against every activation without it.
     assert results["inside bytes"] < 0.4 * results["none bytes"], results
+
+
+class _TwoLayers(torch.nn.Module):
+    """A module of this file: dynamo skips frames of torch.nn's own modules, such as Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.second(torch.nn.functional.gelu(self.first(x)))
+
+
+def test_compile_in_place_options_reach_the_grad_and_the_no_grad_graphs():
+    """compile_in_place(options=...): inductor settings for every compiled call, with and without
+    grad (the no-grad graph has settings of its own too): a custom pass set through them runs
+    when the grad call compiles, and again when the no-grad call compiles its own graph."""
+    from flowrl.accel.regional_compile import compile_in_place
+
+    passes = []
+
+    def record(graph):
+        passes.append(graph)
+
+    module = _TwoLayers()
+    compile_in_place(
+        module, "inductor", no_grad_options={"max_autotune": False}, options={"post_grad_custom_post_pass": record}
+    )
+    x = torch.randn(3, 8)
+    module(x).sum().backward()
+    after_grad_call = len(passes)
+    with torch.no_grad():
+        module(x)
+    assert module.first.weight.grad is not None
+    assert 0 < after_grad_call < len(passes), (after_grad_call, len(passes))
