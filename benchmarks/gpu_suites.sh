@@ -139,6 +139,9 @@
 #   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
 #                      kernels (independent small kernels, such as the LoRA weights' casts, launched
 #                      as one), in the training graph and the rollout's                          ~3 min
+#   qwen-train-block-tuning  the same block with the recipe's LoRA compiled with and without
+#                      coordinate-descent tuning of its kernels (inductor's caches off): each graph's
+#                      compile time against its training call's time                          ~4 min
 #   qwen-text-mask-attention  qwen_text_mask_attention.py: the joint attention of a padded batch (the rollout's 64
 #                      rows forward, the trainer's 8 rows forward + backward), masked, per run of equal text
 #                      lengths, and unmasked                                                      ~1 min
@@ -463,6 +466,10 @@ suite() {
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
         --variants "$lora,$lora:combo_kernels=1" ;;
+    qwen-train-block-tuning)
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 \
+        --seconds 3 --top 6 --variants "$lora,$lora:coordinate_descent_tuning=0" ;;
     qwen-text-mask-attention)  # a padded batch's joint attention: masked, one call per run of equal lengths, unmasked
       script "$s" 150 "$log" benchmarks/qwen_text_mask_attention.py --seconds 3 ;;
     qwen-prefix-attention-ab)  # the recipe's LoRA block with padded text: attention per run of equal lengths, and masked

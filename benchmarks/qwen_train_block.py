@@ -14,7 +14,9 @@ and compiled once, then timed two ways:
 It prints ms per call of each and their ratio (flowrl.bench.train_flops counts about 2.1 x a
 forward's FLOPs for a LoRA forward + backward at the Qwen-Image recipe's settings: no gradient of
 the frozen base weights), the largest difference between the two graphs' outputs (the rounding
-behind the trainer's log-prob gap), the LoRA gradients' count, the kernels that take the training
+behind the trainer's log-prob gap), how long each graph's first call took (it compiles: with
+`coordinate_descent_tuning=0` among the variant's options, compiling without tuning the kernels'
+launch configurations), the LoRA gradients' count, the kernels that take the training
 call's time and, on a GPU, its long gaps (flowrl.bench.step_profile). The default rows, 8, are the
 Qwen-Image recipe's micro-batch: 4 samples x 2 CFG rows. On a CPU it runs a small block as a
 smoke test.
@@ -24,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import torch
 from qwen_block_variants import add_block_arguments, compiled_variants, kernel_table, print_kernels
 from timing import sustained_seconds
+
+from flowrl.bench.flops import synchronize
 
 STREAMS = ("hidden_states", "encoder_hidden_states")
 
@@ -59,12 +64,19 @@ def main() -> int:
     for spec, block, kwargs in compiled_variants(args):
         for name in STREAMS:
             kwargs[name].requires_grad_(True)
+        start = time.perf_counter()
         no_grad_out = forward(block, kwargs)  # compiles the no-grad graph
+        synchronize(device)
+        compile_seconds = {"no-grad": time.perf_counter() - start}
         torch.manual_seed(1)
         cotangents = tuple(torch.randn_like(t) for t in no_grad_out)
+        start = time.perf_counter()
         with torch.enable_grad():
-            grad_out = block(**kwargs)  # compiles the grad graph
+            grad_out = block(**kwargs)  # compiles the grad graph's forward
         gap = max((g.detach().float() - n.float()).abs().max().item() for g, n in zip(grad_out, no_grad_out))
+        torch.autograd.backward(grad_out, cotangents)  # and its backward
+        synchronize(device)
+        compile_seconds["grad"] = time.perf_counter() - start
         del grad_out
         train_call = functools.partial(train, block, kwargs, cotangents)
         forward_call = functools.partial(forward, block, kwargs)
@@ -75,6 +87,8 @@ def main() -> int:
         assert all(g is not None and bool(g.isfinite().all()) for g in lora_grads), "a LoRA weight got no gradient"
         print(
             f"\n{spec}   max |grad graph - no-grad graph| {gap:.3g}; {len(lora_grads)} LoRA gradients\n"
+            f"  first calls, compiling: no-grad graph {compile_seconds['no-grad']:.1f} s, grad graph "
+            f"(forward + backward) {compile_seconds['grad']:.1f} s\n"
             f"  forward (no grad)  {forward_seconds * 1e3:8.3f} ms per call\n"
             f"  train (fwd + bwd)  {train_seconds * 1e3:8.3f} ms per call = {train_seconds / forward_seconds:.2f} x "
             f"the forward; {sum(ms for _, ms, _ in kernels):7.3f} ms in {sum(n for *_, n in kernels)} kernels "

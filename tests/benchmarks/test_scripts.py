@@ -192,7 +192,7 @@ def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
 def test_qwen_train_block_script_trains_the_recipes_lora_and_times_both_graphs():
     """benchmarks/qwen_train_block.py on the CPU: the recipe's LoRA targets (8 attention and 4 MLP
     projections: 24 LoRA tensors) all get gradients, the block without LoRA none, and each variant
-    reports its training call against its forward."""
+    reports its training call against its forward, and how long each graph's first call took."""
     out = run_script(
         "qwen_train_block.py",
         "--rows",
@@ -213,6 +213,8 @@ def test_qwen_train_block_script_trains_the_recipes_lora_and_times_both_graphs()
     assert all(float(gap) < 1e-4 for _, gap, _ in heads)  # float32: the two graphs differ by summation order
     ratios = re.findall(r"train \(fwd \+ bwd\)\s+[\d.]+ ms per call = ([\d.]+) x the forward", out)
     assert len(ratios) == 2 and all(float(r) > 1 for r in ratios), out
+    compiles = re.findall(r"compiling: no-grad graph ([\d.]+) s, grad graph \(forward \+ backward\) ([\d.]+) s", out)
+    assert len(compiles) == 2 and all(float(s) > 0 for pair in compiles for s in pair), out
 
 
 def test_qwen_text_mask_attention_script_agrees_with_the_masked_call():
