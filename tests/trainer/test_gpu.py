@@ -129,7 +129,7 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
     One step: two compiled bf16 runs on CUDA are not bit-identical (backward kernels that add with
     atomics), and from the second step on a weight one rounding step apart changes that step's
     images, whose rewards on random weights differ by a few thousandths, so the normalized
-    advantages and the second update can differ entirely (2 of 6 GPU runs of two steps failed an
+    advantages and the second update can differ entirely (2 of 5 GPU runs of two steps failed an
     exact comparison). The first update is compared per parameter as a whole: a probe that touched
     the gradients, the weights or a random stream would change it far more than rounding does."""
     run = (
