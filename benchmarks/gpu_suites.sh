@@ -155,6 +155,9 @@
 #   cuda-graph-ab / cuda-graph-ab-sd35   benchmarks/cuda_graph_ab.py: the compiled Qwen-Image
 #                      (SD3.5-medium) forward at 1 and 16 rows, launched directly vs replayed
 #                      from a CUDA graph, alternating, one GPU                               ~2 min each
+#   cuda-graph-ab-sd35-recipe   the same for SD3.5-medium as its recipe rolls out: 32 rows (16
+#                      samples with CFG), the recipe's rank-32 LoRA (would the rollout's idle
+#                      quarter go with graphs?)                                              ~2 min
 #   qwen-rounding-ab   the compiled Qwen-Image rollout with compile rounding eager, then
 #                      fused, one after the other on one GPU                                 ~5 min
 #   qwen-compiled-fused / qwen-cfg-compiled-fused   qwen-compiled / qwen-cfg-compiled with
@@ -487,6 +490,8 @@ suite() {
     cuda-graph-ab|cuda-graph-ab-sd35)
       local model=qwen-image; [[ $s == *-sd35 ]] && model=sd35-medium
       script "$s" 240 "$log" benchmarks/cuda_graph_ab.py --model $model --rows 1,16 ;;
+    cuda-graph-ab-sd35-recipe)
+      script "$s" 240 "$log" benchmarks/cuda_graph_ab.py --model sd35-medium --rows 32 --lora-rank 32 ;;
     qwen-rounding-ab)  # the compiled no-CFG rollout with each compile rounding, one after the other on one GPU
       for r in eager fused; do
         run qwen-rounding-$r-rollout 200 "$log" rollout --model qwen-image -n 16 --steps 50 --size 512 --compile \

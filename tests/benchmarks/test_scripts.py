@@ -151,11 +151,27 @@ def test_qwen_gemm_shapes_script_runs_and_chunks_agree():
     assert "max |gelu epilogue, 4 row chunks - the op| = 0\n" in out
 
 
-@pytest.mark.parametrize("model", ["qwen-image", "sd35-medium"])
-def test_cuda_graph_ab_script_runs_on_cpu(model):
+@pytest.mark.parametrize(("model", "lora_rank"), [("qwen-image", 0), ("sd35-medium", 0), ("sd35-medium", 4)])
+def test_cuda_graph_ab_script_runs_on_cpu(model, lora_rank):
     """benchmarks/cuda_graph_ab.py on the CPU (the tiny model of the family): the direct compiled
-    forward is timed for each row count (graph capture needs a GPU and is not attempted)."""
-    out = run_script("cuda_graph_ab.py", "--model", model, "--rows", "1,2", "--seconds", "0.01", "--rounds", "1")
+    forward is timed for each row count (graph capture needs a GPU and is not attempted), with the
+    trainer's LoRA when asked."""
+    out = run_script(
+        "cuda_graph_ab.py",
+        "--model",
+        model,
+        "--rows",
+        "1,2",
+        "--lora-rank",
+        str(lora_rank),
+        "--seconds",
+        "0.01",
+        "--rounds",
+        "1",
+    )
+    header = out.splitlines()[0]
+    adapted = re.search(r"LoRA rank 4 \((\d+) parameters\)", header)
+    assert (adapted is not None and int(adapted.group(1)) > 0) == (lora_rank == 4), header
     timed = [line.split()[:3] for line in out.splitlines() if "median" in line]
     assert timed == [["rows", "1", "direct"], ["rows", "2", "direct"]]
     assert "graph" not in out.split("\n", 1)[1]
