@@ -6,10 +6,10 @@ projections, while the launching thread was inside those GEMMs' launches. Boundi
 host ran ahead did not change the rollout's time. This script runs just the projections of a
 block (its 12 LoRA linears: q, k, v, out and the MLP's two, per stream, at the recipe's rollout
 rows) several ways, each profiled, and reports per way the time per block, how busy the GPU was,
-the gaps of 0.1 ms or more by the kernel that ended them, and those gaps by when that kernel's
-launch call returned (before the gap began: the GPU idled with the kernel queued; inside it: the
-GPU waited for the host, and the call's own share of the gap says whether the host was blocked in
-it):
+the gaps of 0.1 ms or more by the kernel that ended them (and the host op that launched it), and
+those gaps by when that kernel's launch call returned (before the gap began: the GPU idled with
+the kernel queued; inside it: the GPU waited for the host, and the call's own share of the gap
+says whether the host was blocked in it):
 
 - folded: the rollout's op (flowrl.accel.lora_fold.linear_into: x A^T, the low-rank GEMM with the
   bias into the output, the base GEMM accumulating into it);

@@ -33,8 +33,8 @@ dynamic, as `flowrl.accel.compile_adapter` compiles a rollout; by default every 
 
 Prints ms per block call for each variant, the kernels that take the time (device time per block
 call, averaged over `--profile-calls` calls), on a GPU how busy it was over those calls and its
-gaps of 0.1 ms or more by the kernel that ended them (with the kernel most often before them, and
-whether the GPU waited with that kernel queued or for the host to launch it: flowrl.bench.step_profile),
+gaps of 0.1 ms or more by the kernel that ended them (with the kernel most often before them, the
+host op that launched it, and whether the GPU waited with that kernel queued or for the host to launch it: flowrl.bench.step_profile),
 and each variant's largest output difference from the first (bf16 rounding differences; the layouts
 are equal in float32 up to the order the attention sums its keys in, tests/accel/test_qwen_block.py). `--text-mask` passes a text mask with half
 the rows padded to half their text length, as a CFG batch's short negative prompts make the engine

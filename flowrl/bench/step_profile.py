@@ -14,7 +14,10 @@ and split by when that kernel's launch call (the CUDA runtime or driver call wit
 correlation id) returned: before the gap began (the kernel was queued and the GPU idled anyway:
 the wait was on the device's side) or inside it
 (the GPU waited for the host to launch it; how much of the gap the launch call itself took says
-whether the host was busy elsewhere or blocked inside the driver's call). Host ops nest
+whether the host was busy elsewhere or blocked inside the driver's call). Each such kernel also
+names the host op its launch call ran in, most often (aten::mm for a cuBLAS GEMM and the memsets
+cuBLAS issues for it, the attention op for cuDNN's, an inductor kernel's own name for a compiled
+one): where a memset ends the gaps, that names the library that asked for it. Host ops nest
 (an autograd node holds the ops it calls), so each op's figure is the idle time it was running,
 its callees' included. On a CPU run each phase lists its ops by their own (self) CPU time instead.
 """
@@ -109,16 +112,17 @@ def phase_summary(events, start: float, end: float, on_gpu: bool, top: int = 8) 
     launchers = {e.thread for e in host_ops if e.kernels or "LaunchKernel" in e.name}
     idle = host_time_in_gaps([e for e in host_ops if e.thread in launchers], gaps)
     idle_total = sum(b - a for a, b in gaps)
+    starts = [(a, e.id) for (a, _, _), e in zip(device_work, device_events)]
     out.update(
         gpu_busy=busy / max(end - start, 1e-9),
         idle_ms=idle_total / 1000.0,
         gaps=len(gaps),
         longest_gaps_ms=sorted(((b - a) / 1000.0 for a, b in gaps), reverse=True)[:5],
         idle_by_gap_length=idle_by_gap_length(gaps),
-        kernels_after_long_gaps_ms=kernels_after_gaps(device_work, gaps, LONG_GAP_MS, top),
-        long_gaps_by_launch=long_gaps_by_launch(
-            [(a, e.id) for (a, _, _), e in zip(device_work, device_events)], launch_calls(host_ops), gaps, LONG_GAP_MS
+        kernels_after_long_gaps_ms=kernels_after_gaps(
+            device_work, gaps, LONG_GAP_MS, top, launched_by=long_gap_launchers(starts, host_ops, gaps, LONG_GAP_MS)
         ),
+        long_gaps_by_launch=long_gaps_by_launch(starts, launch_calls(host_ops), gaps, LONG_GAP_MS),
         share_by_category={c: t / kernel_time for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
         host_ops_in_idle_ms=_top_ms(idle, top),
     )
@@ -138,13 +142,13 @@ def profile_gaps(events, top: int = 8) -> dict | None:
     work = [(e.time_range.start, e.time_range.end, e.name) for e in device_events]
     start, end = min(a for a, _, _ in work), max(b for _, b, _ in work)
     busy, gaps = busy_and_gaps(work, start, end)
+    starts = [(e.time_range.start, e.id) for e in device_events]
+    launched_by = long_gap_launchers(starts, host_events, gaps, LONG_GAP_MS)
     return {
         "gpu_busy": busy / max(end - start, 1e-9),
         "idle_ms": sum(b - a for a, b in gaps) / 1000.0,
-        "kernels_after_long_gaps_ms": kernels_after_gaps(work, gaps, LONG_GAP_MS, top),
-        "long_gaps_by_launch": long_gaps_by_launch(
-            [(e.time_range.start, e.id) for e in device_events], launch_calls(host_events), gaps, LONG_GAP_MS
-        ),
+        "kernels_after_long_gaps_ms": kernels_after_gaps(work, gaps, LONG_GAP_MS, top, launched_by=launched_by),
+        "long_gaps_by_launch": long_gaps_by_launch(starts, launch_calls(host_events), gaps, LONG_GAP_MS),
     }
 
 
@@ -175,13 +179,21 @@ def idle_by_gap_length(gaps: list[tuple[float, float]]) -> list[dict]:
     return classes
 
 
-def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float, top: int = 8) -> list[dict]:
+def kernels_after_gaps(
+    intervals,
+    gaps: list[tuple[float, float]],
+    min_ms: float,
+    top: int = 8,
+    launched_by: dict[float, str] | None = None,
+) -> list[dict]:
     """Per name of the kernel (or copy) that ended them, the `gaps` (microseconds) of at least
-    `min_ms`: [{"name", "gaps", "ms", "after"}], longest total first; "after" names the kernel
-    that most often ran last before those gaps (None where no kernel ran before one). `intervals`
-    are the (start, end, name) device events the gaps were computed from; a gap ends where one of
-    them starts (the window's last gap, which ends at the phase's end, is left out) and begins
-    where the last one before it ended."""
+    `min_ms`: [{"name", "gaps", "ms", "after", "launched_by"}], longest total first; "after" names
+    the kernel that most often ran last before those gaps (None where no kernel ran before one),
+    "launched_by" the host op that most often launched the kernel ending them (from `launched_by`:
+    a device event's start -> that op's name, long_gap_launchers(); None where none is known).
+    `intervals` are the (start, end, name) device events the gaps were computed from; a gap ends
+    where one of them starts (the window's last gap, which ends at the phase's end, is left out)
+    and begins where the last one before it ended."""
     first_at: dict[float, str] = {}
     last_at: dict[float, str] = {}
     for a, b, name in sorted(intervals):
@@ -190,6 +202,7 @@ def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float
     counts: dict[str, int] = {}
     totals: dict[str, float] = {}
     before: dict[str, dict[str | None, int]] = {}
+    launchers: dict[str, dict[str | None, int]] = {}
     for a, b in gaps:
         name = first_at.get(b)
         if name is None or (b - a) / 1000.0 < min_ms:
@@ -198,13 +211,16 @@ def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float
         totals[name] = totals.get(name, 0.0) + (b - a)
         previous, prior = before.setdefault(name, {}), last_at.get(a)
         previous[prior] = previous.get(prior, 0) + 1
+        ops, op = launchers.setdefault(name, {}), (launched_by or {}).get(b)
+        ops[op] = ops.get(op, 0) + 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     return [
         {
             "name": name[:120],
             "gaps": counts[name],
             "ms": us / 1000.0,
-            "after": _truncated(max(before[name].items(), key=lambda kv: kv[1])[0]),
+            "after": _truncated(_most_common(before[name])),
+            "launched_by": _truncated(_most_common(launchers[name])),
         }
         for name, us in ranked
     ]
@@ -212,6 +228,60 @@ def kernels_after_gaps(intervals, gaps: list[tuple[float, float]], min_ms: float
 
 def _truncated(name: str | None) -> str | None:
     return None if name is None else name[:120]
+
+
+def _most_common(counts: dict[str | None, int]) -> str | None:
+    """The most counted name, a known one before None at equal counts."""
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0] is not None))[0]
+
+
+def long_gap_launchers(
+    starts: list[tuple[float, int]], host_events, gaps: list[tuple[float, float]], min_ms: float
+) -> dict[float, str]:
+    """For each device event that ends one of the `gaps` of at least `min_ms`: its start -> the
+    innermost host op its launch call ran in (launching_ops). `starts`: (start, correlation id) of
+    the device events the gaps were computed from."""
+    ends = {b for a, b in gaps if (b - a) / 1000.0 >= min_ms}
+    enders = {}
+    for a, correlation in sorted(starts):
+        if a in ends:
+            enders.setdefault(a, correlation)
+    ops = launching_ops(host_events, set(enders.values()))
+    return {a: ops[correlation] for a, correlation in enders.items() if correlation in ops}
+
+
+def launching_ops(host_events, correlation_ids: set[int]) -> dict[int, str]:
+    """The innermost host op around the launch call of each of `correlation_ids` (launch_calls()),
+    on the call's thread: {id: op name}. The trainer's phase ranges do not count, nor an event
+    within the call's own time (the driver's "Command Buffer Full" while the call blocks), and a
+    call that ran in no op is left out. Ops nest, so scanning back from the last op started before
+    the call, the first one that also ends after it is the innermost."""
+    calls = [e for e in host_events if e.id in correlation_ids and _API_CALL.match(e.name)]
+    threads = {e.thread for e in calls}
+    ops_by_thread: dict[int, list] = {}
+    for e in host_events:
+        if e.thread in threads and not _API_CALL.match(e.name) and e.name not in _RANGE_NAMES:
+            ops_by_thread.setdefault(e.thread, []).append(e)
+    starts_by_thread = {}
+    for thread, ops in ops_by_thread.items():
+        ops.sort(key=lambda e: (e.time_range.start, -e.time_range.end))  # an outer op before one it holds
+        starts_by_thread[thread] = [e.time_range.start for e in ops]
+    out = {}
+    for call in calls:
+        ops = ops_by_thread.get(call.thread, [])
+        i = bisect.bisect_right(starts_by_thread.get(call.thread, []), call.time_range.start) - 1
+        while i >= 0 and not _holds(ops[i].time_range, call.time_range):
+            i -= 1
+        if i >= 0:
+            out[call.id] = ops[i].name
+    return out
+
+
+def _holds(outer, inner) -> bool:
+    """Whether the time range `outer` holds `inner` and is more than it."""
+    return (
+        outer.start <= inner.start and outer.end >= inner.end and (outer.start, outer.end) != (inner.start, inner.end)
+    )
 
 
 def launch_calls(host_events) -> dict[int, tuple[float, float]]:

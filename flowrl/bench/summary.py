@@ -218,13 +218,20 @@ def _gap_classes(classes: list[dict] | None) -> str:
 
 
 def kernels_after_gaps_text(kernels: list[dict] | None) -> str:
-    """'; gaps of 0.1 ms or more, by the kernel that ended them (...): NAME N gaps X ms (after NAME),
-    ...' of step_profile.kernels_after_gaps ('' without)."""
+    """'; gaps of 0.1 ms or more, by the kernel that ended them (...): NAME N gaps X ms (after NAME;
+    launched in OP), ...' of step_profile.kernels_after_gaps ('' without)."""
     if not kernels:
         return ""
-    return "; gaps of 0.1 ms or more, by the kernel that ended them (and the one most often before them): " + ", ".join(
-        f"{k['name']} {k['gaps']} gaps {k['ms']:.1f} ms" + (f" (after {k['after']})" if k.get("after") else "")
-        for k in kernels
+
+    def context(k: dict) -> str:
+        parts = [f"after {k['after']}"] if k.get("after") else []
+        parts += [f"launched in {k['launched_by']}"] if k.get("launched_by") else []
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    return (
+        "; gaps of 0.1 ms or more, by the kernel that ended them (the kernel most often before them; the host op "
+        "that most often launched it): "
+        + ", ".join(f"{k['name']} {k['gaps']} gaps {k['ms']:.1f} ms{context(k)}" for k in kernels)
     )
 
 

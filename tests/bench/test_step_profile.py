@@ -14,11 +14,17 @@ from flowrl.bench.step_profile import (
     idle_by_gap_length,
     kernels_after_gaps,
     launch_calls,
+    launching_ops,
     long_gaps_by_launch,
     phase_summary,
     profile_gaps,
 )
-from flowrl.bench.summary import PROFILER_SLOWDOWN_FLAGGED, launch_split_text, profiled_time_text
+from flowrl.bench.summary import (
+    PROFILER_SLOWDOWN_FLAGGED,
+    kernels_after_gaps_text,
+    launch_split_text,
+    profiled_time_text,
+)
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -69,10 +75,12 @@ def test_long_gaps_are_counted_per_kernel_that_ended_them():
     # gaps: 200 us before attention, 50 us before gemm (short), 300 us before attention, 1100 us
     # before gemm, then 900 us to the window's end (no kernel ended it)
     assert kernels_after_gaps(work, gaps, min_ms=0.1) == [
-        {"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention"},
-        {"name": "attention", "gaps": 2, "ms": 0.5, "after": "gemm"},
+        {"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention", "launched_by": None},
+        {"name": "attention", "gaps": 2, "ms": 0.5, "after": "gemm", "launched_by": None},
     ]
-    assert kernels_after_gaps(work, gaps, min_ms=1.0) == [{"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention"}]
+    assert kernels_after_gaps(work, gaps, min_ms=1.0) == [
+        {"name": "gemm", "gaps": 1, "ms": 1.1, "after": "attention", "launched_by": None}
+    ]
 
 
 def test_the_kernel_before_a_gap_is_the_one_that_ended_last_before_it():
@@ -81,8 +89,8 @@ def test_the_kernel_before_a_gap_is_the_one_that_ended_last_before_it():
     work = [(100, 150, "a"), (120, 200, "b"), (500, 600, "gemm"), (700, 800, "b"), (1200, 1300, "gemm")]
     busy, gaps = busy_and_gaps(work, 0, 1300)
     assert kernels_after_gaps(work, gaps, min_ms=0.05, top=2) == [
-        {"name": "gemm", "gaps": 2, "ms": 0.7, "after": "b"},
-        {"name": "a", "gaps": 1, "ms": 0.1, "after": None},
+        {"name": "gemm", "gaps": 2, "ms": 0.7, "after": "b", "launched_by": None},
+        {"name": "a", "gaps": 1, "ms": 0.1, "after": None, "launched_by": None},
     ]
 
 
@@ -106,6 +114,49 @@ def test_long_gaps_are_split_by_when_their_kernels_launch_call_returned():
     assert "returned before the gap began 1 gaps 0.2 ms" in text and "no call found 1 gaps 1.0 ms" in text
     assert "returned inside it 1 gaps 0.5 ms (the calls themselves 0.5 ms of it)" in text
     assert launch_split_text(long_gaps_by_launch([], calls, gaps, min_ms=0.1)) == ""
+
+
+def test_a_launch_call_is_attributed_to_the_innermost_op_around_it_on_its_thread():
+    events = [
+        _event("flowrl/update", 0, 1000),  # a phase range is not an op
+        _event("CompiledFunctionBackward", 10, 900),
+        _event("aten::mm", 20, 60),
+        _event("cudaMemsetAsync", 30, 35, id=1),  # cuBLAS's memset, inside aten::mm
+        _event("cuLaunchKernel", 70, 75, id=2),  # after aten::mm ended: in the backward node itself
+        _event("aten::_cudnn_attention_backward", 100, 300),
+        _event("aten::empty", 110, 120),  # a sibling that ended before the call
+        _event("cudaMemsetAsync", 150, 155, id=3),
+        _event("aten::mm", 150, 400, thread=2),  # the same time on another thread: not its op
+        _event("cudaLaunchKernel", 950, 960, id=4),  # in no op but the phase range
+        _event("cudaLaunchKernel", 40, 45, id=5),  # not asked for
+    ]
+    assert launching_ops(events, {1, 2, 3, 4}) == {
+        1: "aten::mm",
+        2: "CompiledFunctionBackward",
+        3: "aten::_cudnn_attention_backward",
+    }
+
+
+def test_the_gaps_a_kernel_ended_name_the_op_that_most_often_launched_it():
+    events = [
+        _event("flowrl/update", 0, 3000),
+        _event("aten::mm", 0, 10),
+        _event("cudaMemsetAsync", 2, 4, id=2),
+        _event("aten::_cudnn_attention_backward", 20, 30),
+        _event("cudaMemsetAsync", 22, 24, id=3),
+        _event("aten::mm", 40, 50),
+        _event("cudaMemsetAsync", 42, 44, id=4),
+        _event("gemm", 50, 200, device=CUDA, id=1),  # after a gap too short to count
+        _event("Memset (Device)", 500, 510, device=CUDA, id=2),
+        _event("Memset (Device)", 900, 910, device=CUDA, id=3),
+        _event("Memset (Device)", 1300, 1310, device=CUDA, id=4),
+    ]
+    p = phase_summary(events, 0, 1310, on_gpu=True)
+    [memsets] = p["kernels_after_long_gaps_ms"]
+    assert memsets["name"] == "Memset (Device)" and memsets["gaps"] == 3
+    assert memsets["launched_by"] == "aten::mm"  # two of its three gaps
+    text = kernels_after_gaps_text(p["kernels_after_long_gaps_ms"])
+    assert text.endswith(": Memset (Device) 3 gaps 1.1 ms (after Memset (Device); launched in aten::mm)")
 
 
 def test_phase_summary_attributes_idle_gpu_time_to_the_launching_threads_ops():
@@ -145,7 +196,9 @@ def test_profile_gaps_report_a_whole_profile_from_its_first_kernel_to_its_last()
     ]
     r = profile_gaps(events)
     assert r["gpu_busy"] == pytest.approx(400 / 900) and r["idle_ms"] == pytest.approx(0.5)
-    assert r["kernels_after_long_gaps_ms"] == [{"name": "gemm_lora", "gaps": 1, "ms": 0.5, "after": "gemm_badd"}]
+    assert r["kernels_after_long_gaps_ms"] == [
+        {"name": "gemm_lora", "gaps": 1, "ms": 0.5, "after": "gemm_badd", "launched_by": None}
+    ]
     assert r["long_gaps_by_launch"]["queued_before_gap"] == pytest.approx({"gaps": 1, "ms": 0.5})
     assert profile_gaps([e for e in events if e.device_type == CPU]) is None
 
