@@ -5,12 +5,12 @@ same forward captured once into a CUDA graph and replayed, on one GPU.
 
 Builds the model (seeded random weights at the published architecture), with `--lora-rank` > 0
 the trainer's LoRA adapter on the family's default targets (as a training run rolls out), compiles
-it as the engine does (`flowrl.accel.compile_adapter`, default rounding), and for each row count times one forward
-(adapter.velocity, as the engine calls it) launched kernel by kernel, then the same forward
-replayed from a CUDA graph captured after warm-up, alternating for `--rounds` rounds so that clock
-drift hits both alike. The replay runs the very kernels of the direct call, so the difference is
-what launching costs on the GPU: the gaps between kernels, and host time where the host cannot
-keep ahead. Prints ms per forward per round, the medians, their ratio and the largest difference
+it as the engine does (`flowrl.accel.compile_adapter`, default rounding), and for each row count
+times one forward (adapter.velocity, as the engine calls it) launched kernel by kernel, then the
+same forward replayed from a CUDA graph captured after warm-up, alternating for `--rounds` rounds
+so that clock drift hits both alike. The replay runs the very kernels of the direct call, so the
+difference is what launching costs on the GPU: the gaps between kernels, and host time where the
+host cannot keep ahead. Prints ms per forward per round, the medians, their ratio and the largest difference
 between the two outputs (0 expected). On a CPU the tiny model runs the direct forward only (a
 smoke test: CUDA graphs need a GPU).
 """

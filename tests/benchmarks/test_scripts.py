@@ -61,10 +61,11 @@ def test_qwen_vae_decode_script_runs_and_saves_flops():
     assert re.search(r"largest pixel difference [01] \(of 255\)", out), out
 
 
-def _block_variants(variants: str, *flags: str) -> str:
-    """benchmarks/qwen_block_variants.py's output on the CPU: 2 rows, one quick timing and profiled call."""
+def _block_variants(variants: str, *flags: str, script: str = "qwen_block_variants.py") -> str:
+    """A block benchmark's output on the CPU (benchmarks/qwen_block_variants.py, or `script`, which
+    takes the same options): 2 rows, one quick timing and profiled call."""
     return run_script(
-        "qwen_block_variants.py",
+        script,
         "--rows",
         "2",
         "--seconds",
@@ -209,17 +210,8 @@ def test_qwen_train_block_script_trains_the_recipes_lora_and_times_both_graphs()
     """benchmarks/qwen_train_block.py on the CPU: the recipe's LoRA targets (8 attention and 4 MLP
     projections: 24 LoRA tensors) all get gradients, the block without LoRA none, and each variant
     reports its training call against its forward, and how long each graph's first call took."""
-    out = run_script(
-        "qwen_train_block.py",
-        "--rows",
-        "2",
-        "--text-mask",
-        "--seconds",
-        "0.01",
-        "--profile-calls",
-        "1",
-        "--variants",
-        "sequence-major:eager:lora=4:lora_mlp=1,sequence-major:eager",
+    out = _block_variants(
+        "sequence-major:eager:lora=4:lora_mlp=1,sequence-major:eager", "--text-mask", script="qwen_train_block.py"
     )
     heads = re.findall(r"^(\S+)\s+max \|grad graph - no-grad graph\| (\S+); (\d+) LoRA gradients$", out, re.M)
     assert [(spec, int(count)) for spec, _, count in heads] == [
@@ -257,18 +249,11 @@ def test_qwen_train_block_runs_a_variant_with_one_sdpa_backend():
     """qwen_train_block.py with `sdpa=math`: the block's attention runs SDPA's math backend (no
     fused CPU attention op among its ops, which the default variant runs), and every LoRA tensor of
     the attention projections (8, two each) gets a gradient."""
-    out = run_script(
-        "qwen_train_block.py",
-        "--rows",
-        "2",
-        "--seconds",
-        "0.01",
-        "--profile-calls",
-        "1",
+    out = _block_variants(
+        "sequence-major:eager:lora=4,sequence-major:eager:lora=4:sdpa=math",
         "--top",
         "200",
-        "--variants",
-        "sequence-major:eager:lora=4,sequence-major:eager:lora=4:sdpa=math",
+        script="qwen_train_block.py",
     )
     default, math = re.split(r"^sequence-major:eager:lora=4:sdpa=math ", out, flags=re.M)[-2:]
     fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
