@@ -130,8 +130,11 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
     atomics), and from the second step on a weight one rounding step apart changes that step's
     images, whose rewards on random weights differ by a few thousandths, so the normalized
     advantages and the second update can differ entirely (2 of 5 GPU runs of two steps failed an
-    exact comparison). The first update is compared per parameter as a whole: a probe that touched
-    the gradients, the weights or a random stream would change it far more than rounding does."""
+    exact comparison). So the first step is compared, by its gradient norm and by the elements its
+    update changed: under Adam a first update is about lr x sign(gradient) per element, so rounding
+    flips only the few elements whose gradient is near zero (in one GPU run, 1 of a 48-element norm
+    weight: 0.29 of that weight's update norm), while a probe that touched the gradients, the
+    weights or a random stream would change the gradient norm or most elements."""
     run = (
         "model.path=random:tiny-qwen",
         "model.device=cuda",
@@ -151,26 +154,31 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
             if p.requires_grad
         }
 
-    updates = {}
+    updates, grad_norms = {}, {}
     for setting in ("auto", "false"):
         trainer = build_trainer(make_cfg(*run, f"trainer.gradient_checkpointing={setting}", output=setting))
         initial = trained(trainer)
-        trainer.fit()
+        summary = trainer.fit()
         updates[setting] = {name: value - initial[name] for name, value in trained(trainer).items()}
+        (record,) = [
+            json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if "actor/grad_norm" in line
+        ]
+        grad_norms[setting] = record["actor/grad_norm"]
         if setting == "auto":
             choice = trainer.updater.checkpointing
             assert choice.measured and not choice.enabled and choice.sample_bytes > 0, choice
             print(choice.describe())
     assert any(update.norm() > 0 for update in updates["false"].values())  # the step trained
-    worst = []
+    assert grad_norms["auto"] == pytest.approx(grad_norms["false"], rel=0.01), grad_norms
+    changed, total, by_name = 0, 0, []
     for name, update in updates["false"].items():
-        difference = (updates["auto"][name] - update).norm()
-        worst.append(
-            (float(difference / update.norm().clamp_min(1e-12)), int((updates["auto"][name] != update).sum()), name)
-        )
-    worst.sort(reverse=True)
-    print("largest relative differences of the updates (relative, elements that differ, name):", worst[:5])
-    assert worst[0][0] < 0.05, worst[:5]
+        # an element whose update moved by more than a tenth of the parameter's largest update step
+        moved = int(((updates["auto"][name] - update).abs() > 0.1 * update.abs().max()).sum())
+        changed, total = changed + moved, total + update.numel()
+        by_name.append((moved, update.numel(), name))
+    by_name.sort(reverse=True)
+    print("grad norms", grad_norms, f"; update elements that moved: {changed} of {total}", by_name[:5])
+    assert changed <= 0.01 * total, by_name[:5]
 
 
 @pytest.mark.parametrize(
