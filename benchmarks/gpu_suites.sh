@@ -135,7 +135,10 @@
 #                      with the recipe's LoRA and SDPA's own choice, without LoRA, and with LoRA on
 #                      cuDNN's and on flash attention: which op's device memsets end the update's
 #                      long GPU gaps (the LoRA factors' split-K weight gradients, or cuDNN's
-#                      attention), and what each costs a training call                          ~4 min
+#                      attention), and what each costs a training call                          ~5.5 min
+#   gemm-memsets       gemm_memsets.py: that block's GEMM shapes alone (both streams, forward and input
+#                      gradient) under PyTorch's defaults, with bf16 reduced-precision reductions
+#                      off and on cuBLASLt: which issue a device memset, and at what cost         ~0.5 min
 #   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
 #                      kernels (independent small kernels, such as the LoRA weights' casts, launched
 #                      as one), in the training graph and the rollout's                          ~3 min
@@ -463,8 +466,10 @@ suite() {
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --text-mask --seconds 3 --top 14 ;;
     qwen-train-block-memsets)
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
-      script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
+      script "$s" 360 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
         --variants "$lora,sequence-major:eager,$lora:sdpa=cudnn,$lora:sdpa=flash" ;;
+    gemm-memsets)
+      script "$s" 90 "$log" benchmarks/gemm_memsets.py ;;
     qwen-train-block-combo)
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \

@@ -206,6 +206,18 @@ def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
     assert "masked-cudnn" not in out
 
 
+def test_gemm_memsets_script_times_every_shape_of_both_streams():
+    """benchmarks/gemm_memsets.py (small shapes): each stream's three projections, forward and
+    input-gradient, timed and counted, and their sum."""
+    out = run_script(
+        "gemm_memsets.py", "--rows", "1", "--image-tokens", "16", "--text-tokens", "4", "--width", "32",
+        "--mlp-width", "64", "--seconds", "0.01",
+    )  # fmt: skip
+    rows = re.findall(r"^(image|text) \d+x(\d+)->(\d+) (forward addmm|input-grad mm) +default .* memsets 0 ", out, re.M)
+    assert len(rows) == 12 and {(k, n) for _, k, n, _ in rows} == {("32", "32"), ("32", "64"), ("64", "32")}, out
+    assert re.search(r"^sum over the shapes: default \S+ ms$", out, re.M), out
+
+
 def test_qwen_train_block_script_trains_the_recipes_lora_and_times_both_graphs():
     """benchmarks/qwen_train_block.py on the CPU: the recipe's LoRA targets (8 attention and 4 MLP
     projections: 24 LoRA tensors) all get gradients, the block without LoRA none, and each variant
