@@ -9,7 +9,8 @@ img-mlp-up (GELU epilogue, as flowrl.accel.fused_mlp), img-mlp-up-bias (the same
 bias only), img-mlp-down, img-proj (q, k, v and the output projection), img-proj-accumulate (a
 LoRA fold's base GEMM: no bias, beta = 1, flowrl.accel.lora_fold), txt-proj, txt-mlp-up,
 txt-mlp-down. For each: ms per call per round (alternating, timing.py), TFLOP/s,
-the time relative to PyTorch's call, the algorithm's configuration numbers, the largest
+the time relative to PyTorch's call, the algorithm's configuration numbers, the device memsets
+a call issues (PyTorch's image-stream GEMMs issue one each: gemm_memsets.py), the largest
 difference from PyTorch's output, and the kernels of PyTorch's call and of the fastest candidate.
 CUDA only.
 """
@@ -87,7 +88,8 @@ def measure(name: str, rows: int, limit: int, rounds: int, seconds: float, devic
             variants[label]()
             diff = (out_lt.float() - reference).abs().max().item()
             config = " ".join(f"{key}={value}" for key, value in cublaslt.describe(algo.algo).items())
-            line += f"  waves={algo.waves_count:.2f} ws={algo.workspace_size >> 10}K |diff|={diff:.3g}  {config}"
+            memsets = sum("Memset" in kernel for kernel in timing.kernel_names(variants[label]))
+            line += f"  waves={algo.waves_count:.2f} ws={algo.workspace_size >> 10}K memsets={memsets} |diff|={diff:.3g}  {config}"
         print(line)
     for label in ("torch", ranked[0] if ranked[0] != "torch" else ranked[1]):
         print(f"  kernels of {label}: " + ", ".join(kernel[:100] for kernel in timing.kernel_names(variants[label])))

@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import timing
 import torch
-from timing import sustained_seconds
-from torch.autograd import DeviceType
-
-from flowrl.bench.flops import synchronize
 
 SETTINGS = ("default", "fp32-reduction", "cublaslt")
 
@@ -62,18 +59,10 @@ def cases(args, device, dtype):
             yield f"{stream} {tokens}x{k}->{n} input-grad mm", lambda g=grad_out, w=weight: torch.mm(g, w)
 
 
-def memsets_and_kernels(fn, device, calls: int = 3) -> tuple[float, list[str]]:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    on_device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    memsets = sum("Memset" in e.name for e in on_device) / calls
-    kernels = sorted({e.name[:60] for e in on_device if "Memset" not in e.name})
-    return memsets, kernels
+def memsets_and_kernels(fn, device) -> tuple[int, list[str]]:
+    """Device memsets one call of fn issues, and the other kernels it runs (none counted on a CPU)."""
+    names = timing.kernel_names(fn) if device.type == "cuda" else []
+    return sum("Memset" in name for name in names), sorted({name[:60] for name in names if "Memset" not in name})
 
 
 def main() -> int:
@@ -99,11 +88,11 @@ def main() -> int:
                 if reference is None:
                     reference = out.float()
                 gap = (out.float() - reference).abs().max().item()
-                seconds = sustained_seconds(fn, device, args.seconds)["seconds"]
+                seconds = timing.sustained_seconds(fn, device, args.seconds)["seconds"]
                 memsets, kernels = memsets_and_kernels(fn, device)
             totals[name] += seconds
             print(
-                f"{label:40s} {name:15s} {seconds * 1e3:7.3f} ms  memsets {memsets:.0f}  "
+                f"{label:40s} {name:15s} {seconds * 1e3:7.3f} ms  memsets {memsets}  "
                 f"max |diff| {gap:.3g}  {' + '.join(kernels)}"
             )
     print("sum over the shapes: " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in totals.items()))

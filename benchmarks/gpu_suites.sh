@@ -139,6 +139,8 @@
 #   gemm-memsets       gemm_memsets.py: that block's GEMM shapes alone (both streams, forward and input
 #                      gradient) under PyTorch's defaults, with bf16 reduced-precision reductions
 #                      off and on cuBLASLt: which issue a device memset, and at what cost         ~0.5 min
+#   cublaslt-memsets   cublaslt_algos.py at the training block's 8 rows, the image stream's GEMMs: does
+#                      a cuBLASLt candidate without the memset run as fast as PyTorch's choice  ~2 min
 #   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
 #                      kernels (independent small kernels, such as the LoRA weights' casts, launched
 #                      as one), in the training graph and the rollout's                          ~3 min
@@ -470,6 +472,8 @@ suite() {
         --variants "$lora,sequence-major:eager,$lora:sdpa=cudnn,$lora:sdpa=flash" ;;
     gemm-memsets)
       script "$s" 90 "$log" benchmarks/gemm_memsets.py ;;
+    cublaslt-memsets)
+      script "$s" 180 "$log" benchmarks/cublaslt_algos.py --rows 8 --problems img-proj,img-mlp-up-bias,img-mlp-down ;;
     qwen-train-block-combo)
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
