@@ -10,7 +10,7 @@ bias only), img-mlp-down, img-proj (q, k, v and the output projection), img-proj
 LoRA fold's base GEMM: no bias, beta = 1, flowrl.accel.lora_fold), txt-proj, txt-mlp-up,
 txt-mlp-down. For each: ms per call per round (alternating, timing.py), TFLOP/s,
 the time relative to PyTorch's call, the algorithm's configuration numbers, the device memsets
-a call issues (PyTorch's image-stream GEMMs issue one each: gemm_memsets.py), the largest
+a call issues (gemm_memsets.py asks the same of PyTorch's calls), the largest
 difference from PyTorch's output, and the kernels of PyTorch's call and of the fastest candidate.
 CUDA only.
 """

@@ -3,9 +3,9 @@ how a GEMM is run: which ones issue a device memset, and what each costs per cal
 
     python benchmarks/gemm_memsets.py [--rows 8] [--text-tokens 64] [--seconds 0.3] [--device cuda]
 
-A training call of one block at the recipe's micro-batch (`qwen_train_block.py`) idles about 0.2 ms
-before each of three or four device memsets, issued inside aten::mm / aten::addmm (cuBLAS), with
-the memset already queued. Each shape below, the image stream's `rows x image_tokens` rows and the
+A training call of one block at the recipe's micro-batch (`qwen_train_block.py`) idles before
+device memsets issued inside aten::mm / aten::addmm (cuBLAS), with the memset already queued; this
+asks which of the block's GEMMs issue them and whether a setting changes that. Each shape below, the image stream's `rows x image_tokens` rows and the
 text stream's `rows x text_tokens`, as a forward addmm with bias and as the backward's
 input-gradient mm, over the block's projections (width -> width, width -> mlp width, mlp width ->
 width), is run back to back under each setting:
