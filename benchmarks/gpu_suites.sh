@@ -71,8 +71,7 @@
 #             PROFILE=1 adds one profiled step (--profile);
 #             train-step-qwen-graphs / train-step-sd35-graphs: with trainer.cuda_graphs=true (the
 #             SD3.5 update idles about a quarter of its time in short gaps; its first step compiles and
-#             records the graphs too: run it right after train-step-sd35 on the same machine, whose
-#             inductor cache then holds the rest);
+#             records the graphs too: train-step-sd35-graphs with PEER_STEPS=0 took 397 s cold on an H200);
 #             train-step-qwen-workspace: with cuBLASLt's workspace at WORKSPACE_KIB (default 262144 KiB,
 #             8 x PyTorch's Hopper default): do the update's memsets before split-K GEMMs go away?
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
