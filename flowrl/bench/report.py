@@ -80,6 +80,12 @@ def peak_memory_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+def peak_memory_reserved_gb(device: torch.device) -> float | None:
+    """The caching allocator's peak reserved memory: unlike the allocated peak it counts the memory
+    CUDA graph pools hold, whose replays allocate nothing."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 def time_runs(run_once, device: torch.device, repeats: int) -> list[float]:
     """Seconds of each of `repeats` calls of run_once(), synchronized before and after."""
     seconds = []

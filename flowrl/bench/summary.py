@@ -187,6 +187,13 @@ def _checkpointing(steps: list[dict]) -> str:
     return f", gradient checkpointing {state}{measured}"
 
 
+def _memory(loop: dict) -> str:
+    """'X GB allocated, Y GB reserved' of a loop's timed steps: CUDA graph pools show only in the reserved peak."""
+    allocated = f"{_cell(loop.get('peak_memory_gb'), '.1f')} GB"
+    reserved = loop.get("peak_memory_reserved_gb")
+    return allocated if reserved is None else f"{allocated} allocated, {reserved:.1f} GB reserved"
+
+
 def _cuda_graphs(flowrl: dict) -> str:
     """', training graphs as CUDA graphs (N not graphed)' when the trainer ran them ('' otherwise)."""
     if not flowrl.get("cuda_graphs"):
@@ -364,7 +371,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
     if flowrl.get("phases"):
         lines.append(
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
-            f"the sum of its phases' limits, peak GPU memory {_cell(flowrl.get('peak_memory_gb'), '.1f')} GB"
+            f"the sum of its phases' limits, peak GPU memory {_memory(flowrl)}"
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
             f"{_gc_pauses(flowrl.get('steps', []))}{_allocator(flowrl.get('steps', []))}"
         )
@@ -386,7 +393,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "
             f"{peer['images_per_second']:.3f} img/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
-            f"{_cell(peer.get('peak_memory_gb'), '.1f')} GB{', gradient checkpointing' if peer.get('gradient_checkpointing') else ''}"
+            f"{_memory(peer)}{', gradient checkpointing' if peer.get('gradient_checkpointing') else ''}"
         )
     if data.get("peer_over_flowrl"):
         lines.append(f"- the peer's training step takes {data['peer_over_flowrl']:.2f} x flowrl's")

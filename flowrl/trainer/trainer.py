@@ -267,6 +267,7 @@ class FlowGRPOTrainer:
         metrics["timing/step_s"] = time.perf_counter() - t0
         if self.world.device.type == "cuda":
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
+            metrics["memory/peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.world.device) / 2**30
         self.step = step
         self._gc_freeze.after_step()
         return self._max_over_ranks(metrics)

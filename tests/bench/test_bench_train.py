@@ -277,6 +277,8 @@ def test_bench_train_on_cuda_in_bf16(tmp_path):
     assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out), "--profile"]) == 0
     report = json.loads(out.read_text())
     assert report["flowrl"]["peak_memory_gb"] > 0 and report["peer"]["peak_memory_gb"] > 0
+    for loop in ("flowrl", "peer"):
+        assert report[loop]["peak_memory_reserved_gb"] >= report[loop]["peak_memory_gb"]
     assert report["peer_over_flowrl"] > 0
     # The profiled step's phases saw the GPU's kernels.
     phases = report["flowrl"]["profile"]["phases"]
@@ -313,3 +315,13 @@ def test_a_run_stopped_after_its_timed_steps_keeps_their_summary(tmp_path, monke
     assert "rollout_alone_seconds" not in flowrl and "projection" not in report
     table = "\n".join(train_markdown("train", report))
     assert f"| **training step** (validation apart) | {flowrl['step_seconds']:.2f} |" in table
+
+
+def test_the_summary_prints_the_reserved_peak_beside_the_allocated_one():
+    """CUDA graph replays allocate nothing, so their pools show only in the reserved peak: the summary
+    prints both when the run measured both, and the allocated one alone (or '-' on a CPU) otherwise."""
+    from flowrl.bench.summary import _memory
+
+    assert _memory({"peak_memory_gb": 10.23, "peak_memory_reserved_gb": 29.61}) == "10.2 GB allocated, 29.6 GB reserved"
+    assert _memory({"peak_memory_gb": 10.23}) == "10.2 GB"
+    assert _memory({"peak_memory_gb": None, "peak_memory_reserved_gb": None}) == "- GB"

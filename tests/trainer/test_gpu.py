@@ -55,6 +55,7 @@ def test_tiny_training_on_cuda_bf16(build_trainer, make_cfg, old_log_prob):
     for record in records:
         for key in ("actor/policy_loss", "actor/grad_norm", "actor/kl", "actor/logprob_gap_max"):
             assert record[key] is not None and torch.isfinite(torch.tensor(record[key])), (key, record)
+        assert record["memory/peak_reserved_gb"] >= record["memory/peak_gb"] > 0
     print(
         old_log_prob,
         "log-prob gap per step:",
