@@ -80,10 +80,11 @@ def peak_memory_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def peak_memory_reserved_gb(device: torch.device) -> float | None:
-    """The caching allocator's peak reserved memory: unlike the allocated peak it counts the memory
-    CUDA graph pools hold, whose replays allocate nothing."""
-    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+def peak_memory(device: torch.device) -> dict:
+    """The peaks a loop's report keeps: allocated, and reserved by the caching allocator, which also
+    counts the memory CUDA graph pools hold (their replays allocate nothing)."""
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    return {"peak_memory_gb": peak_memory_gb(device), "peak_memory_reserved_gb": reserved}
 
 
 def time_runs(run_once, device: torch.device, repeats: int) -> list[float]:

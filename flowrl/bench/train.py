@@ -40,8 +40,7 @@ from flowrl.bench.report import (
     JsonReport,
     environment,
     median,
-    peak_memory_gb,
-    peak_memory_reserved_gb,
+    peak_memory,
     quiet_libraries,
     reset_peak_memory,
     synchronize,
@@ -244,8 +243,7 @@ def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
         "batch": peer.batch,
         "gradient_checkpointing": peer_checkpoints,
         "steps": steps,
-        "peak_memory_gb": peak_memory_gb(device),
-        "peak_memory_reserved_gb": peak_memory_reserved_gb(device),
+        **peak_memory(device),
     }
     report.data["peer"].update(summarize(steps, report.data["peak"]["sustained_flops"]))
     report.save()
@@ -348,8 +346,7 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             _record_steps(report, steps, peak["sustained_flops"])  # a run cut short keeps the steps it timed
             shown = ", ".join(f"{p} {s:.2f}" for p, s in steps[-1]["seconds"].items())
             print(f"[bench] flowrl step {steps[-1]['step']}: {steps[-1]['step_seconds']:.2f}s ({shown})", flush=True)
-        report.data["flowrl"]["peak_memory_gb"] = peak_memory_gb(device)
-        report.data["flowrl"]["peak_memory_reserved_gb"] = peak_memory_reserved_gb(device)
+        report.data["flowrl"].update(peak_memory(device))
         report.data["flowrl"]["rollout_alone_seconds"] = _rollout_alone(trainer, cfg, device)
         report.save()
         report.data["flowrl"]["cuda_graphs"] = trainer.updater.cuda_graphs
