@@ -125,6 +125,9 @@
 #                      GEMMs in the kernels' order, or in how far the host runs ahead?); then both launched
 #                      directly with cuBLASLt's workspace at WORKSPACE_KIB (default 262144); each
 #                      variant's inductor code in $OUT/qwen-lora-block-launch-code              ~4 min
+#   lora-joint-k  lora_joint_k.py: one Qwen-Image block's image-stream q, k, v and MLP projections at the
+#                      recipe's 64 rollout rows with rank-64 LoRA: without LoRA, the shipped folded ops, and as
+#                      GEMMs over a joint contraction [x | x A^T] (q, k, v sharing one buffer)            ~1 min
 #   qwen-lora-gelu-ab  qwen_block_variants.py: the block of qwen-lora-block-recipe with the adapted MLP's GELU in
 #                      the epilogue of one GEMM over [x | x A^T] (shipped), and as a pass of its own, twice each ~2 min
 #   qwen-train-block   qwen_train_block.py: one block's training forward + backward at the recipe's micro-batch (8
@@ -459,6 +462,8 @@ suite() {
       ( export CUBLASLT_WORKSPACE_SIZE=${WORKSPACE_KIB:-262144}
       script "$s-workspace" 200 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 6 \
         --variants "$lora,$lora:lora_fold=0" ) ;;
+    lora-joint-k)  # the recipe's LoRA projections folded against GEMMs over [x | x A^T]
+      script "$s" 150 "$log" benchmarks/lora_joint_k.py ;;
     qwen-lora-gelu-ab)  # the recipe's LoRA block with its MLP's GELU in the folded op's epilogue, and as a pass of its own
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 240 "$log" benchmarks/qwen_block_variants.py --rows 64 --text-mask --seconds 3 --top 8 \

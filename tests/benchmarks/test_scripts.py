@@ -178,6 +178,29 @@ def test_cuda_graph_ab_script_runs_on_cpu(model, lora_rank):
     assert "graph" not in out.split("\n", 1)[1]
 
 
+def test_lora_joint_k_script_runs_and_its_variants_compute_the_same():
+    """benchmarks/lora_joint_k.py (small shapes, float32): the folded and joint-contraction forms of
+    the LoRA projections give the float32 reference's outputs, up to summation order."""
+    out = run_script(
+        "lora_joint_k.py",
+        "--tokens",
+        "64",
+        "--width",
+        "32",
+        "--mlp-width",
+        "64",
+        "--rank",
+        "4",
+        "--seconds",
+        "0.01",
+        "--rounds",
+        "1",
+    )
+    diffs = {name: float(value) for name, value in re.findall(r"^(\S+): max \|diff\| from float32 (\S+)", out, re.M)}
+    assert set(diffs) == {"folded", "joint-qkv", "joint"} and max(diffs.values()) < 1e-5, out
+    assert re.search(r"^joint +.*ms over base", out, re.M), out
+
+
 def test_lora_gemm_gaps_script_runs_and_its_ways_compute_the_same():
     """benchmarks/lora_gemm_gaps.py (small shapes): the folded projections equal the unfolded ones."""
     out = run_script(
