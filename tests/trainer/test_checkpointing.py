@@ -9,6 +9,7 @@ from flowrl.trainer.checkpointing import (
     RESERVE_FRACTION,
     SAFETY_FACTOR,
     choose_checkpointing,
+    held_bytes,
     needs_checkpointing,
     saved_activation_bytes,
     set_checkpointing,
@@ -39,6 +40,38 @@ def test_saved_activations_scale_with_the_batch_leave_out_the_weights_and_touch_
     # input gradient needs only its weight, which is not counted.
     assert one == 4 * 8 * (16 + 64)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_bytes_a_run_holds_leave_out_earlier_garbage_that_a_collection_inside_it_frees():
+    """On CUDA the probe counts what the allocator holds more while the graph is alive. A compile
+    inside the probe runs Python's collector, which can free an earlier reference cycle holding
+    device memory; that must not be subtracted (a tiny model's probe measured 0 bytes so)."""
+    import gc
+    import weakref
+
+    allocated = [0]
+
+    def free(num_bytes: int) -> None:
+        allocated[0] -= num_bytes
+
+    class Cycle:  # earlier work's garbage: a reference cycle that owns 1000 bytes
+        def __init__(self):
+            allocated[0] += 1000
+            self.me = self
+            weakref.finalize(self, free, 1000)
+
+    gc.disable()  # the cycle stays uncollected until a collection runs, as between two collections
+    try:
+        Cycle()
+
+        def run():
+            allocated[0] += 100  # what the graph holds
+            gc.collect()  # as compiling the graph does
+            return object()
+
+        assert held_bytes(run, lambda: allocated[0]) == 100
+    finally:
+        gc.enable()
 
 
 def test_a_micro_batch_needs_checkpoints_only_when_its_planned_activations_exceed_free_memory_less_the_reserve():
