@@ -18,6 +18,7 @@ import torch
 
 from flowrl.models.base import PromptEncoding, cfg_forward_inputs, combine_cfg, pad_encodings, to_uint8
 from flowrl.models.packed import PackedLatentAdapter, pack_2x2, unpack_2x2
+from flowrl.models.qwen_text_mask import avoid_scalar_copy
 from flowrl.models.qwen_vae import decode_single_frames_in_2d, single_frame_2d
 
 
@@ -54,6 +55,7 @@ class QwenImageAdapter(PackedLatentAdapter):
         max_tokens = 2 * (positions - max_sequence_length)
         self.max_image_side = max_tokens * 2 * self.vae_scale_factor  # 2x2 packing of VAE latents
         decode_single_frames_in_2d(self.vae)  # taken only inside `decode` (see flowrl/models/qwen_vae.py)
+        avoid_scalar_copy()  # a padded batch's forward does not wait for the device (flowrl/models/qwen_text_mask.py)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 1024):
