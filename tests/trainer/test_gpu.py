@@ -134,8 +134,10 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
     exact comparison). So the first step is compared, by its gradient norm and by the elements its
     update changed: under Adam a first update is about lr x sign(gradient) per element, so rounding
     flips only the few elements whose gradient is near zero (one flip in a small weight is a large
-    share of that weight's update norm), while a probe that touched the gradients, the
-    weights or a random stream would change the gradient norm or most elements."""
+    share of that weight's update norm: two H200 runs under torch 2.11 moved 1.3 and 1.4% of the
+    elements, most of them in the modulation weights, with gradient norms within 0.6%; the bound is
+    5%), while a probe that touched the gradients, the weights or a random stream would change the
+    gradient norm or most elements."""
     run = (
         "model.path=random:tiny-qwen",
         "model.device=cuda",
@@ -179,7 +181,7 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
         by_name.append((moved, update.numel(), name))
     by_name.sort(reverse=True)
     print("grad norms", grad_norms, f"; update elements that moved: {changed} of {total}", by_name[:5])
-    assert changed <= 0.01 * total, by_name[:5]
+    assert changed <= 0.05 * total, by_name[:5]
 
 
 @pytest.mark.parametrize(
@@ -196,7 +198,10 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
     """cuda sync debug mode 'warn' warns at every host sync (a read of a device value, a copy from
     pageable memory): an update's count of them is the same with 1-row micro-batches as with
     4-row ones, which run a quarter of the forwards, so none of them is inside the micro-batch
-    loop (the optimizer steps and the recompute's end read the device)."""
+    loop (the optimizer steps and the recompute's end read the device). Each size is counted on its
+    second pass: the first compiles its graphs, which reads the device too. (Qwen-Image's padded
+    prompts once made diffusers copy a scalar to the device in every forward:
+    flowrl/models/qwen_text_mask.py.)"""
     import warnings
 
     cfg = _tiny_bf16_cuda_cfg(
@@ -219,7 +224,8 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
     num_rows = len(specs)
     advantages = torch.linspace(-1.0, 1.0, num_rows)
     syncs = {}
-    for micro_batch_size in (4, 1, 4):  # the first 4 compiles
+    counts = []
+    for micro_batch_size in (4, 1, 4, 1):  # the first pass at each size compiles its graphs
         trainer.updater.trainer.micro_batch_size = micro_batch_size
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -230,8 +236,9 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs[micro_batch_size] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    print(kind, compiled, old_log_prob, kl_beta, {k: len(v) for k, v in syncs.items()})
-    assert len(syncs[1]) == len(syncs[4]), syncs[1]
+        counts.append((micro_batch_size, len(syncs[micro_batch_size])))
+    print(kind, compiled, old_log_prob, kl_beta, "syncs per pass", counts)
+    assert len(syncs[1]) == len(syncs[4]), counts
 
 
 @pytest.mark.parametrize("kind", ["sd3", "qwen_image"])
