@@ -74,6 +74,9 @@
 #             records the graphs too: train-step-sd35-graphs with PEER_STEPS=0 took 397 s cold on an H200);
 #             train-step-qwen-workspace: with cuBLASLt's workspace at WORKSPACE_KIB (default 262144 KiB,
 #             8 x PyTorch's Hopper default): do the update's memsets before split-K GEMMs go away?
+#             train-step-qwen-merged: with rollout.merge_lora=true (training rollouts on merged LoRA
+#             weights); `PEER_STEPS=0 STEPS=2 ... train-step-qwen train-step-qwen-merged` times both
+#             in one command (the second compiles with the first's inductor cache warm)     ~8 min
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
 #             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
@@ -379,8 +382,9 @@ suite() {
     train-step)
       suite "$log" train-step-qwen
       suite "$log" train-step-sd35-eager ;;
-    train-step-qwen|train-step-qwen-graphs|train-step-qwen-workspace)
+    train-step-qwen|train-step-qwen-graphs|train-step-qwen-workspace|train-step-qwen-merged)
       local graphs=""; [[ $s == *-graphs ]] && graphs="trainer.cuda_graphs=true"
+      [[ $s == *-merged ]] && graphs="rollout.merge_lora=true"
       # cuBLASLt's workspace in KiB (PyTorch's default on Hopper: 32768); larger lets split-K GEMMs
       # reduce through it rather than zero their output with a memset first
       # shellcheck disable=SC2086  # $RANDOM_RUN and $graphs are lists of overrides

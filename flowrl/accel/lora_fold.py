@@ -20,6 +20,10 @@ GELU into the GEMM that accumulates (cuBLASLt applies it only with a bias vector
 bias and the GELU in its epilogue (flowrl.accel.fused_mlp calls it): it copies x into the joint
 input instead of writing the wide low-rank output, reading it back and running the GELU pass.
 
+During a training rollout on merged weights (flowrl.trainer.lora_merge) the same entry points run
+a merged projection as the plain GEMM with W' = W + s B A, so the fast paths that need plain GEMM
+outputs still apply.
+
 Exactness: the base GEMM's product is not rounded on its own (the low-rank term plus bias is,
 once), so the values differ from the eager expression's by bf16 rounding (in float32 only the
 summation order differs); the trainer's log-prob values come from this same graph when the model
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.accel.options import AccelOptions
-from flowrl.trainer.lora import forward_in_activation_dtype
+from flowrl.trainer.lora import forward_in_activation_dtype, merged_weight
 
 
 def _foldable_adapter(layer) -> str | None:
@@ -79,9 +83,25 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def folds(layer) -> bool:
-    """Whether `layer` (any module) is a LoRA Linear whose rollout graphs run `flowrl::lora_linear`:
-    on `folded_forward` (installed by `fold_lora_projections`) with an adapter the op computes."""
-    return isinstance(getattr(layer, "base_layer", None), torch.nn.Linear) and _foldable_adapter(layer) is not None
+    """Whether `layer` (any module) is a LoRA Linear whose rollout graphs compute it as plain GEMM
+    outputs: on `folded_forward` (installed by `fold_lora_projections`) with an adapter
+    `flowrl::lora_linear` computes, or with a training rollout's merged weight
+    (flowrl.trainer.lora_merge)."""
+    if not isinstance(getattr(layer, "base_layer", None), torch.nn.Linear):
+        return False
+    return merged_weight(layer) is not None or _foldable_adapter(layer) is not None
+
+
+def rollout_operands(layer, dtype: torch.dtype) -> tuple:
+    """(weight, bias, down, up) in `dtype` of a layer that `folds` in a rollout graph: the merged
+    weight and no low-rank factors (None, None) during a merged rollout, else the base weight and
+    the adapter's (A, s B)."""
+    base = layer.base_layer
+    bias = None if base.bias is None else base.bias.to(dtype)
+    merged = merged_weight(layer)
+    if merged is not None:
+        return merged.to(dtype), bias, None, None
+    return base.weight.to(dtype), bias, *low_rank_factors(layer, dtype)
 
 
 def _in_rollout_graph() -> bool:
@@ -91,13 +111,12 @@ def _in_rollout_graph() -> bool:
 def folded_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The trainer's LoRA forward, with the projection as `flowrl::lora_linear` in rollout graphs
     (module docstring)."""
-    if not (args or kwargs) and _in_rollout_graph() and isinstance(self.base_layer, torch.nn.Linear):
+    if not (args or kwargs) and _in_rollout_graph() and folds(self):
         dtype = compute_dtype(x)
-        factors = low_rank_factors(self, dtype)
-        if factors is not None:
-            base = self.base_layer
-            bias = None if base.bias is None else base.bias.to(dtype)
-            return lora_linear(x.to(dtype), base.weight.to(dtype), bias, *factors, low_rank_first(self))
+        weight, bias, down, up = rollout_operands(self, dtype)
+        if down is None:
+            return F.linear(x.to(dtype), weight, bias)
+        return lora_linear(x.to(dtype), weight, bias, down, up, low_rank_first(self))
     return forward_in_activation_dtype(self, x, *args, **kwargs)
 
 
@@ -107,9 +126,7 @@ def folded_gelu_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     if not (_in_rollout_graph() and folds(layer) and layer.base_layer.bias is not None):
         return None
     dtype = compute_dtype(x)
-    base = layer.base_layer
-    down, up = low_rank_factors(layer, dtype)
-    return lora_linear_gelu_tanh(x.to(dtype), base.weight.to(dtype), base.bias.to(dtype), down, up)
+    return lora_linear_gelu_tanh(x.to(dtype), *rollout_operands(layer, dtype))
 
 
 def fold_lora_projections(module: torch.nn.Module, options: AccelOptions = AccelOptions()) -> int:
@@ -177,13 +194,16 @@ def _(x, weight, bias, down, up, low_rank_first):
 
 @torch.library.custom_op("flowrl::lora_linear_gelu_tanh", mutates_args=())
 def lora_linear_gelu_tanh(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, down: torch.Tensor, up: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, down: torch.Tensor | None, up: torch.Tensor | None
 ) -> torch.Tensor:
     """gelu_tanh(x (..., K) W^T + bias + (x down^T) up^T), (..., N), in x's dtype: one GEMM over
-    [x | x down^T] (M, K + r) and [W | up] (N, K + r), the bias and GELU in its epilogue on CUDA."""
+    [x | x down^T] (M, K + r) and [W | up] (N, K + r), the bias and GELU in its epilogue on CUDA;
+    without factors (a merged weight) the GEMM over x and W alone."""
     rows = x.reshape(-1, x.shape[-1])
-    joint = torch.cat([rows, torch.mm(rows, down.t())], dim=1)
-    weights = torch.cat([weight, up], dim=1)
+    joint, weights = rows, weight
+    if down is not None:
+        joint = torch.cat([rows, torch.mm(rows, down.t())], dim=1)
+        weights = torch.cat([weight, up], dim=1)
     if x.is_cuda:
         out = torch._addmm_activation(bias, joint, weights.t(), use_gelu=True)
     else:

@@ -196,7 +196,7 @@ def _rollout_alone(trainer, cfg, device) -> float:
     try:
         synchronize(device)
         t0 = time.perf_counter()
-        with trainer.parallel.rollout_weights():
+        with trainer.rollout_weights():
             trainer.agent_loop.generate_sequences(batch)
         synchronize(device)
         return time.perf_counter() - t0

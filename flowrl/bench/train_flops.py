@@ -6,13 +6,16 @@ one representative call of each kind, on the eager model with the trainer's LoRA
 before anything is compiled (a compiled model's custom ops have no FLOP formulas):
 - `forward_per_row`: one transformer row at the training size (a sample has `rows_per_sample` of
   them, the adapter's guidance rule: two with an uncond row);
+- `rollout_forward_per_row`: the same as a training rollout runs it: with rollout.merge_lora on the
+  merged weights (flowrl.trainer.lora_merge), so without the low-rank GEMMs, and
+  `merge_per_rollout`, the merge's own GEMMs once per rollout; otherwise `forward_per_row` and 0;
 - `decode_per_image`: one VAE decode;
 - `train_per_sample_step`: forward + backward of one sample's rows at one trained step, without
   gradient checkpointing's recomputed forward;
 - the forward and decode at the validation size.
 
 A phase's FLOPs (`phase_flops`) are the work the recipe's algorithm needs: the rollout's forwards
-and decodes, the recompute's forwards (algorithm.old_log_prob=recompute: the rows of the optimizer
+and decodes (with rollout.merge_lora, on merged weights, plus the merge), the recompute's forwards (algorithm.old_log_prob=recompute: the rows of the optimizer
 steps after the first, whose own forwards give the first one's denominators), the update's forward +
 backward and the KL reference's forward, validation's forwards and decodes. What an implementation
 adds is left out (gradient checkpointing's recomputed forward, the compiled trainer's value pass),
@@ -74,9 +77,29 @@ class UnitFlops:
     val_decode_per_image: int
     rows_per_sample: int  # adapter.rows_per_sample of rollout.sampling
     val_rows_per_sample: int  # and of rollout.val_sampling
+    rollout_forward_per_row: int | None = None  # None: forward_per_row (no merged rollout)
+    merge_per_rollout: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rollout_forward_per_row is None:
+            self.rollout_forward_per_row = self.forward_per_row
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _merged_rollout_flops(adapter, cfg, prompt: str) -> tuple[int, int]:
+    """(a row-forward on merged weights, one merge) at the training size (module docstring)."""
+    from flowrl.trainer.lora_merge import merged_lora
+
+    def merge() -> None:
+        with merged_lora(adapter.transformer, seed=0):
+            pass
+
+    s = cfg.rollout.sampling
+    with merged_lora(adapter.transformer, seed=0):
+        forward = transformer_flops_per_row(adapter, s.height, s.width, prompt)
+    return forward, count_flops(merge)
 
 
 def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
@@ -113,7 +136,8 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
             transformer.enable_gradient_checkpointing()
         for param in transformer.parameters():
             param.grad = None
-    return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows)
+    merged = _merged_rollout_flops(adapter, cfg, prompt) if cfg.rollout.merge_lora else (forward, 0)
+    return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows, *merged)
 
 
 def recomputed_rows(rows_trained: int, cfg) -> int:
@@ -133,8 +157,9 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
     samples = cfg.trainer.prompts_per_step * cfg.rollout.n
     trained = rows_trained * trained_steps_per_sample(cfg)
     forward_sample = units.rows_per_sample * units.forward_per_row
+    rollout_sample = s.num_inference_steps * units.rows_per_sample * units.rollout_forward_per_row
     flops = {
-        "rollout": samples * (s.num_inference_steps * forward_sample + units.decode_per_image),
+        "rollout": samples * (rollout_sample + units.decode_per_image) + units.merge_per_rollout,
         "reward_wait": 0.0,
         "old_log_prob": recomputed_rows(rows_trained, cfg) * trained_steps_per_sample(cfg) * forward_sample,
         "update": trained

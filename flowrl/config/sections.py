@@ -218,6 +218,13 @@ class RolloutConfig:
         across steps.
     sampling: SamplingParams of training rollouts (SDE, log-probs on).
     val_sampling: SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs).
+    merge_lora: training rollouts compute each adapted projection with the merged weight
+        W + s B A, stochastically rounded to the model's dtype and made once per rollout, instead
+        of the base weight plus the low-rank term (flowrl.trainer.lora_merge): faster, at one more
+        copy of the adapted weights in device memory while the rollout runs, sampling a policy
+        within rounding noise of the trained one. Needs a LoRA adapter, algorithm.old_log_prob=
+        recompute and the trainer's own engine. Validation and `flowrl eval` sample the adapter
+        itself.
 
     Decoupled training (docs/serving.md): training rollouts run on rollout servers instead of the
     trainer's own engine (validation stays in the trainer's process, with its weights).
@@ -239,6 +246,7 @@ class RolloutConfig:
     val_seed: int = 0
     sampling: SamplingParams = field(default_factory=_default_sampling)
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
+    merge_lora: bool = False
     servers: list[str] = field(default_factory=list)
     num_replicas: int = 0
     replica_devices: list[str] = field(default_factory=list)
@@ -679,6 +687,8 @@ class FlowRLConfig:
                 "flow_grpo compares samples within a prompt's group, so every advantage would be "
                 "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
             )
+        if self.rollout.merge_lora:
+            self._check_merge_lora()
         if self.trainer.async_rollout:
             if not self.rollout.is_decoupled:
                 _fail(
@@ -695,3 +705,27 @@ class FlowRLConfig:
                     "ratio must be taken against the policy that drew them; set algorithm.old_log_prob=rollout",
                 )
         return self
+
+    def _check_merge_lora(self) -> None:
+        """rollout.merge_lora's needs (RolloutConfig's docstring)."""
+        if not self.trainer.lora.enabled:
+            _fail(
+                "rollout.merge_lora",
+                True,
+                "it merges the LoRA adapter into the rollout's weights, and trainer.lora.enabled=false trains "
+                "no adapter; set rollout.merge_lora=false",
+            )
+        if self.algorithm.old_log_prob != "recompute":
+            _fail(
+                "algorithm.old_log_prob",
+                self.algorithm.old_log_prob,
+                "rollout.merge_lora samples with stochastically rounded merged weights, whose log-probs must not "
+                "be the PPO ratio's denominators; set algorithm.old_log_prob=recompute or rollout.merge_lora=false",
+            )
+        if self.rollout.is_decoupled:
+            _fail(
+                "rollout.merge_lora",
+                True,
+                "training rollouts run on rollout servers (rollout.servers / rollout.num_replicas), which "
+                "serve the adapter itself; set rollout.merge_lora=false or roll out on the trainer's engine",
+            )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.trainer.lora import has_lora, save_lora_for_diffusers
+from flowrl.trainer.lora import adapter_delta, has_lora, save_lora_for_diffusers
 
 RUN_INFO_FILE = "flowrl_run.json"
 TRANSFORMER_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' own names
@@ -113,13 +113,7 @@ def fused_transformer_state_dict(transformer: torch.nn.Module) -> dict[str, torc
         if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
             continue
         weight = module.base_layer.weight
-        delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for adapter_name in module.active_adapters:
-            if adapter_name in module.lora_A:
-                down = module.lora_A[adapter_name].weight.float()
-                up = module.lora_B[adapter_name].weight.float()
-                delta += module.scaling[adapter_name] * (up @ down)
-        fused[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+        fused[f"{name}.weight"] = (weight.float() + adapter_delta(module)).to(weight.dtype)
     state = {}
     for key, value in transformer.state_dict().items():
         if any(part.startswith("lora_") for part in key.split(".")):

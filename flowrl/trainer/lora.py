@@ -52,10 +52,39 @@ def _check_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
+# The attribute where flowrl.trainer.lora_merge keeps a LoRA Linear's merged weight during a rollout.
+MERGED_WEIGHT = "_flowrl_merged_weight"
+
+
+def merged_weight(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The merged weight W + s B A that a training rollout computes `layer` with
+    (flowrl.trainer.lora_merge), in forwards without grad while it is set; None otherwise, so a
+    forward with grad always runs the adapter itself."""
+    if torch.is_grad_enabled():
+        return None
+    return getattr(layer, MERGED_WEIGHT, None)
+
+
+def adapter_delta(layer: torch.nn.Module) -> torch.Tensor:
+    """s B A summed over a LoRA Linear's active adapters, in float32 on the layer's device: what
+    the adapters add to the base weight."""
+    weight = layer.base_layer.weight
+    delta = None
+    for name in layer.active_adapters:
+        if name in layer.lora_A:
+            term = torch.mm(layer.lora_B[name].weight.float() * layer.scaling[name], layer.lora_A[name].weight.float())
+            delta = term if delta is None else delta.add_(term)
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if delta is None else delta
+
+
 def forward_in_activation_dtype(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A peft LoRA Linear's forward computing base(x) + (x A^T)(s B)^T with the float32 master
-    weights A and s B cast to x's dtype (module docstring); anything this does not cover (adapter
-    disabled or merged, extra arguments, DoRA and other variants) runs peft's forward."""
+    weights A and s B cast to x's dtype (module docstring), or x W'^T + bias with the merged weight
+    W' of a training rollout (`merged_weight`); anything this does not cover (adapter disabled or
+    merged by peft, extra arguments, DoRA and other variants) runs peft's forward."""
+    merged = merged_weight(self)
+    if merged is not None and not (args or kwargs):
+        return F.linear(x, merged, self.base_layer.bias)
     if self.disable_adapters or self.merged or args or kwargs or self.lora_variant:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)

@@ -12,7 +12,8 @@ One training step:
    engine is idle here, since the rollout has returned;
 5. bump the policy version and publish it: the engine's transformer IS the trained module (LoRA
    injected in place), so the next rollout samples from the new weights with no copy, and every
-   output records the version that produced it. Decoupled (rollout.servers / num_replicas), the
+   output records the version that produced it (with rollout.merge_lora a rollout merges the
+   adapter into a copy of the adapted weights when it begins: flowrl.trainer.lora_merge). Decoupled (rollout.servers / num_replicas), the
    rollouts run on rollout servers and publishing uploads the weights to them
    (flowrl.trainer.rollout_backend); with trainer.async_rollout, step k + 1's rollout runs while
    step k trains (flowrl.trainer.rollout_schedule);
@@ -305,7 +306,7 @@ class FlowGRPOTrainer:
 
         progress.phase("rollout", len(batch))
         stop_check = self._stop_check()  # a stop signal drops the rollout (fit() rewinds the step)
-        with self.parallel.rollout_weights():
+        with self.rollout_weights():
             rollout = self.agent_loop.generate_sequences(
                 batch, on_sample_done=submit, row_offset=first_prompt * n, stop_check=stop_check
             )
@@ -319,6 +320,25 @@ class FlowGRPOTrainer:
         counters = {} if stats is None else {name: stats.get(name, 0) for name in _ENGINE_COUNTERS}
         everyone = gather_step_rows(self.world, rollout, rewards, components, counters)
         return CollectedRollout(rollout, everyone, t_rollout - t0, t_reward - t_early, t_early - t_rollout)
+
+    @contextlib.contextmanager
+    def rollout_weights(self):
+        """The weights a training rollout runs with: the transformer's whole weights when sharded
+        (flowrl.distributed.parallel), with rollout.merge_lora the adapter merged into them, rounded
+        with a seed from (rollout.seed, the policy version) that every rank shares
+        (flowrl.trainer.lora_merge)."""
+        with self.parallel.rollout_weights():
+            if not self.cfg.rollout.merge_lora:
+                yield
+                return
+            from flowrl.trainer.lora_merge import merged_lora
+
+            if self.cfg.rollout.seed is None:  # fresh randomness, rank 0's on every rank
+                seed = self.world.broadcast(int(np.random.SeedSequence().generate_state(1)[0]))
+            else:
+                seed = int(np.random.SeedSequence([self.cfg.rollout.seed, self.policy_version]).generate_state(1)[0])
+            with merged_lora(self.adapter.transformer, seed):
+                yield
 
     def _score_denominators_early(self, step: int, rollout, stop_check) -> bool:
         """While the rewards are still being scored, the update's old-log-prob recompute as planned

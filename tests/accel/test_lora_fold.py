@@ -217,6 +217,48 @@ def test_rollout_graph_of_an_adapted_mlp_takes_its_gelu_into_the_folded_op(gelu_
     assert not torch.allclose(without_low_rank, want, atol=1e-3)  # the first low-rank term is there to be lost
 
 
+def _merged_value(layer):
+    """W + s B A of `layer` in float32 (what a float32 merge holds, up to summation order)."""
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    return layer.base_layer.weight + s * b @ a
+
+
+def test_rollout_graphs_on_merged_weights_run_plain_gemms_and_a_new_merge_compiles_nothing():
+    """During a merged training rollout (flowrl.trainer.lora_merge) the projection, the adapted
+    MLP's GELU epilogue and the joint projection take the merged weight without the low-rank GEMMs;
+    the merged weights are graph inputs, so the next merge (new weights) reuses the graph, and
+    after the rollout the folded op is back."""
+    from flowrl.trainer.lora_merge import merged_lora
+
+    module, mlp = _adapted(), _adapted_mlp()
+    x = torch.randn(3, 5, 24)
+    graphs, mlp_graphs = [], []
+    compiled = torch.compile(module.proj, backend=_recording_backend(graphs), dynamic=False)
+    compiled_mlp = torch.compile(mlp, backend=_recording_backend(mlp_graphs), dynamic=False)
+    with torch.no_grad():
+        compiled(x)
+        compiled_mlp(x)
+        for seed in (0, 1):
+            with merged_lora(module, seed), merged_lora(mlp, seed):
+                torch.testing.assert_close(
+                    compiled(x), x @ _merged_value(module.proj).t() + module.proj.base_layer.bias
+                )
+                torch.testing.assert_close(compiled_mlp(x), mlp(x))  # eager on the merged weights too
+                assert lora_fold.folds(module.proj) and joint_linear.applies(module.other, module.proj)
+                joint = joint_linear.joint_projection(x[:2], module.other, x[2:], module.proj)
+                torch.testing.assert_close(joint, torch.cat([module.other(x[:2]), module.proj(x[2:])]))
+            for layer in (module.proj, mlp.net[0].proj):
+                merged = _merged_value(layer)
+                with torch.no_grad():
+                    layer.lora_B["default"].weight.add_(0.1)  # the next step's adapter
+                assert not torch.equal(merged, _merged_value(layer))
+        got = compiled(x)
+    torch.testing.assert_close(got, _expression(module.proj, x), atol=1e-6, rtol=1e-6)
+    assert len(graphs) == len(mlp_graphs) == 2  # the folded graph and the merged one, each once
+    assert _calls_op(graphs[0], "lora_linear") and not _calls_op(graphs[1], "lora_linear")
+    assert _calls_op(mlp_graphs[1], "lora_linear_gelu_tanh") and not _calls_op(mlp_graphs[1], "lora_linear.")
+
+
 def test_training_graph_of_an_adapted_mlp_keeps_the_differentiable_expression():
     mlp = _adapted_mlp()
     graphs = []

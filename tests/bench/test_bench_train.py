@@ -104,6 +104,22 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     assert flowrl["rollout_alone_seconds"] > 0 and "the rollout alone" in printed
 
 
+def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_merge(tmp_path):
+    """rollout.merge_lora: the rollout's limit is its forwards on the merged weights plus one
+    merge; the recompute's forwards still run the adapter."""
+    code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", [*QWEN, "rollout.merge_lora=true"], "--peer-steps", "0")
+    assert code == 0, report.get("error")
+    units, s, phases = report["flops"], report["settings"], report["flowrl"]["phases"]
+    assert 0 < units["rollout_forward_per_row"] < units["forward_per_row"]
+    assert units["merge_per_rollout"] > 0
+    forwards = s["steps"] * s["rows_per_sample"] * units["rollout_forward_per_row"]
+    assert (
+        phases["rollout"]["flops"]
+        == s["samples_per_step"] * (forwards + units["decode_per_image"]) + units["merge_per_rollout"]
+    )
+    assert phases["old_log_prob"]["flops"] % units["forward_per_row"] == 0
+
+
 @pytest.mark.parametrize(
     "recipe, overrides, rows",
     [("sd35_medium_ocr_lora.yaml", FLUX, 1), ("z_image_ocr_lora.yaml", Z_IMAGE, 2)],

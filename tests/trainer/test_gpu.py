@@ -66,6 +66,45 @@ def test_tiny_training_on_cuda_bf16(build_trainer, make_cfg, old_log_prob):
     assert records[0]["rollout/policy_lag"] == 0
 
 
+def test_merged_rollouts_on_cuda_bf16_compile_once_and_stay_near_the_trainer(build_trainer, make_cfg, tmp_path_factory):
+    """rollout.merge_lora on a compiled tiny Qwen-Image in bf16 with true CFG: the merged weights
+    are inputs of the rollout's graphs, so after the first merged rollout the rollouts compile
+    nothing new, though every step merges new weights; the rollout's log-probs stay near the
+    trainer's grad graph (the merge's stochastic rounding adds to the two graphs' own gap)."""
+    from torch._dynamo.utils import counters
+
+    cfg = _tiny_bf16_cuda_cfg(
+        make_cfg,
+        tmp_path_factory,
+        "qwen_image",
+        "engine.compile=true",
+        "trainer.lora.enabled=true",
+        "trainer.lr=0.01",
+        "algorithm.old_log_prob=recompute",
+        "rollout.merge_lora=true",
+        "rollout.sampling.guidance_scale=2.0",
+        output="gpu-compiled-merged",
+    )
+    trainer = build_trainer(cfg)
+    compiled_per_rollout = []
+    generate = trainer.agent_loop.generate_sequences
+
+    def counting(*args, **kwargs):
+        before = counters["stats"]["unique_graphs"]
+        result = generate(*args, **kwargs)
+        compiled_per_rollout.append(counters["stats"]["unique_graphs"] - before)
+        return result
+
+    trainer.agent_loop.generate_sequences = counting
+    records = [trainer.train_step() for _ in range(3)]
+    gaps = [(r["actor/logprob_gap_mean"], r["actor/logprob_gap_max"]) for r in records]
+    print("merged rollouts: graphs compiled per rollout", compiled_per_rollout, "log-prob gap per step:", gaps)
+    assert compiled_per_rollout[0] > 0 and compiled_per_rollout[1:] == [0, 0]
+    assert [r["rollout/policy_version"] for r in records] == [0, 1, 2]  # each rollout merged new weights
+    for record in records:
+        assert record["actor/logprob_gap_mean"] < 2e-3 and record["actor/logprob_gap_max"] < 2e-2, gaps
+
+
 @pytest.mark.parametrize(
     "kind, old_log_prob",
     [("qwen_image", "rollout"), ("qwen_image", "recompute"), ("sd3", "rollout"), ("z_image", "rollout")],

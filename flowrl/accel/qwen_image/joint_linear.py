@@ -94,11 +94,13 @@ def applies(first_proj: torch.nn.Module, second_proj: torch.nn.Module) -> bool:
 
 
 def _operands(proj: torch.nn.Module, dtype: torch.dtype) -> tuple:
-    """(weight, bias, down, up) of `proj` in `dtype`; down and up None for a plain Linear."""
+    """(weight, bias, down, up) of `proj` in `dtype`; down and up None for a plain Linear and for
+    a LoRA Linear's merged weight (flowrl.accel.lora_fold.rollout_operands)."""
     linear = _linear(proj)
+    if proj is not linear:
+        return lora_fold.rollout_operands(proj, dtype)
     bias = None if linear.bias is None else linear.bias.to(dtype)
-    factors = lora_fold.low_rank_factors(proj, dtype) if proj is not linear else (None, None)
-    return linear.weight.to(dtype), bias, *factors
+    return linear.weight.to(dtype), bias, None, None
 
 
 def joint_projection(

@@ -1,0 +1,171 @@
+"""Training rollouts on merged LoRA weights (flowrl.trainer.lora_merge, rollout.merge_lora): the
+stochastic rounding is unbiased and lands on a neighbour; a merge keeps a change that rounding to
+nearest would lose; merged weights serve only forwards without grad and only inside the block;
+a float32 run with merged rollouts trains as the run without; the config refuses what it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowrl.trainer.lora import MERGED_WEIGHT, inject_lora
+from flowrl.trainer.lora_merge import merged_lora, stochastic_round
+
+
+def _adapted(dtype=torch.float32, width=32, b_std=0.1, w_std=0.05):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width)).to(dtype)
+    with torch.no_grad():
+        for layer in module:
+            layer.weight.normal_(std=w_std)
+    inject_lora(module, 4, ["0", "1"])
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=b_std)
+    return module
+
+
+def _delta(layer) -> torch.Tensor:
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    return s * b @ a
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(dtype):
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(4096, generator=gen) * 3
+    rounded = stochastic_round(values, dtype, gen)
+    assert rounded.dtype == dtype
+    nearest = values.to(dtype)
+    away = torch.nextafter(nearest, torch.where(values > nearest.float(), torch.inf, -torch.inf).to(dtype))
+    assert torch.all((rounded == nearest) | (rounded == away))
+    assert (rounded != nearest).any()  # some entries do go the other way
+    exact = nearest.float()  # values the dtype holds stay as they are
+    assert torch.equal(stochastic_round(exact, dtype, gen), nearest)
+    # One value a third of the way between two neighbours: the draws average to it.
+    lower = torch.tensor(1.0, dtype=dtype)
+    upper = torch.nextafter(lower, torch.tensor(2.0, dtype=dtype))
+    value = lower.float() + (upper.float() - lower.float()) / 3
+    draws = stochastic_round(value.expand(200_000).contiguous(), dtype, gen).float()
+    assert set(draws.unique().tolist()) == {lower.item(), upper.item()}
+    assert draws.mean().item() == pytest.approx(value.item(), abs=(upper - lower).item() * 0.01)
+
+
+def test_float32_merges_without_rounding():
+    module = _adapted()
+    with merged_lora(module, seed=0) as count:
+        assert count == 2
+        for layer in module:
+            merged = getattr(layer, MERGED_WEIGHT)
+            torch.testing.assert_close(merged, layer.base_layer.weight + _delta(layer))
+
+
+def test_a_small_change_survives_the_merge_on_average_where_rounding_to_nearest_loses_it():
+    """bf16 weights of about 0.05 have a unit in the last place of 1.2e-4 to 2.4e-4: an adapter
+    that moved them by about 1.5e-5 leaves most of them as they were when rounded to nearest, and
+    survives stochastic rounding on average (the merged weights' change regresses onto it with
+    slope 1; to nearest, only the entries near zero keep theirs)."""
+    module = _adapted(torch.bfloat16, width=256, b_std=2e-5)
+    layer = module[0]
+    base, delta = layer.base_layer.weight.float(), _delta(layer).detach().float()
+    assert 1e-5 < delta.abs().mean() < 1e-4
+
+    def slope(change: torch.Tensor) -> float:
+        return ((change * delta).sum() / delta.square().sum()).item()
+
+    nearest = (base + delta).to(torch.bfloat16).float() - base
+    assert (nearest != 0).float().mean() < 0.15 and slope(nearest) < 0.4
+    with merged_lora(module, seed=0):
+        change = getattr(layer, MERGED_WEIGHT).float() - base
+    assert slope(change) == pytest.approx(1.0, abs=0.1)
+
+
+def test_merged_weights_serve_forwards_without_grad_inside_the_block_only():
+    module = _adapted(torch.bfloat16)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    adapter_out = module(x)
+    seen = {}
+    with merged_lora(module, seed=0):
+        layer = module[0]
+        merged = getattr(layer, MERGED_WEIGHT)
+        assert merged.dtype == torch.bfloat16 and not torch.equal(merged, layer.base_layer.weight)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, merged, layer.base_layer.bias), atol=0, rtol=0)
+        out = module(x)  # with grad: the adapter itself, whose gradients reach the LoRA weights
+        assert torch.equal(out, adapter_out)
+        out.float().square().sum().backward()
+        seen["grad"] = layer.lora_B["default"].weight.grad
+    assert seen["grad"] is not None and seen["grad"].abs().sum() > 0
+    assert not any(hasattr(layer, MERGED_WEIGHT) for layer in module)
+    with torch.no_grad():
+        assert torch.equal(module(x), adapter_out)
+
+
+def test_merged_weights_are_dropped_when_the_block_fails_and_a_seed_gives_one_merge():
+    module = _adapted(torch.bfloat16)
+    merges = []
+    for seed in (3, 3, 4):
+        with merged_lora(module, seed):
+            merges.append(getattr(module[1], MERGED_WEIGHT).clone())
+    assert torch.equal(merges[0], merges[1]) and not torch.equal(merges[0], merges[2])
+    with pytest.raises(RuntimeError, match="stop"), merged_lora(module, seed=0):
+        raise RuntimeError("stop")
+    assert not any(hasattr(layer, MERGED_WEIGHT) for layer in module)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["trainer.lora.enabled=false"], "rollout.merge_lora"),
+        (["algorithm.old_log_prob=rollout"], "algorithm.old_log_prob"),
+        (["rollout.servers=[http://127.0.0.1:9]"], "rollout.merge_lora"),
+    ],
+    ids=["no-adapter", "rollout-denominators", "rollout-servers"],
+)
+def test_the_config_refuses_a_merge_it_cannot_make(make_cfg, overrides, field):
+    ok = ("rollout.merge_lora=true", "trainer.lora.enabled=true", "algorithm.old_log_prob=recompute")
+    make_cfg(*ok)
+    with pytest.raises(ValueError, match=rf"{field}=.*set .*merge_lora=false"):
+        make_cfg(*ok, *overrides)
+
+
+def test_a_float32_run_on_merged_rollouts_trains_as_the_run_on_the_adapter(build_trainer, make_cfg):
+    """In float32 the merge rounds nothing beyond float32, so the run's rollouts, rewards and
+    updates follow the unmerged run's; the merged weights exist during the training rollouts
+    only (validation samples the adapter itself), and the step's second rollout merges the
+    adapter the first update trained."""
+    overrides = (
+        "trainer.lora.enabled=true",
+        "algorithm.old_log_prob=recompute",
+        "rollout.n=2",
+        "trainer.prompts_per_step=2",
+        "trainer.lr=0.01",
+        "trainer.num_val_images=2",
+    )
+    runs = {}
+    for merge in (False, True):
+        trainer = build_trainer(make_cfg(*overrides, f"rollout.merge_lora={merge}", output=f"merge-{merge}"))
+        layers = [m for m in trainer.adapter.transformer.modules() if hasattr(m, "lora_A")]
+        merged_during = []  # (validation, merged layers) per rollout
+        assert trainer.val_agent_loop is trainer.agent_loop
+
+        def recording(*args, _generate=trainer.agent_loop.generate_sequences, _layers=layers, **kwargs):
+            merged_during.append((kwargs.get("validation", False), sum(hasattr(m, MERGED_WEIGHT) for m in _layers)))
+            return _generate(*args, **kwargs)
+
+        trainer.agent_loop.generate_sequences = recording
+        steps = [trainer.train_step() for _ in range(2)]
+        trainer.validate()
+        assert not any(hasattr(m, MERGED_WEIGHT) for m in layers)
+        runs[merge] = (steps, merged_during, [p.detach().clone() for p in trainer.updater.params])
+    (plain, none_merged, plain_weights), (merged, all_merged, merged_weights) = runs[False], runs[True]
+    assert none_merged == [(False, 0), (False, 0), (True, 0)] and len(layers) > 0
+    assert all_merged == [(False, len(layers)), (False, len(layers)), (True, 0)]
+    assert merged[1]["rollout/policy_version"] == 1  # the second rollout merged the trained adapter
+    for a, b in zip(plain, merged):
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-4)
+        assert b["actor/logprob_gap_max"] < 1e-3
+    for a, b in zip(plain_weights, merged_weights):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
