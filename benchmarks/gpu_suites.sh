@@ -9,7 +9,10 @@
 #             tests/models, tests/accel: the fast paths and hand-written kernels;
 #             tests/benchmarks: the cuBLASLt candidates)                                    ~2-3 min
 #   tests-trainer  GPU tests of tests/trainer: bf16 training runs on CUDA, eager and compiled
-#             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps ~7-9 min
+#             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps, less those of
+#             tests-trainer-update and tests-cuda-graphs (all of tests/trainer ran past 540 s) ~6-8 min
+#   tests-trainer-update  the update's device waits per optimizer step (SD3, Qwen-Image), merged
+#             rollouts compiling once (rollout.merge_lora), gradient_checkpointing=auto's probe  ~6.5 min
 #   tests-cuda-graphs  the GPU test of trainer.cuda_graphs: a compiled tiny Qwen-Image's update with its
 #             training graphs replayed as CUDA graphs accumulates the gradients it does without ~1-2 min
 #   tests-checkpointing  the GPU test of trainer.gradient_checkpointing=auto: the probe on a compiled
@@ -243,6 +246,8 @@ script() {
 # `flowrl bench train` on random weights: a weight-free reward and the embedded prompts in place of
 # the recipes' OCR reward and prompt files.
 RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
+# The GPU tests of tests/trainer/test_gpu.py that suite tests-trainer-update runs (tests-trainer the others)
+TRAINER_UPDATE_TESTS="waits_for_the_device or merged_rollouts or auto_checkpointing"
 
 # dist_train NAME CAP LOG MODEL SIZE OVERRIDES...: 2 training steps of `torchrun --nproc-per-node
 # ${NPROC:-1} -m flowrl train` (NCCL on GPUs, gloo on the CPU; 2 prompts x 4 samples per rank) into
@@ -286,10 +291,18 @@ suite() {
     tests|tests-trainer)
       local dirs cap=420
       dirs=$(ls -d tests/bench tests/benchmarks tests/models tests/accel 2>/dev/null | tr '\n' ' ')
-      [[ $s == tests-trainer ]] && dirs=tests/trainer cap=540
+      local select=()
+      # tests-trainer leaves the tests of its own suites to them (tests-trainer-update, tests-cuda-graphs)
+      [[ $s == tests-trainer ]] && dirs=tests/trainer cap=540 select=(-k "not ($TRAINER_UPDATE_TESTS or cuda_graphs)")
       within_budget "$s" $cap "$log" || return 0
-      echo "[gpu_suites] pytest -m gpu $dirs (limit ${LIMIT}s)" | tee -a "$log"
-      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs >>"$log" 2>&1
+      echo "[gpu_suites] pytest -m gpu $dirs ${select[*]} (limit ${LIMIT}s)" | tee -a "$log"
+      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu $dirs "${select[@]}" >>"$log" 2>&1
+      echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
+    tests-trainer-update)
+      within_budget "$s" 480 "$log" || return 0
+      echo "[gpu_suites] pytest -m gpu tests/trainer/test_gpu.py -k '$TRAINER_UPDATE_TESTS' (limit ${LIMIT}s)" | tee -a "$log"
+      timeout -k 10 "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/trainer/test_gpu.py \
+        -k "$TRAINER_UPDATE_TESTS" >>"$log" 2>&1
       echo "[gpu_suites] $s exit $?" | tee -a "$log" ;;
     tests-cuda-graphs)
       within_budget "$s" 200 "$log" || return 0
