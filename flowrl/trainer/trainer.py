@@ -164,6 +164,7 @@ class FlowGRPOTrainer:
         self.prompts = PromptSampler(prepared.train_rows, tcfg.prompts_per_step, cfg.data.shuffle, tcfg.seed)
         self.step = 0
         self.policy_version = 0
+        self.lora_merge_s = 0.0  # the last training rollout's merge (rollout.merge_lora)
         if self.plan.checkpoint is not None:
             self._restore(self.plan.checkpoint)
         self.versions = VersionHistory(self.step, self.policy_version)
@@ -259,6 +260,8 @@ class FlowGRPOTrainer:
         if self.random_weights:
             metrics["model/random_weights"] = 1.0
         metrics["timing/rollout_s"] = collected.rollout_s
+        if self.cfg.rollout.merge_lora:
+            metrics["timing/lora_merge_s"] = self.lora_merge_s  # part of timing/rollout_s
         metrics["timing/rollout_wait_s"] = t_rollout - t0
         metrics["timing/reward_wait_s"] = collected.reward_wait_s
         if collected.early_recompute_s:
@@ -326,7 +329,7 @@ class FlowGRPOTrainer:
         """The weights a training rollout runs with: the transformer's whole weights when sharded
         (flowrl.distributed.parallel), with rollout.merge_lora the adapter merged into them, rounded
         with a seed from (rollout.seed, the policy version) that every rank shares
-        (flowrl.trainer.lora_merge)."""
+        (flowrl.trainer.lora_merge); the merge's seconds, the device's included, in `lora_merge_s`."""
         with self.parallel.rollout_weights():
             if not self.cfg.rollout.merge_lora:
                 yield
@@ -337,8 +340,16 @@ class FlowGRPOTrainer:
                 seed = self.world.broadcast(int(np.random.SeedSequence().generate_state(1)[0]))
             else:
                 seed = int(np.random.SeedSequence([self.cfg.rollout.seed, self.policy_version]).generate_state(1)[0])
+            t0 = self._device_idle_time()
             with merged_lora(self.adapter.transformer, seed):
+                self.lora_merge_s = self._device_idle_time() - t0
                 yield
+
+    def _device_idle_time(self) -> float:
+        """perf_counter() once the device has finished the work queued on it."""
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        return time.perf_counter()
 
     def _score_denominators_early(self, step: int, rollout, stop_check) -> bool:
         """While the rewards are still being scored, the update's old-log-prob recompute as planned

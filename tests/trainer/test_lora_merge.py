@@ -165,6 +165,7 @@ def test_a_float32_run_on_merged_rollouts_trains_as_the_run_on_the_adapter(build
     assert all_merged == [(False, len(layers)), (False, len(layers)), (True, 0)]
     assert merged[1]["rollout/policy_version"] == 1  # the second rollout merged the trained adapter
     for a, b in zip(plain, merged):
+        assert "timing/lora_merge_s" not in a and 0 < b["timing/lora_merge_s"] < b["timing/rollout_s"]
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-4)
         assert b["actor/logprob_gap_max"] < 1e-3
     for a, b in zip(plain_weights, merged_weights):
