@@ -15,12 +15,13 @@ before anything is compiled (a compiled model's custom ops have no FLOP formulas
 - the forward and decode at the validation size.
 
 A phase's FLOPs (`phase_flops`) are the work the recipe's algorithm needs: the rollout's forwards
-and decodes (with rollout.merge_lora, on merged weights, plus the merge), the recompute's forwards (algorithm.old_log_prob=recompute: the rows of the optimizer
-steps after the first, whose own forwards give the first one's denominators), the update's forward +
-backward and the KL reference's forward, validation's forwards and decodes. What an implementation
-adds is left out (gradient checkpointing's recomputed forward, the compiled trainer's value pass),
-so a phase's limit (its FLOPs at the measured matmul peak) is the same for flowrl and the peer,
-and each one's MFU says how close it comes to it.
+and decodes (with rollout.merge_lora, on merged weights, plus the merge), the recompute's forwards
+(algorithm.old_log_prob=recompute: the rows of the optimizer steps after the first, whose own
+forwards give the first one's denominators), the update's forward + backward and the KL
+reference's forward, validation's forwards and decodes. What an implementation adds is left out
+(gradient checkpointing's recomputed forward, the compiled trainer's value pass), so a phase's
+limit (its FLOPs at the measured matmul peak) is the same for flowrl and the peer, and each one's
+MFU says how close it comes to it.
 """
 
 from __future__ import annotations

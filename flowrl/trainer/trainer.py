@@ -13,10 +13,10 @@ One training step:
 5. bump the policy version and publish it: the engine's transformer IS the trained module (LoRA
    injected in place), so the next rollout samples from the new weights with no copy, and every
    output records the version that produced it (with rollout.merge_lora a rollout merges the
-   adapter into a copy of the adapted weights when it begins: flowrl.trainer.lora_merge). Decoupled (rollout.servers / num_replicas), the
-   rollouts run on rollout servers and publishing uploads the weights to them
-   (flowrl.trainer.rollout_backend); with trainer.async_rollout, step k + 1's rollout runs while
-   step k trains (flowrl.trainer.rollout_schedule);
+   adapter into a copy of the adapted weights when it begins: flowrl.trainer.lora_merge).
+   Decoupled (rollout.servers / num_replicas), the rollouts run on rollout servers and publishing
+   uploads the weights to them (flowrl.trainer.rollout_backend); with trainer.async_rollout, step
+   k + 1's rollout runs while step k trains (flowrl.trainer.rollout_schedule);
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
 
