@@ -208,6 +208,12 @@ def _early_recompute(steps: list[dict]) -> str:
     return "" if share is None else f", {share:.0%} of the recompute scored while the rewards were computed"
 
 
+def _lora_merge(steps: list[dict]) -> str:
+    """', the LoRA merge X s of the rollout' (median of the timed steps; '' without rollout.merge_lora)."""
+    seconds = [s["lora_merge_seconds"] for s in steps if s.get("lora_merge_seconds") is not None]
+    return "" if not seconds else f", the LoRA merge {statistics.median(seconds):.3f} s of the rollout"
+
+
 def _ms_list(ops: list[dict]) -> str:
     return ", ".join(f"{op['name']} {op['ms']:.1f}" for op in ops) or "none"
 
@@ -373,6 +379,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
             f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_memory(flowrl)}"
             f"{_checkpointing(flowrl.get('steps', []))}{_cuda_graphs(flowrl)}{_early_recompute(flowrl.get('steps', []))}"
+            f"{_lora_merge(flowrl.get('steps', []))}"
             f"{_gc_pauses(flowrl.get('steps', []))}{_allocator(flowrl.get('steps', []))}"
         )
     alone = flowrl.get("rollout_alone_seconds")

@@ -166,6 +166,8 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         "step_seconds": metrics["timing/step_s"],  # validation apart
         "flops": phase_flops(units, cfg, rows, validated),
         "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
+        # rollout.merge_lora: the adapter's merge into the rollout's weights (part of the rollout phase)
+        "lora_merge_seconds": metrics.get("timing/lora_merge_s"),
         "logprob_gap_max": metrics.get("actor/logprob_gap_max"),
         "kl": metrics.get("actor/kl"),  # the KL term's mean (0 without one)
         # the share of the recompute's forwards scored while the rewards were computed

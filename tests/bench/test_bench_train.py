@@ -104,10 +104,11 @@ def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys)
     assert flowrl["rollout_alone_seconds"] > 0 and "the rollout alone" in printed
 
 
-def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_merge(tmp_path):
+def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_merge(tmp_path, capsys):
     """rollout.merge_lora: the rollout's limit is its forwards on the merged weights plus one
     merge; the recompute's forwards still run the adapter."""
     code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", [*QWEN, "rollout.merge_lora=true"], "--peer-steps", "0")
+    printed = capsys.readouterr().out
     assert code == 0, report.get("error")
     units, s, phases = report["flops"], report["settings"], report["flowrl"]["phases"]
     assert 0 < units["rollout_forward_per_row"] < units["forward_per_row"]
@@ -118,6 +119,10 @@ def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_mer
         == s["samples_per_step"] * (forwards + units["decode_per_image"]) + units["merge_per_rollout"]
     )
     assert phases["old_log_prob"]["flops"] % units["forward_per_row"] == 0
+    # The merge's own seconds, part of the rollout phase, are kept per step and printed.
+    steps = report["flowrl"]["steps"]
+    assert all(0 < step["lora_merge_seconds"] < step["seconds"]["rollout"] for step in steps)
+    assert "the LoRA merge" in printed
 
 
 @pytest.mark.parametrize(
