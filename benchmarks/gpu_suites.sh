@@ -152,6 +152,9 @@
 #   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
 #                      kernels (independent small kernels, such as the LoRA weights' casts, launched
 #                      as one), in the training graph and the rollout's                          ~3 min
+#   qwen-train-block-autotune  the same block with the recipe's LoRA, with and without inductor's GEMM
+#                      autotuning (max_autotune_gemm: Triton templates, epilogues fused, timed against
+#                      cuBLAS for each of the graphs' matrix products)                          ~6-9 min
 #   qwen-train-block-tuning  the same block with the recipe's LoRA compiled with and without
 #                      coordinate-descent tuning of its kernels (inductor's caches off): each graph's
 #                      compile time against its training call's time                          ~4 min
@@ -499,6 +502,10 @@ suite() {
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
         --variants "$lora,$lora:combo_kernels=1" ;;
+    qwen-train-block-autotune)
+      local lora="sequence-major:eager:lora=64:lora_mlp=1"
+      script "$s" 560 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
+        --variants "$lora,$lora:max_autotune_gemm=1" ;;
     qwen-train-block-tuning)
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 \
