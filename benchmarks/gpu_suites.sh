@@ -79,7 +79,8 @@
 #             8 x PyTorch's Hopper default): do the update's memsets before split-K GEMMs go away?
 #             train-step-qwen-merged: with rollout.merge_lora=true (training rollouts on merged LoRA
 #             weights); `PEER_STEPS=0 STEPS=2 ... train-step-qwen train-step-qwen-merged` times both
-#             in one command (the second compiles with the first's inductor cache warm)     ~8 min
+#             in one command (the second compiles with the first's inductor cache warm)     ~8 min;
+#             train-step-sd35-merged: train-step-sd35 with rollout.merge_lora=true
 #   train-step-sd35-steps3  train-step-sd35 scoring 3 trained steps per forward (trainer.steps_per_forward:
 #             48 rows per forward instead of 16, 3 x the activations), against train-step-sd35     ~9 min
 #   train-step-qwen-ocr  train-step-qwen with the recipe's own OCR reward (rapidocr on the host's
@@ -152,6 +153,9 @@
 #   qwen-train-block-combo  the same block with the recipe's LoRA, without and with inductor's combo
 #                      kernels (independent small kernels, such as the LoRA weights' casts, launched
 #                      as one), in the training graph and the rollout's                          ~3 min
+#   lora-merge-time    lora_merge_time.py: one merge of rollout.merge_lora on Qwen-Image with the recipe's
+#                      LoRA (rank 64, every adapted projection), rounding eager and compiled, against the
+#                      s B A products alone and the merge's least memory traffic                  ~1.5 min
 #   qwen-train-block-autotune  the same block with the recipe's LoRA, with and without inductor's GEMM
 #                      autotuning (max_autotune_gemm: Triton templates, epilogues fused, timed against
 #                      cuBLAS for each of the graphs' matrix products)                          ~6-9 min
@@ -413,8 +417,9 @@ suite() {
       run train-step-qwen-ocr 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
         data.train_path="$OUT/ocr_train.jsonl" data.val_path=null algorithm.zero_std_policy=keep \
         trainer.prompts_per_step=2 --steps 1 --peer-steps 0 --profile ;;
-    train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3|train-step-sd35-graphs)
+    train-step-sd35|train-step-sd35-eager|train-step-sd35-steps3|train-step-sd35-graphs|train-step-sd35-merged)
       local variant=""
+      [[ $s == *-merged ]] && variant="rollout.merge_lora=true"
       [[ $s == *-eager ]] && variant="engine.compile=false"
       [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
       [[ $s == *-graphs ]] && variant="trainer.cuda_graphs=true"
@@ -502,6 +507,8 @@ suite() {
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 300 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \
         --variants "$lora,$lora:combo_kernels=1" ;;
+    lora-merge-time)
+      script "$s" 240 "$log" benchmarks/lora_merge_time.py --seconds 2 ;;
     qwen-train-block-autotune)
       local lora="sequence-major:eager:lora=64:lora_mlp=1"
       script "$s" 560 "$log" benchmarks/qwen_train_block.py --rows 8 --seconds 3 --top 14 \

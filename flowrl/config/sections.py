@@ -219,12 +219,12 @@ class RolloutConfig:
     sampling: SamplingParams of training rollouts (SDE, log-probs on).
     val_sampling: SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs).
     merge_lora: training rollouts compute each adapted projection with the merged weight
-        W + s B A, stochastically rounded to the model's dtype and made once per rollout, instead
-        of the base weight plus the low-rank term (flowrl.trainer.lora_merge): faster, at one more
-        copy of the adapted weights in device memory while the rollout runs, sampling a policy
-        within rounding noise of the trained one. Needs a LoRA adapter, algorithm.old_log_prob=
-        recompute and the trainer's own engine. Validation and `flowrl eval` sample the adapter
-        itself.
+        W + s B A, stochastically rounded to the model's dtype and made once per rollout (with
+        engine.compile, in one compiled kernel per layer), instead of the base weight plus the
+        low-rank term (flowrl.trainer.lora_merge): faster, at one more copy of the adapted
+        weights in device memory while the rollout runs, sampling a policy within rounding noise
+        of the trained one. Needs a LoRA adapter, algorithm.old_log_prob=recompute and the
+        trainer's own engine. Validation and `flowrl eval` sample the adapter itself.
 
     Decoupled training (docs/serving.md): training rollouts run on rollout servers instead of the
     trainer's own engine (validation stays in the trainer's process, with its weights).

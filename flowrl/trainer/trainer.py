@@ -341,7 +341,7 @@ class FlowGRPOTrainer:
             else:
                 seed = int(np.random.SeedSequence([self.cfg.rollout.seed, self.policy_version]).generate_state(1)[0])
             t0 = self._device_idle_time()
-            with merged_lora(self.adapter.transformer, seed):
+            with merged_lora(self.adapter.transformer, seed, compiled=self.cfg.engine.compile):
                 self.lora_merge_s = self._device_idle_time() - t0
                 yield
 

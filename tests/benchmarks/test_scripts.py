@@ -178,6 +178,22 @@ def test_cuda_graph_ab_script_runs_on_cpu(model, lora_rank):
     assert "graph" not in out.split("\n", 1)[1]
 
 
+def test_lora_merge_time_script_times_every_way_of_merging_the_recipes_adapter():
+    """benchmarks/lora_merge_time.py on the tiny Qwen-Image in bf16 (its compiled rounding runs
+    too): the recipe's 12 LoRA targets in each of its 2 blocks, and every figure."""
+    out = run_script(
+        "lora_merge_time.py", "--model", "tiny-qwen", "--rank", "4", "--seconds", "0.01", "--dtype", "bfloat16"
+    )
+    assert "24 adapted layers" in out, out
+    labels = re.findall(r"^  (.+?)\s+[\d.]+ s \(\d+ calls\)$", out, re.M)
+    assert labels == [
+        "s B A products alone (float32)",
+        "merge, drawn noise (eager)",
+        "merge, hashed noise compiled",
+        "merge, hashed noise eager",
+    ], out
+
+
 def test_lora_joint_k_script_runs_and_its_variants_compute_the_same():
     """benchmarks/lora_joint_k.py (small shapes, float32): the folded and joint-contraction forms of
     the LoRA projections give the float32 reference's outputs, up to summation order."""

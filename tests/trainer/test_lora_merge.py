@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.trainer.lora import MERGED_WEIGHT, inject_lora
-from flowrl.trainer.lora_merge import merged_lora, stochastic_round
+from flowrl.trainer.lora_merge import (
+    NOISE_BITS,
+    drawn_noise,
+    hashed_noise,
+    merged_lora,
+    round_merge_hashed,
+    rounding_keys,
+    stochastic_round,
+)
 
 
 def _adapted(dtype=torch.float32, width=32, b_std=0.1, w_std=0.05):
@@ -32,25 +40,77 @@ def _delta(layer) -> torch.Tensor:
     return s * b @ a
 
 
+def _noise(source: str, shape, seed: int = 0) -> torch.Tensor:
+    if source == "drawn":
+        return drawn_noise(torch.Size(shape), torch.Generator().manual_seed(seed))
+    numel = 1
+    for size in shape:
+        numel *= size
+    return hashed_noise(numel, rounding_keys(seed, 0)).view(shape)
+
+
+@pytest.mark.parametrize("source", ["drawn", "hashed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(dtype):
-    gen = torch.Generator().manual_seed(0)
-    values = torch.randn(4096, generator=gen) * 3
-    rounded = stochastic_round(values, dtype, gen)
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(dtype, source):
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
+    rounded = stochastic_round(values, dtype, _noise(source, values.shape))
     assert rounded.dtype == dtype
     nearest = values.to(dtype)
     away = torch.nextafter(nearest, torch.where(values > nearest.float(), torch.inf, -torch.inf).to(dtype))
     assert torch.all((rounded == nearest) | (rounded == away))
     assert (rounded != nearest).any()  # some entries do go the other way
     exact = nearest.float()  # values the dtype holds stay as they are
-    assert torch.equal(stochastic_round(exact, dtype, gen), nearest)
+    assert torch.equal(stochastic_round(exact, dtype, _noise(source, values.shape)), nearest)
     # One value a third of the way between two neighbours: the draws average to it.
     lower = torch.tensor(1.0, dtype=dtype)
     upper = torch.nextafter(lower, torch.tensor(2.0, dtype=dtype))
     value = lower.float() + (upper.float() - lower.float()) / 3
-    draws = stochastic_round(value.expand(200_000).contiguous(), dtype, gen).float()
+    draws = stochastic_round(value.expand(200_000).contiguous(), dtype, _noise(source, (200_000,))).float()
     assert set(draws.unique().tolist()) == {lower.item(), upper.item()}
     assert draws.mean().item() == pytest.approx(value.item(), abs=(upper - lower).item() * 0.01)
+
+
+def test_hashed_noise_is_uniform_and_unrelated_across_layers_and_seeds():
+    """The compiled merge's noise (a hash of the entry's index): uniform over its 2^16 values,
+    each bit set about half the time, uncorrelated between two layers' or two seeds' keys, and
+    the same for the same keys."""
+    n = 1 << 18
+    noise = hashed_noise(n, rounding_keys(7, 0))
+    assert torch.equal(noise, hashed_noise(n, rounding_keys(7, 0)))
+    assert 0 <= noise.min() and noise.max() < 1 << NOISE_BITS
+    set_share = torch.stack([(noise >> b) & 1 for b in range(NOISE_BITS)]).float().mean(dim=1)
+    assert torch.all((set_share - 0.5).abs() < 0.01), set_share
+    counts = torch.histc(noise.float(), bins=16, min=0, max=1 << NOISE_BITS)
+    assert torch.all((counts / (n / 16) - 1).abs() < 0.05), counts
+    for other_keys in (rounding_keys(7, 1), rounding_keys(8, 0)):
+        other = hashed_noise(n, other_keys)
+        assert abs(torch.corrcoef(torch.stack([noise.float(), other.float()]))[0, 1].item()) < 0.01
+        assert not torch.equal(noise, other)
+
+
+def test_the_compiled_rounding_kernel_computes_what_its_function_does_and_compiles_once():
+    """merged_lora(compiled=True) rounds bf16 weights with torch.compile(round_merge_hashed): its
+    values equal the function's own, entry for entry; merges of new seeds and of other layer
+    shapes compile nothing new; the same seed gives the same merge, another seed another."""
+    from torch._dynamo.utils import counters
+
+    module = _adapted(torch.bfloat16, width=48)
+    merges = []
+    for seed in (5, 5, 6):
+        with merged_lora(module, seed, compiled=True) as count:
+            assert count == 2
+            merges.append([getattr(layer, MERGED_WEIGHT).clone() for layer in module])
+    for number, layer in enumerate(module):
+        weight = layer.base_layer.weight
+        delta = _delta(layer).detach().float().reshape(-1)
+        expected = round_merge_hashed(delta, weight.reshape(-1), rounding_keys(5, number)).view(weight.shape)
+        assert merges[0][number].dtype == torch.bfloat16 and torch.equal(merges[0][number], expected)
+    assert all(torch.equal(a, b) for a, b in zip(merges[0], merges[1]))
+    assert not any(torch.equal(a, b) for a, b in zip(merges[0], merges[2]))
+    graphs = counters["stats"]["unique_graphs"]
+    with merged_lora(_adapted(torch.bfloat16, width=40), seed=7, compiled=True):
+        pass
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_float32_merges_without_rounding():
@@ -62,7 +122,8 @@ def test_float32_merges_without_rounding():
             torch.testing.assert_close(merged, layer.base_layer.weight + _delta(layer))
 
 
-def test_a_small_change_survives_the_merge_on_average_where_rounding_to_nearest_loses_it():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_small_change_survives_the_merge_on_average_where_rounding_to_nearest_loses_it(compiled):
     """bf16 weights of about 0.05 have a unit in the last place of 1.2e-4 to 2.4e-4: an adapter
     that moved them by about 1.5e-5 leaves most of them as they were when rounded to nearest, and
     survives stochastic rounding on average (the merged weights' change regresses onto it with
@@ -77,7 +138,7 @@ def test_a_small_change_survives_the_merge_on_average_where_rounding_to_nearest_
 
     nearest = (base + delta).to(torch.bfloat16).float() - base
     assert (nearest != 0).float().mean() < 0.15 and slope(nearest) < 0.4
-    with merged_lora(module, seed=0):
+    with merged_lora(module, seed=0, compiled=compiled):
         change = getattr(layer, MERGED_WEIGHT).float() - base
     assert slope(change) == pytest.approx(1.0, abs=0.1)
 
