@@ -44,9 +44,9 @@ from flowrl.trainer.lora import MERGED_WEIGHT, adapter_delta
 NOISE_BITS = 16  # the rounding's noise: integers uniform in [0, 2^16), one per entry
 
 _MASK32 = 0xFFFFFFFF
-# A 32-bit integer hash: xor-shift, multiply, twice, then one more xor-shift (constants from Chris
-# Wellons' hash-prospector search, "lowbias32"). Both multipliers are under 2^31, so every product
-# of a 32-bit value fits in int64 without overflow.
+# A 32-bit integer hash: xor-shift, multiply, twice, then one more xor-shift (shifts and constants
+# from Chris Wellons' hash-prospector search). Both multipliers are under 2^31, so every product of
+# a 32-bit value fits in int64 without overflow.
 _HASH_ROUNDS = ((16, 0x21F0AAAD), (15, 0x735A2D97))
 _HASH_FINAL_SHIFT = 15
 
@@ -79,8 +79,9 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, noise: torch.Tens
     """float32 `values` in `dtype`: each entry the nearest representable value below or above it,
     the upper one with probability (value - lower) / (upper - lower), so the expectation is the
     value itself (values `dtype` holds exactly stay as they are). `noise`: one integer uniform in
-    [0, 2^NOISE_BITS) per entry, which resolves that probability exactly (float32 carries 16 bits
-    below bfloat16's last and 13 below float16's). float32 and wider: a plain cast."""
+    [0, 2^NOISE_BITS) per entry, which resolves that probability exactly for bfloat16 (float32
+    carries 16 bits below its last) and for normal float16 values (13 or 14 bits); float16's
+    subnormals to 2^-16. float32 and wider: a plain cast."""
     if dtype.itemsize >= 4:
         return values.to(dtype)
     noise = noise.to(torch.int32)

@@ -5,6 +5,7 @@ a float32 run with merged rollouts trains as the run without; the config refuses
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,3 +232,33 @@ def test_a_float32_run_on_merged_rollouts_trains_as_the_run_on_the_adapter(build
         assert b["actor/logprob_gap_max"] < 1e-3
     for a, b in zip(plain_weights, merged_weights):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("compile_engine", [False, True])
+def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
+    build_trainer, make_cfg, monkeypatch, compile_engine
+):
+    """A training rollout's merge rounds in the compiled kernel with engine.compile and on drawn
+    noise without it, under the seed of (rollout.seed, policy version)."""
+    import flowrl.trainer.lora_merge as lora_merge
+
+    calls = []
+    real = lora_merge.merged_lora
+
+    def recording(module, seed, compiled=False):
+        calls.append((seed, compiled))
+        return real(module, seed, compiled)
+
+    monkeypatch.setattr(lora_merge, "merged_lora", recording)
+    cfg = make_cfg(
+        "trainer.lora.enabled=true",
+        "algorithm.old_log_prob=recompute",
+        "rollout.merge_lora=true",
+        "rollout.seed=3",
+        f"engine.compile={str(compile_engine).lower()}",
+        output=f"merge-compiled-{compile_engine}",
+    )
+    trainer = build_trainer(cfg)
+    with trainer.rollout_weights():
+        pass
+    assert calls == [(int(np.random.SeedSequence([3, trainer.policy_version]).generate_state(1)[0]), compile_engine)]
