@@ -262,3 +262,35 @@ def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
     with trainer.rollout_weights():
         pass
     assert calls == [(int(np.random.SeedSequence([3, trainer.policy_version]).generate_state(1)[0]), compile_engine)]
+
+
+def test_without_a_rollout_seed_every_rank_merges_with_rank_zeros_fresh_seed(build_trainer, make_cfg, monkeypatch):
+    """rollout.seed=null: the merge's seed is fresh randomness that rank 0 broadcasts, so the ranks
+    of a run still merge the same weights."""
+    import flowrl.trainer.lora_merge as lora_merge
+
+    seeds, broadcast = [], []
+    real = lora_merge.merged_lora
+
+    def recording(module, seed, compiled=False):
+        seeds.append(seed)
+        return real(module, seed, compiled)
+
+    monkeypatch.setattr(lora_merge, "merged_lora", recording)
+    cfg = make_cfg(
+        "trainer.lora.enabled=true",
+        "algorithm.old_log_prob=recompute",
+        "rollout.merge_lora=true",
+        "rollout.seed=null",
+        output="merge-fresh-seed",
+    )
+    trainer = build_trainer(cfg)
+
+    def rank_zeros(world, value):
+        broadcast.append(value)
+        return 12345  # what rank 0 drew
+
+    monkeypatch.setattr(type(trainer.world), "broadcast", rank_zeros)
+    with trainer.rollout_weights():
+        pass
+    assert len(broadcast) == 1 and seeds == [12345]
