@@ -208,6 +208,14 @@ def _early_recompute(steps: list[dict]) -> str:
     return "" if share is None else f", {share:.0%} of the recompute scored while the rewards were computed"
 
 
+def _merged_rollout_units(units: dict) -> str:
+    """' (the rollout's on merged LoRA weights X, a merge Y)' when the rollout merged (rollout.merge_lora)."""
+    merge = units.get("merge_per_rollout")
+    if not merge:
+        return ""
+    return f" (the rollout's on merged LoRA weights {units['rollout_forward_per_row'] / 1e12:.3f}, a merge {merge / 1e12:.3f})"
+
+
 def _lora_merge(steps: list[dict]) -> str:
     """', the LoRA merge X s of the rollout' (median of the timed steps; '' without rollout.merge_lora)."""
     seconds = [s["lora_merge_seconds"] for s in steps if s.get("lora_merge_seconds") is not None]
@@ -346,7 +354,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
     if peak and units:
         lines += [
             f"Matmul peak {peak['sustained_flops'] / 1e12:.0f} TFLOP/s sustained; {units['forward_per_row'] / 1e12:.3f} "
-            f"TFLOP per row-forward, {units['decode_per_image'] / 1e12:.3f} per decode, "
+            f"TFLOP per row-forward{_merged_rollout_units(units)}, {units['decode_per_image'] / 1e12:.3f} per decode, "
             f"{units['train_per_sample_step'] / 1e12:.3f} per sample-step of forward + backward.",
             "",
         ]

@@ -122,7 +122,7 @@ def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_mer
     # The merge's own seconds, part of the rollout phase, are kept per step and printed.
     steps = report["flowrl"]["steps"]
     assert all(0 < step["lora_merge_seconds"] < step["seconds"]["rollout"] for step in steps)
-    assert "the LoRA merge" in printed
+    assert "the LoRA merge" in printed and "the rollout's on merged LoRA weights" in printed
 
 
 @pytest.mark.parametrize(
