@@ -26,7 +26,7 @@ run merges what the straight run did. With `compiled=True` (the trainer passes e
 bfloat16 weights round in one compiled kernel per layer, whose noise is a hash of the entry's index
 and the layer's keys (`hashed_noise`): one pass that reads the float32 s B A and W and writes W'.
 Otherwise the noise is drawn from a seeded generator into memory first, which takes several passes
-over every adapted weight; the hash computed eagerly would take many more, one pass per int64
+over every adapted weight; the hash computed eagerly would take many more, one pass per integer
 operation (what each way costs: docs/performance.md, benchmarks/lora_merge_time.py).
 """
 
@@ -43,30 +43,38 @@ from flowrl.trainer.lora import MERGED_WEIGHT, adapter_delta
 
 NOISE_BITS = 16  # the rounding's noise: integers uniform in [0, 2^16), one per entry
 
-_MASK32 = 0xFFFFFFFF
 # A 32-bit integer hash: xor-shift, multiply, twice, then one more xor-shift (shifts and constants
-# from Chris Wellons' hash-prospector search). Both multipliers are under 2^31, so every product of
-# a 32-bit value fits in int64 without overflow.
+# from Chris Wellons' hash-prospector search), in int32 arithmetic: products wrap modulo 2^32 as
+# the hash's unsigned arithmetic does, and each right shift is masked to a logical one. int32 keeps
+# the compiled kernel at one 32-bit multiply per product, where int64 products cost several.
 _HASH_ROUNDS = ((16, 0x21F0AAAD), (15, 0x735A2D97))
 _HASH_FINAL_SHIFT = 15
 
 
+def _logical_right_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
+    # int32's >> copies the sign bit; the hash shifts zeros in.
+    return (x >> shift) & ((1 << (32 - shift)) - 1)
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     for shift, multiplier in _HASH_ROUNDS:
-        x = ((x ^ (x >> shift)) * multiplier) & _MASK32
-    return x ^ (x >> _HASH_FINAL_SHIFT)
+        x = (x ^ _logical_right_shift(x, shift)) * multiplier
+    return x ^ _logical_right_shift(x, _HASH_FINAL_SHIFT)
 
 
 def rounding_keys(seed: int, layer_number: int) -> torch.Tensor:
-    """The two 32-bit keys (an int64 tensor) of one layer's hashed noise under a merge seed:
+    """The two 32-bit keys (an int32 tensor) of one layer's hashed noise under a merge seed:
     distinct layers draw unrelated noise."""
-    return torch.from_numpy(np.random.SeedSequence([seed, layer_number]).generate_state(2).astype(np.int64))
+    state = np.random.SeedSequence([seed, layer_number]).generate_state(2)  # uint32
+    return torch.from_numpy(state.view(np.int32).copy())
 
 
 def hashed_noise(numel: int, keys: torch.Tensor) -> torch.Tensor:
-    """Rounding noise for indices 0..numel-1 (int64, uniform in [0, 2^NOISE_BITS)): the hash of
+    """Rounding noise for indices 0..numel-1 (int32, uniform in [0, 2^NOISE_BITS)): the hash of
     each index mixed with the first key, hashed again with the second (`rounding_keys`)."""
-    index = torch.arange(numel, dtype=torch.int64, device=keys.device)
+    if numel > torch.iinfo(torch.int32).max:
+        raise ValueError(f"hashed_noise: {numel} entries do not fit int32 indices; round this weight with drawn_noise")
+    index = torch.arange(numel, dtype=torch.int32, device=keys.device)
     return _hash32(_hash32(index ^ keys[0]) ^ keys[1]) & ((1 << NOISE_BITS) - 1)
 
 
@@ -157,7 +165,7 @@ def merged_lora(module: torch.nn.Module, seed: int, compiled: bool = False) -> I
             generators: dict[torch.device, torch.Generator] = {}
             for number, layer in enumerate(layers):
                 weight = layer.base_layer.weight
-                if compiled and weight.dtype == torch.bfloat16:
+                if compiled and weight.dtype == torch.bfloat16 and weight.numel() <= torch.iinfo(torch.int32).max:
                     noise = keys[weight.device][number]
                 else:
                     if weight.device not in generators:

@@ -89,6 +89,34 @@ def test_hashed_noise_is_uniform_and_unrelated_across_layers_and_seeds():
         assert not torch.equal(noise, other)
 
 
+def _unsigned_hash32_reference(x: torch.Tensor) -> torch.Tensor:
+    """The hash as written for unsigned 32-bit integers, in int64 with every product reduced
+    modulo 2^32 (nothing here can overflow)."""
+    for shift, multiplier in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
+        x = ((x ^ (x >> shift)) * multiplier) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def test_hashed_noise_in_int32_is_the_unsigned_hash():
+    """hashed_noise computes in int32, where products wrap and shifts are masked to logical ones:
+    its noise equals the unsigned 32-bit hash's, computed without any overflow, entry for entry
+    (eagerly and compiled), over indices and keys with the sign bit set and clear."""
+    n = 1 << 16
+    for seed, layer_number in ((0, 0), (3, 11), (123456789, 719)):
+        keys = rounding_keys(seed, layer_number)
+        assert keys.dtype == torch.int32
+        unsigned_keys = keys.to(torch.int64) & 0xFFFFFFFF
+        index = torch.arange(n, dtype=torch.int64)
+        expected = _unsigned_hash32_reference(_unsigned_hash32_reference(index ^ unsigned_keys[0]) ^ unsigned_keys[1])
+        expected = expected & ((1 << NOISE_BITS) - 1)
+        assert torch.equal(hashed_noise(n, keys).to(torch.int64), expected)
+    assert (rounding_keys(0, 0) < 0).all()  # keys with the sign bit set are among those above
+    compiled = torch.compile(hashed_noise, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(n, keys), hashed_noise(n, keys))
+    with pytest.raises(ValueError, match="2147483648 entries do not fit int32 indices"):
+        hashed_noise(1 << 31, keys)  # refused before any work
+
+
 def test_the_compiled_rounding_kernel_computes_what_its_function_does_and_compiles_once():
     """merged_lora(compiled=True) rounds bf16 weights with torch.compile(round_merge_hashed): its
     values equal the function's own, entry for entry; merges of new seeds and of other layer
