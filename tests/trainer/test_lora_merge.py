@@ -262,12 +262,8 @@ def test_a_float32_run_on_merged_rollouts_trains_as_the_run_on_the_adapter(build
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("compile_engine", [False, True])
-def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
-    build_trainer, make_cfg, monkeypatch, compile_engine
-):
-    """A training rollout's merge rounds in the compiled kernel with engine.compile and on drawn
-    noise without it, under the seed of (rollout.seed, policy version)."""
+def _record_merges(monkeypatch) -> list[tuple[int, bool]]:
+    """The (seed, compiled) of every merged_lora call the trainer makes from here on."""
     import flowrl.trainer.lora_merge as lora_merge
 
     calls = []
@@ -278,6 +274,16 @@ def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
         return real(module, seed, compiled)
 
     monkeypatch.setattr(lora_merge, "merged_lora", recording)
+    return calls
+
+
+@pytest.mark.parametrize("compile_engine", [False, True])
+def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
+    build_trainer, make_cfg, monkeypatch, compile_engine
+):
+    """A training rollout's merge rounds in the compiled kernel with engine.compile and on drawn
+    noise without it, under the seed of (rollout.seed, policy version)."""
+    calls = _record_merges(monkeypatch)
     cfg = make_cfg(
         "trainer.lora.enabled=true",
         "algorithm.old_log_prob=recompute",
@@ -295,16 +301,7 @@ def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
 def test_without_a_rollout_seed_every_rank_merges_with_rank_zeros_fresh_seed(build_trainer, make_cfg, monkeypatch):
     """rollout.seed=null: the merge's seed is fresh randomness that rank 0 broadcasts, so the ranks
     of a run still merge the same weights."""
-    import flowrl.trainer.lora_merge as lora_merge
-
-    seeds, broadcast = [], []
-    real = lora_merge.merged_lora
-
-    def recording(module, seed, compiled=False):
-        seeds.append(seed)
-        return real(module, seed, compiled)
-
-    monkeypatch.setattr(lora_merge, "merged_lora", recording)
+    calls, broadcast = _record_merges(monkeypatch), []
     cfg = make_cfg(
         "trainer.lora.enabled=true",
         "algorithm.old_log_prob=recompute",
@@ -321,4 +318,4 @@ def test_without_a_rollout_seed_every_rank_merges_with_rank_zeros_fresh_seed(bui
     monkeypatch.setattr(type(trainer.world), "broadcast", rank_zeros)
     with trainer.rollout_weights():
         pass
-    assert len(broadcast) == 1 and seeds == [12345]
+    assert len(broadcast) == 1 and [seed for seed, _ in calls] == [12345]
