@@ -12,7 +12,8 @@
 #             (LoRA, gradient checkpointing, bf16 autocast, CFG), and their log-prob gaps, less those of
 #             tests-trainer-update and tests-cuda-graphs (all of tests/trainer ran past 540 s) ~6-8 min
 #   tests-trainer-update  the update's device waits per optimizer step (SD3, Qwen-Image), merged
-#             rollouts compiling once (rollout.merge_lora), gradient_checkpointing=auto's probe  ~6.5 min
+#             rollouts compiling once (rollout.merge_lora) and their compiled rounding equal to the
+#             CPU's, gradient_checkpointing=auto's probe                                      ~6.5 min
 #   tests-cuda-graphs  the GPU test of trainer.cuda_graphs: a compiled tiny Qwen-Image's update with its
 #             training graphs replayed as CUDA graphs accumulates the gradients it does without ~1-2 min
 #   tests-checkpointing  the GPU test of trainer.gradient_checkpointing=auto: the probe on a compiled
@@ -145,6 +146,9 @@
 #                      cuDNN's and on flash attention: which op's device memsets end the update's
 #                      long GPU gaps (the LoRA factors' split-K weight gradients, or cuDNN's
 #                      attention), and what each costs a training call                          ~5.5 min
+#   attention-backends  attention_backends.py: SDPA's cuDNN, flash and memory-efficient backends against
+#                      its own choice at the Qwen-Image and SD3.5-medium recipes' attention shapes,
+#                      forward and forward + backward                                          ~1 min
 #   gemm-memsets       gemm_memsets.py: that block's GEMM shapes alone (both streams, forward and input
 #                      gradient) under PyTorch's defaults, with bf16 reduced-precision reductions
 #                      off and on cuBLASLt: which issue a device memset, and at what cost         ~0.5 min
@@ -254,7 +258,7 @@ script() {
 # the recipes' OCR reward and prompt files.
 RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
 # The GPU tests of tests/trainer/test_gpu.py that suite tests-trainer-update runs (tests-trainer the others)
-TRAINER_UPDATE_TESTS="waits_for_the_device or merged_rollouts or auto_checkpointing"
+TRAINER_UPDATE_TESTS="waits_for_the_device or merged_rollouts or merge_rounding or auto_checkpointing"
 
 # dist_train NAME CAP LOG MODEL SIZE OVERRIDES...: 2 training steps of `torchrun --nproc-per-node
 # ${NPROC:-1} -m flowrl train` (NCCL on GPUs, gloo on the CPU; 2 prompts x 4 samples per rank) into
@@ -501,6 +505,8 @@ suite() {
         --variants "$lora,sequence-major:eager,$lora:sdpa=cudnn,$lora:sdpa=flash" ;;
     gemm-memsets)
       script "$s" 90 "$log" benchmarks/gemm_memsets.py ;;
+    attention-backends)
+      script "$s" 120 "$log" benchmarks/attention_backends.py ;;
     cublaslt-memsets)
       script "$s" 180 "$log" benchmarks/cublaslt_algos.py --rows 8 --problems img-proj,img-mlp-up-bias,img-mlp-down ;;
     qwen-train-block-combo)

@@ -318,3 +318,15 @@ def test_qwen_block_variants_refuses_an_unknown_sdpa_backend():
 
     with pytest.raises(SystemExit, match="sdpa='fast'.*cudnn, flash, efficient, math"):
         parse_variant("sequence-major:eager:sdpa=fast")
+
+
+def test_attention_backends_script_times_each_backend_forward_and_backward():
+    """benchmarks/attention_backends.py on the CPU (small shapes, the math backend and SDPA's own
+    choice): each backend's forward and forward + backward timed with a TFLOP/s, and its output
+    compared with the default's."""
+    out = run_script(
+        "attention_backends.py", "--shapes", "qwen-train", "sd35-train", "--seconds", "0.01", "--rounds", "1"
+    )
+    rows = re.findall(r"^  (default|MATH) +(forward|fwd\+bwd) .* median +\S+ ms +\S+ TFLOP/s$", out, re.M)
+    assert len(rows) == 8 and {backend for backend, _ in rows} == {"default", "MATH"}, out
+    assert len(re.findall(r"largest difference from the default's forward: .*'MATH': '", out)) == 2, out

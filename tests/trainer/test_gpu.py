@@ -328,3 +328,22 @@ def test_kl_at_the_reference_weights_is_the_compiled_graphs_rounding(
             floors[name] = max(floors.get(name, 0.0), kl)
     print(kind, "largest KL at the reference's weights, per step mean:", floors)
     assert all(0.0 <= kl < 1e-3 for kl in floors.values()), floors
+
+
+def test_the_compiled_merge_rounding_on_cuda_equals_the_cpu_function():
+    """rollout.merge_lora's compiled rounding on CUDA (Triton's int32 arithmetic, wrapping products,
+    masked shifts) gives the CPU function's noise and bf16 weights, entry for entry: the merge is the
+    same on any device, with keys whose sign bit is set among them."""
+    from flowrl.trainer.lora_merge import _compiled_round_merge_hashed, hashed_noise, round_merge_hashed, rounding_keys
+
+    n = (1 << 22) + 3  # not a multiple of any block size
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(n, generator=generator) * 0.05).to(torch.bfloat16)
+    delta = torch.randn(n, generator=generator) * 1e-3
+    for seed, layer_number in ((0, 0), (123456789, 719)):
+        keys = rounding_keys(seed, layer_number)
+        assert torch.equal(hashed_noise(n, keys.cuda()).cpu(), hashed_noise(n, keys))
+        on_cuda = _compiled_round_merge_hashed()(delta.cuda(), weight.cuda(), keys.cuda())
+        assert on_cuda.dtype == torch.bfloat16
+        assert torch.equal(on_cuda.cpu(), round_merge_hashed(delta, weight, keys))
+    assert (rounding_keys(0, 0) < 0).all()
