@@ -200,6 +200,16 @@ def metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
 
 
+# Metrics that measure when things happened, not what was trained: they differ between two runs
+# of the same training (the early share: how much of the recompute ran before the rewards were in).
+TIMING_METRICS = ("timing/", "rollout/images_per_second", "actor/old_log_prob_early_share")
+
+
+def trained_metrics(record: dict) -> dict:
+    """A metrics record without its `TIMING_METRICS`."""
+    return {key: value for key, value in record.items() if not key.startswith(TIMING_METRICS)}
+
+
 def final_weights(output: Path, folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors files under output/final/folder."""
     weights = {}
