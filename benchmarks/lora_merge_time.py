@@ -16,29 +16,19 @@ as a smoke run.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from timing import sustained_seconds
 
 from flowrl.bench.flops import synchronize
 from flowrl.bench.models import build_bench_model, make_trainable
+from flowrl.config.loading import load_config
 from flowrl.trainer.lora import adapter_delta
 from flowrl.trainer.lora_merge import mergeable_layers, merged_lora, round_merge_hashed, rounding_keys
 
-QWEN_TARGETS = [
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-]
+# The recipe whose LoRA targets the merge adapts (its file is their one home).
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "qwen_image_ocr_lora.yaml"
 
 
 def copy_bytes_per_second(device: torch.device, seconds: float) -> float:
@@ -61,7 +51,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = args.model or ("qwen-image" if device.type == "cuda" else "tiny-qwen")
     transformer = build_bench_model(model, device, dtype).adapter.transformer
-    make_trainable(transformer, args.rank, QWEN_TARGETS)
+    make_trainable(transformer, args.rank, load_config(str(RECIPE)).trainer.lora.target_modules)
     with torch.no_grad():  # B away from zero, as after some training
         for name, param in transformer.named_parameters():
             if "lora_B" in name:

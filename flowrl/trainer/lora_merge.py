@@ -69,10 +69,15 @@ def rounding_keys(seed: int, layer_number: int) -> torch.Tensor:
     return torch.from_numpy(state.view(np.int32).copy())
 
 
+def fits_hashed_noise(numel: int) -> bool:
+    """Whether a weight of `numel` entries can round on `hashed_noise` (its indices are int32)."""
+    return numel <= torch.iinfo(torch.int32).max
+
+
 def hashed_noise(numel: int, keys: torch.Tensor) -> torch.Tensor:
     """Rounding noise for indices 0..numel-1 (int32, uniform in [0, 2^NOISE_BITS)): the hash of
     each index mixed with the first key, hashed again with the second (`rounding_keys`)."""
-    if numel > torch.iinfo(torch.int32).max:
+    if not fits_hashed_noise(numel):
         raise ValueError(f"hashed_noise: {numel} entries do not fit int32 indices; round this weight with drawn_noise")
     index = torch.arange(numel, dtype=torch.int32, device=keys.device)
     return _hash32(_hash32(index ^ keys[0]) ^ keys[1]) & ((1 << NOISE_BITS) - 1)
@@ -165,7 +170,7 @@ def merged_lora(module: torch.nn.Module, seed: int, compiled: bool = False) -> I
             generators: dict[torch.device, torch.Generator] = {}
             for number, layer in enumerate(layers):
                 weight = layer.base_layer.weight
-                if compiled and weight.dtype == torch.bfloat16 and weight.numel() <= torch.iinfo(torch.int32).max:
+                if compiled and weight.dtype == torch.bfloat16 and fits_hashed_noise(weight.numel()):
                     noise = keys[weight.device][number]
                 else:
                     if weight.device not in generators:

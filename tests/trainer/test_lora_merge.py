@@ -5,6 +5,8 @@ a float32 run with merged rollouts trains as the run without; the config refuses
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -44,10 +46,7 @@ def _delta(layer) -> torch.Tensor:
 def _noise(source: str, shape, seed: int = 0) -> torch.Tensor:
     if source == "drawn":
         return drawn_noise(torch.Size(shape), torch.Generator().manual_seed(seed))
-    numel = 1
-    for size in shape:
-        numel *= size
-    return hashed_noise(numel, rounding_keys(seed, 0)).view(shape)
+    return hashed_noise(math.prod(shape), rounding_keys(seed, 0)).view(shape)
 
 
 @pytest.mark.parametrize("source", ["drawn", "hashed"])
