@@ -72,7 +72,8 @@
 #   train-step-qwen / train-step-sd35  each recipe alone as the recipe runs (compiled), ~6.5 / ~9 min
 #             (train-step-qwen without its peer: ~5 min; train-step-sd35's first step, which
 #             compiles, took 419 s on an H200); STEPS=K times K steps, PEER_STEPS=0 skips the peer,
-#             PROFILE=1 adds one profiled step (--profile);
+#             PROFILE=1 adds one profiled step (--profile), OVERRIDES="key=value ..." adds recipe
+#             overrides (after the suite's own, e.g. OVERRIDES="trainer.micro_batch_size=6");
 #             train-step-qwen-graphs / train-step-sd35-graphs: with trainer.cuda_graphs=true (the
 #             SD3.5 update idles about a quarter of its time in short gaps; its first step compiles and
 #             records the graphs too: train-step-sd35-graphs with PEER_STEPS=0 took 397 s cold on an H200);
@@ -411,10 +412,10 @@ suite() {
       [[ $s == *-merged ]] && graphs="rollout.merge_lora=true"
       # cuBLASLt's workspace in KiB (PyTorch's default on Hopper: 32768); larger lets split-K GEMMs
       # reduce through it rather than zero their output with a memset first
-      # shellcheck disable=SC2086  # $RANDOM_RUN and $graphs are lists of overrides
+      # shellcheck disable=SC2086  # $RANDOM_RUN, $graphs and $OVERRIDES are lists of overrides
       ( [[ $s == *-workspace ]] && export CUBLASLT_WORKSPACE_SIZE=${WORKSPACE_KIB:-262144}
       run $s 540 "$log" train --config recipes/qwen_image_ocr_lora.yaml model.path=random:qwen-image \
-        $RANDOM_RUN trainer.prompts_per_step=2 $graphs --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
+        $RANDOM_RUN trainer.prompts_per_step=2 $graphs ${OVERRIDES:-} --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
         ${PROFILE:+--profile} ) ;;
     train-step-qwen-ocr)
       python3 -m flowrl.cli data ocr --num 256 --out "$OUT/ocr_train.jsonl" --seed 0 >>"$log" 2>&1
@@ -427,9 +428,9 @@ suite() {
       [[ $s == *-eager ]] && variant="engine.compile=false"
       [[ $s == *-steps3 ]] && variant="trainer.steps_per_forward=3"
       [[ $s == *-graphs ]] && variant="trainer.cuda_graphs=true"
-      # shellcheck disable=SC2086  # $RANDOM_RUN and $variant are lists of overrides
+      # shellcheck disable=SC2086  # $RANDOM_RUN, $variant and $OVERRIDES are lists of overrides
       run $s 540 "$log" train --config recipes/sd35_medium_ocr_lora.yaml model.path=random:sd35-medium \
-        $RANDOM_RUN trainer.prompts_per_step=1 $variant --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
+        $RANDOM_RUN trainer.prompts_per_step=1 $variant ${OVERRIDES:-} --steps "${STEPS:-1}" --peer-steps "${PEER_STEPS:-1}" \
         ${PROFILE:+--profile} ;;
     tiny-qwen-gap-variants)  # the tiny Qwen-Image's gap on CUDA, one setting changed at a time
       local i=0 v
