@@ -142,6 +142,8 @@ def test_wrong_type_names_key_and_value(override, key):
         ("algorithm.train_timestep_fraction=0", "algorithm.train_timestep_fraction"),
         ("trainer.lr=-1e-4", "trainer.lr"),
         ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+        ("trainer.activation_memory_budget=0", "trainer.activation_memory_budget"),
+        ("trainer.activation_memory_budget=1.5", "trainer.activation_memory_budget"),
         ("trainer.lora.init=xavier", "trainer.lora.init"),
         ("rollout.sampling.sde_type=ode", "rollout.sampling.sde_type"),
         ("rollout.sampling.height=65", "rollout.sampling.height"),
@@ -154,6 +156,20 @@ def test_wrong_type_names_key_and_value(override, key):
 def test_semantic_errors_name_the_field(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+def test_an_activation_memory_budget_needs_compiled_training_graphs():
+    """Below 1 the budget sets how compiled grad graphs are partitioned; an eager trainer has
+    none, so the setting is refused there rather than ignored."""
+    with pytest.raises(ValueError, match=r"^trainer\.activation_memory_budget=0\.9 is invalid: .*engine\.compile=true"):
+        load_config(None, ["trainer.activation_memory_budget=0.9", "engine.compile=false"])
+    assert (
+        load_config(
+            None, ["trainer.activation_memory_budget=0.9", "engine.compile=true"]
+        ).trainer.activation_memory_budget
+        == 0.9
+    )
+    assert load_config(None, ["engine.compile=false"]).trainer.activation_memory_budget == 1.0
 
 
 def test_reward_component_keys_are_checked():

@@ -24,7 +24,13 @@ CORE = (
     "flowrl.rollout",
     "flowrl.trainer",
 )
-ACCEL_ENTRY = {"compile_adapter", "cuda_graph_skips", "is_compiled", "set_training_cuda_graphs"}
+ACCEL_ENTRY = {
+    "compile_adapter",
+    "cuda_graph_skips",
+    "is_compiled",
+    "set_training_activation_budget",
+    "set_training_cuda_graphs",
+}
 
 
 def _modules() -> dict[str, Path]:

@@ -14,7 +14,9 @@ the new switches (graphs that read a changed switch retrace); backend, rounding 
 `sequence_major` are fixed by the first call. `is_compiled(adapter)` says whether it ran.
 `set_training_cuda_graphs(adapter, True)` replays the compiled blocks' training graphs as CUDA
 graphs (the trainer's `trainer.cuda_graphs`); `cuda_graph_skips()` counts graphs inductor could
-not graph.
+not graph. `set_training_activation_budget(adapter, budget)` keeps that share of the activations
+the training graphs would keep for their backward, recomputing the rest there (the trainer's
+`trainer.activation_memory_budget`).
 
 Exactness rule, for every fast path here: results equal the eager path's up to bf16 rounding (in
 float32, up to summation order), and each kernel rounds where eager PyTorch rounds wherever it
@@ -29,7 +31,7 @@ lora_fold.py (LoRA's low-rank term inside the base GEMM, with an adapted MLP's G
 epilogue), qwen_image/ (Qwen-Image's block fast
 path and modulation table), flux.py (FLUX.1's single-stream blocks without their concatenation).
 The core (config, sampler, models, engine, rollout, trainer) imports
-only the four functions below from here, inside the functions that need them, and the
+only the functions below from here, inside the functions that need them, and the
 adapters expose one hook that this package installs into (QwenImageAdapter.transformer_call_hook).
 Importing this package loads none of torch's compiler.
 """
@@ -57,6 +59,17 @@ def set_training_cuda_graphs(adapter, enabled: bool) -> None:
     set_graphs(adapter, enabled)
 
 
+def set_training_activation_budget(adapter, budget: float) -> None:
+    """Compile the blocks' training graphs keeping at most `budget` (0 < budget <= 1) of the
+    activations their forwards keep for the backward by default, recomputing the rest in the
+    backward, elementwise results first (regional_compile.set_grad_activation_budget says how).
+    Set before the first training forward. A ValueError when the adapter is not compiled or the
+    budget is out of range."""
+    from flowrl.accel.adapter import set_training_activation_budget as set_budget
+
+    set_budget(adapter, budget)
+
+
 def cuda_graph_skips() -> int:
     """How many compiled graphs inductor ran without CUDA graphs although asked to, in this
     process (each logged with its reason, e.g. an input mutated in place): 0 means every graph
@@ -73,4 +86,10 @@ def is_compiled(adapter) -> bool:
     return compiled(adapter)
 
 
-__all__ = ["compile_adapter", "cuda_graph_skips", "is_compiled", "set_training_cuda_graphs"]
+__all__ = [
+    "compile_adapter",
+    "cuda_graph_skips",
+    "is_compiled",
+    "set_training_activation_budget",
+    "set_training_cuda_graphs",
+]

@@ -23,6 +23,7 @@ from flowrl.accel.options import AccelOptions, check_backend, check_compile_roun
 from flowrl.accel.regional_compile import (
     compile_in_place,
     compiled_settings,
+    set_grad_activation_budget,
     set_grad_cuda_graphs,
     take_checkpoints_inside,
 )
@@ -125,6 +126,14 @@ def set_training_cuda_graphs(adapter, enabled: bool) -> None:
         raise ValueError(f"training CUDA graphs need a CUDA device; the model is on {adapter.device.type}")
     for _, module in compiled_regions(adapter):
         set_grad_cuda_graphs(module, enabled)
+
+
+def set_training_activation_budget(adapter, budget: float) -> None:
+    """flowrl.accel.set_training_activation_budget (see flowrl.accel)."""
+    if not is_compiled(adapter):
+        raise ValueError("a training activation memory budget needs a compiled model (engine.compile=true)")
+    for _, module in compiled_regions(adapter):
+        set_grad_activation_budget(module, budget)
 
 
 def cuda_graph_skips() -> int:

@@ -5,7 +5,9 @@ Each module (a transformer block, SD3's VAE decoder) keeps its parameters, names
 state_dict; only its call goes through compiled graphs: one for calls with grad (the trainer), one
 for calls without (the rollout, the old-log-prob recompute), with the batch dim dynamic. Where
 inductor rounds low-precision intermediates is a setting (EMULATE_PRECISION_CASTS). With gradient
-checkpointing, the checkpoint is taken inside the compiled grad graph (`checkpoint_inside`).
+checkpointing, the checkpoint is taken inside the compiled grad graph (`checkpoint_inside`). How
+much of a grad graph's forward is kept for its backward is a setting too
+(`set_grad_activation_budget`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import threading
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
 import torch.utils.checkpoint
 
@@ -156,13 +159,20 @@ def compile_in_place(
             _, tensors = _batch_tensors(args, kwargs)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        budget = None
         if not torch.is_grad_enabled():
             fn = compiled_no_grad
-        elif module._flowrl_graphed_calls is not None:
-            fn = module._flowrl_graphed_calls[checkpoint]
         else:
-            fn = compiled_checkpointed if checkpoint else compiled
-        out = fn(*args, **kwargs)
+            budget = module._flowrl_activation_budget
+            if module._flowrl_graphed_calls is not None:
+                fn = module._flowrl_graphed_calls[checkpoint]
+            else:
+                fn = compiled_checkpointed if checkpoint else compiled
+        if budget is None:
+            out = fn(*args, **kwargs)
+        else:  # read where the grad graph is partitioned, on its first call (in this thread)
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                out = fn(*args, **kwargs)
         return _first_row(out) if padded else out
 
     module._compiled_call_impl = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=False)
@@ -170,6 +180,7 @@ def compile_in_place(
     module._flowrl_compile_settings = (backend, rounding)
     module._flowrl_make_graphed_calls = graphed_calls
     module._flowrl_graphed_calls = None  # set_grad_cuda_graphs
+    module._flowrl_activation_budget = None  # set_grad_activation_budget
     return True
 
 
@@ -197,6 +208,29 @@ def set_grad_cuda_graphs(module: torch.nn.Module, enabled: bool) -> None:
     if settings[0] != "inductor":
         raise ValueError(f"CUDA graphs need the inductor backend; this module is compiled with {settings[0]!r}")
     module._flowrl_graphed_calls = module._flowrl_make_graphed_calls()
+
+
+def set_grad_activation_budget(module: torch.nn.Module, budget: float) -> None:
+    """Compile `module`'s grad calls keeping at most `budget` (0 < budget <= 1) of the activations
+    their forward would keep for the backward by default, recomputing the rest in the backward
+    (torch's `activation_memory_budget`, read by AOTAutograd's partitioner when it splits a grad
+    graph into forward and backward). The partitioner recomputes what costs least first: the
+    elementwise results (norms, activations, casts, which cost no FLOPs to redo), then, only where
+    the budget needs more, matrix products. 1 keeps torch's default partition.
+
+    Why: a micro-batch's activations are what decides whether it fits without gradient
+    checkpoints, and a checkpoint recomputes a whole forward where the elementwise results alone
+    may free enough (docs/training.md gives measured sizes). Values are those of the default
+    partition up to rounding; the FLOPs are too, unless the budget is low enough to recompute
+    products.
+
+    Call it before the module's first grad call: the partition is made when the grad graph
+    compiles, and the compiled graph is reused afterwards whatever the setting."""
+    if compiled_settings(module) is None:
+        raise ValueError("set_grad_activation_budget: the module is not compiled (compile_in_place it first)")
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"activation memory budget {budget!r} is not in (0, 1]")
+    module._flowrl_activation_budget = None if budget == 1.0 else float(budget)
 
 
 def compiled_settings(module: torch.nn.Module) -> tuple[str, str] | None:

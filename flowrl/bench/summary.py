@@ -33,6 +33,12 @@ def _steps_per_forward(settings: dict) -> str:
     return f" at {steps} trained steps per forward" if steps and steps > 1 else ""
 
 
+def _activation_budget(settings: dict) -> str:
+    """', activation memory budget X' where the training graphs kept less than torch's default."""
+    budget = settings.get("activation_memory_budget", 1.0)
+    return f", activation memory budget {budget:g}" if budget is not None and budget < 1.0 else ""
+
+
 def _gpu(data: dict) -> str:
     env = data.get("environment", {})
     return env.get("gpu") or env.get("device", "?")
@@ -345,7 +351,7 @@ def train_markdown(name: str, data: dict) -> list[str]:
         f"### {name}: {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
         f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {s.get('size')}px, guidance "
         f"{s.get('guidance_scale')}, {s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank "
-        f"{s.get('lora_rank')}, micro-batch {s.get('micro_batch_size')}{_steps_per_forward(s)}, "
+        f"{s.get('lora_rank')}, micro-batch {s.get('micro_batch_size')}{_steps_per_forward(s)}{_activation_budget(s)}, "
         f"{'compiled' if s.get('compile') else 'eager'}, "
         f"{_gpu(data)}",
         "",

@@ -297,6 +297,7 @@ def _settings(args, cfg, adapter) -> dict:
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,
         "gradient_checkpointing": tcfg.gradient_checkpointing,
+        "activation_memory_budget": tcfg.activation_memory_budget,
         "cuda_graphs": tcfg.cuda_graphs,
         "mixed_precision": tcfg.mixed_precision,
         "old_log_prob": cfg.algorithm.old_log_prob,

@@ -140,6 +140,10 @@ class FlowGRPOTrainer:
             from flowrl.accel import compile_adapter
 
             self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
+            if tcfg.activation_memory_budget < 1.0:  # before the first training forward partitions its graph
+                from flowrl.accel import set_training_activation_budget
+
+                set_training_activation_budget(self.adapter, tcfg.activation_memory_budget)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
             self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "

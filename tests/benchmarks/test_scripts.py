@@ -330,3 +330,24 @@ def test_attention_backends_script_times_each_backend_forward_and_backward():
     rows = re.findall(r"^  (default|MATH) +(forward|fwd\+bwd) .* median +\S+ ms +\S+ TFLOP/s$", out, re.M)
     assert len(rows) == 8 and {backend for backend, _ in rows} == {"default", "MATH"}, out
     assert len(re.findall(r"largest difference from the default's forward: .*'MATH': '", out)) == 2, out
+
+
+def test_activation_budget_script_keeps_less_under_a_budget_and_recomputes_products_only_when_low():
+    """benchmarks/activation_budget.py on the CPU (a small block with the recipe's LoRA): under 0.9
+    the forward keeps less for the backward than torch's default partition with the same products
+    in both passes; under 0.1 the backward recomputes products to keep less still."""
+    out = run_script(
+        "activation_budget.py",
+        *("--budgets", "1,0.9,0.1", "--heads", "4", "--head-dim", "32", "--image-tokens", "64"),
+        *("--text-tokens", "8", "--rows", "2", "--lora-rank", "4"),
+    )
+    rows = re.findall(
+        r"^budget (\S+): keeps \S+ MiB per call \(([\d.]+)% of the first budget's\); forward (\d+) products .*"
+        r"backward (\d+) products",
+        out,
+        re.M,
+    )
+    assert [budget for budget, *_ in rows] == ["1", "0.9", "0.1"], out
+    (_, full, fw, bw), (_, share, fw_09, bw_09), (_, low, fw_01, bw_01) = rows
+    assert float(full) == 100.0 and float(share) < 90.0 and float(low) < float(share), out
+    assert fw == fw_09 == fw_01 and bw == bw_09 and int(bw_01) > int(bw), out
