@@ -346,3 +346,16 @@ def test_the_summary_prints_the_reserved_peak_beside_the_allocated_one():
     assert _memory({"peak_memory_gb": 10.23, "peak_memory_reserved_gb": 29.61}) == "10.2 GB allocated, 29.6 GB reserved"
     assert _memory({"peak_memory_gb": 10.23}) == "10.2 GB"
     assert _memory({"peak_memory_gb": None, "peak_memory_reserved_gb": None}) == "- GB"
+
+
+def test_the_header_names_an_activation_memory_budget_only_below_one():
+    """A run with trainer.activation_memory_budget < 1 kept less than torch's default for its
+    backward: the header says so; at 1, or in reports written before the setting, it says nothing."""
+    from flowrl.bench.summary import train_markdown
+
+    def header(settings: dict) -> str:
+        return train_markdown("train", {"settings": {"micro_batch_size": 6, **settings}})[0]
+
+    assert "micro-batch 6, activation memory budget 0.9, " in header({"activation_memory_budget": 0.9})
+    assert "activation memory budget" not in header({"activation_memory_budget": 1.0})
+    assert "activation memory budget" not in header({})
