@@ -415,7 +415,7 @@ class TrainerConfig:
     activation_memory_budget: the share (0 < x <= 1) of the activations the compiled training
         graphs keep for their backward, against torch's default partition (1, the default): below
         1 the graphs recompute the rest in the backward, the elementwise results (norms,
-        activations, casts: no FLOPs) first and matrix products only where the budget needs more
+        activations, casts) first and matrix products only where the budget needs more
         (flowrl.accel.set_training_activation_budget). Less memory per micro-batch, so a larger
         micro-batch, or one without gradient checkpoints (which recompute a whole forward), fits.
         The Qwen-Image recipe's activations: 14.0 GiB per sample at 1, 9.1 GiB at 0.9, with no
