@@ -215,8 +215,8 @@ def set_grad_activation_budget(module: torch.nn.Module, budget: float) -> None:
     their forward would keep for the backward by default, recomputing the rest in the backward
     (torch's `activation_memory_budget`, read by AOTAutograd's partitioner when it splits a grad
     graph into forward and backward). The partitioner recomputes what costs least first: the
-    elementwise results (norms, activations, casts, which cost no matrix products to redo), then, only where
-    the budget needs more, matrix products. 1 keeps torch's default partition.
+    elementwise results (norms, activations, casts: no matrix products to redo), then, only
+    where the budget needs more, matrix products. 1 keeps torch's default partition.
 
     Why: a micro-batch's activations are what decides whether it fits without gradient
     checkpoints, and a checkpoint recomputes a whole forward where the elementwise results alone
