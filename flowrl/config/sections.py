@@ -417,9 +417,8 @@ class TrainerConfig:
         1 the graphs recompute the rest in the backward, the elementwise results (norms,
         activations, casts) first and matrix products only where the budget needs more
         (flowrl.accel.set_training_activation_budget). Less memory per micro-batch, so a larger
-        micro-batch, or one without gradient checkpoints (which recompute a whole forward), fits.
-        The Qwen-Image recipe's activations: 14.0 GiB per sample at 1, 9.1 GiB at 0.9, with no
-        product recomputed (docs/training.md). Needs engine.compile.
+        micro-batch, or one without gradient checkpoints (which recompute a whole forward), fits
+        (docs/training.md gives measured sizes). Needs engine.compile.
     cuda_graphs: replay the compiled blocks' training forwards and backwards as CUDA graphs
         (inductor's CUDA graph trees; needs engine.compile and a GPU, not with sharded weights),
         so the host launches each block's kernels at once. The same kernels, so the same update;
