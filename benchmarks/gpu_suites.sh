@@ -109,6 +109,10 @@
 #   qwen-floor         benchmarks/floor.py: one B=16 forward's matmuls and attention alone,
 #                      against the eager and compiled forward                                ~3 min
 #   qwen-floor-autotune  the same with inductor's GEMM autotuning (max-autotune) on          ~4 min
+#   train-floors       benchmarks/floor.py --train at the Qwen-Image and SD3.5-M recipes' settings: each
+#                      pass's matrix products alone against its FLOP limit, for the training call
+#                      (micro-batch rows, the recipe's LoRA and text length) and the rollout forward
+#                      (its rows); train-floors-qwen, train-floors-sd35: one recipe's         ~4 min
 #   qwen-logprob-compiled  the Qwen-Image log-prob gap with rollout and trainer compiled   ~3 min
 #   sd35-compiled      SD3.5-medium rollout: diffusers B=16 and the compiled engine, 3 repeats
 #                      (its VAE decoder compile alone took 196-250 s)                       ~5-6 min
@@ -461,6 +465,24 @@ suite() {
       local autotune=0; [[ $s == *-autotune ]] && autotune=1
       TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=$autotune script "$s" 300 "$log" benchmarks/floor.py --model qwen-image -n 16 \
         --steps 50 --size 512 --compile --json "$OUT/$s.json" ;;
+    train-floors|train-floors-qwen|train-floors-sd35)
+      local qwen_lora="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
+      qwen_lora="$qwen_lora,img_mlp.net.0.proj,img_mlp.net.2,txt_mlp.net.0.proj,txt_mlp.net.2"
+      local qwen=(--model qwen-image --guidance-scale 4.0 --max-sequence-length 256 --lora-rank 64 --lora-targets "$qwen_lora")
+      local sd35=(--model sd35-medium --guidance-scale 4.5 --max-sequence-length 128 --lora-rank 32)
+      local common=(--size 512 --seconds 2 --peak-seconds 3)
+      if [[ $s != train-floors-sd35 ]]; then
+        script qwen-train-floor 150 "$log" benchmarks/floor.py "${qwen[@]}" -n 4 --train "${common[@]}" \
+          --json "$OUT/qwen-train-floor.json"
+        script qwen-rollout-floor 150 "$log" benchmarks/floor.py "${qwen[@]}" -n 32 "${common[@]}" \
+          --json "$OUT/qwen-rollout-floor.json"
+      fi
+      if [[ $s != train-floors-qwen ]]; then
+        script sd35-train-floor 120 "$log" benchmarks/floor.py "${sd35[@]}" -n 8 --train "${common[@]}" \
+          --json "$OUT/sd35-train-floor.json"
+        script sd35-rollout-floor 120 "$log" benchmarks/floor.py "${sd35[@]}" -n 16 "${common[@]}" \
+          --json "$OUT/sd35-rollout-floor.json"
+      fi ;;
     qwen-logprob-compiled)
       run qwen-logprob-compiled 240 "$log" logprob --model qwen-image -n 8 --steps 10 --size 512 \
         --micro-batches 1,4,8 --sde-window-size 2 --train-micro-batch 2 --compile ;;
@@ -589,6 +611,8 @@ suite() {
         rollout.sampling.num_inference_steps=6 engine.compile=false model.max_sequence_length=16 --steps 1 --peak-seconds 0.1
       script smoke-floor 120 "$log" benchmarks/floor.py --model tiny-qwen -n 4 --steps 3 --size 64 --compile \
         --compile-backend aot_eager --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-floor.json"
+      script smoke-train-floor 120 "$log" benchmarks/floor.py --model tiny-sd3 -n 2 --size 64 --guidance-scale 4.5 \
+        --lora-rank 4 --train --seconds 0.1 --peak-seconds 0.1 --json "$OUT/smoke-train-floor.json"
       run smoke-flux-rollout 120 "$log" rollout --model tiny-flux -n 2 --steps 2 --size 64 --guidance-scale 3.5 \
         --true-cfg-scale 2.0 --peak-seconds 0.1 --modes pipeline-batched,engine-batched
       run smoke-flux-logprob 120 "$log" logprob --model tiny-flux -n 2 --steps 3 --size 64 --guidance-scale 3.5 \

@@ -22,14 +22,18 @@ from torch.utils.flop_counter import FlopCounterMode
 from flowrl.models.base import FlowModelAdapter
 
 
-def _sdpa_shape_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    # q @ k^T and attn @ v: 2 * b * h * Lq * Lk * (d_qk + d_v).
+def attention_flops(query_shape, key_shape, value_shape) -> int:
+    """One attention's matrix products, q @ k^T and attn @ v: 2 * b * h * Lq * Lk * (d_qk + d_v)."""
     *batch, lq, d = query_shape
     lk, dv = key_shape[-2], value_shape[-1]
     heads = 1
     for size in batch:
         heads *= size
     return 2 * heads * lq * lk * (d + dv)
+
+
+def _sdpa_shape_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return attention_flops(query_shape, key_shape, value_shape)
 
 
 def _extra_formulas() -> dict:

@@ -52,20 +52,26 @@ class BenchModel:
 
 
 def build_bench_model(
-    model: str, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None
+    model: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    num_layers: int | None = None,
+    max_sequence_length: int | None = None,
 ) -> BenchModel:
     """A BenchModel for a named architecture (flowrl.models.architectures; `random:NAME` too) or a
     local diffusers folder. num_layers: build a named architecture with fewer transformer blocks
-    (smoke tests only)."""
+    (smoke tests only). max_sequence_length: the adapter's text length (model.max_sequence_length;
+    None: the family's default), which also sets a named architecture's prompt length."""
     device = torch.device(device)
+    options = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     name = model.removeprefix(RANDOM_PREFIX)
     if name not in ARCHITECTURES:
         if num_layers is not None:
             raise ValueError(f"--num-layers={num_layers} applies to named architectures only, not model={model!r}")
-        adapter = load_adapter(model, device=device, dtype=dtype)  # raises a ValueError naming the fix
+        adapter = load_adapter(model, device=device, dtype=dtype, **options)  # raises a ValueError naming the fix
         return BenchModel(model, adapter.family, adapter, adapter.pipeline)
     try:
-        adapter = load_adapter(RANDOM_PREFIX + name, device, dtype, num_layers=num_layers, warn=False)
+        adapter = load_adapter(RANDOM_PREFIX + name, device, dtype, num_layers=num_layers, warn=False, **options)
     except ValueError as error:
         raise ValueError(str(error).replace("num_layers=", "--num-layers=")) from None
     return BenchModel(name, adapter.family, adapter, adapter.pipeline)
