@@ -68,7 +68,7 @@ class LinearCall:
 @dataclass
 class AttentionCall:
     op: object  # the aten overload the model dispatched (cuDNN, flash, efficient, CPU flash)
-    args: tuple  # tensors replaced by (shape, stride, dtype) specs
+    args: tuple  # tensors replaced by floor_train.tensor_spec
     kwargs: dict
     flops: int
 
@@ -97,10 +97,7 @@ class _AttentionRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if _is_attention_op(func):
             q, k, v = args[:3]
-            spec = tuple(
-                ("tensor", tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
-                for a in args
-            )
+            spec = tuple(floor_train.tensor_spec(a) if isinstance(a, torch.Tensor) else a for a in args)
             flops = flop_count.attention_flops(q.shape, k.shape, v.shape)
             self.record.attention.append(AttentionCall(func, spec, dict(kwargs), flops))
         return func(*args, **kwargs)
@@ -201,13 +198,8 @@ def _linear_groups(record: ForwardRecord, fused: bool) -> list[tuple[list[Linear
 def _linear_replay(groups, device, dtype):
     """A callable that runs the grouped Linear calls on the real weights (inputs: random buffers of
     the recorded shapes)."""
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    plan = []
-    for calls, weight, bias in groups:
-        rows, k = calls[0].rows, calls[0].module.in_features
-        if (rows, k) not in inputs:
-            inputs[(rows, k)] = torch.randn((rows, k), device=device, dtype=dtype)
-        plan.append((inputs[(rows, k)], weight, bias))
+    inputs = floor_train.Buffers(device, dtype)
+    plan = [(inputs(calls[0].rows, calls[0].module.in_features), weight, bias) for calls, weight, bias in groups]
 
     def run():
         for x, weight, bias in plan:
@@ -217,20 +209,10 @@ def _linear_replay(groups, device, dtype):
 
 
 def _attention_replay(record: ForwardRecord, device):
-    calls = []
-    for call in record.attention:
-        args = []
-        for a in call.args:
-            if isinstance(a, tuple) and a and a[0] == "tensor":
-                _, shape, stride, dtype = a
-                t = torch.empty_strided(shape, stride, device=device, dtype=dtype)
-                t.copy_(
-                    torch.randn(shape, device=device, dtype=torch.float32)
-                ) if dtype.is_floating_point else t.zero_()
-                args.append(t)
-            else:
-                args.append(a)
-        calls.append((call.op, tuple(args), call.kwargs))
+    calls = [
+        (call.op, tuple(floor_train.materialize(a, device) for a in call.args), call.kwargs)
+        for call in record.attention
+    ]
 
     def run():
         for op, args, kwargs in calls:

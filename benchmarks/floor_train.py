@@ -63,7 +63,7 @@ class LoraCall:
         if not self.output_used:
             return 0
         base = self.module.base_layer
-        dh_and_weights = 2 * self.rows * self.rank * (base.out_features + base.out_features + base.in_features)
+        dh_and_weights = 2 * self.rows * self.rank * (2 * base.out_features + base.in_features)
         return dh_and_weights + (2 * self.rows * self.rank * base.in_features if self.input_requires_grad else 0)
 
 
@@ -116,7 +116,7 @@ class SdpaRecorder(TorchFunctionMode):
             spec = {}
             for name, value in named.items():
                 if name in _SDPA_ARGUMENTS[:3]:
-                    value = ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype)
+                    value = tensor_spec(value)
                 elif isinstance(value, torch.Tensor):
                     value = ("kept", value.detach())
                 spec[name] = value
@@ -124,12 +124,21 @@ class SdpaRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _materialize(spec, device, requires_grad: bool = False):
+def tensor_spec(t: torch.Tensor) -> tuple:
+    """("tensor", shape, stride, dtype): a recorded tensor whose values the replay draws anew."""
+    return ("tensor", tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def materialize(spec, device, requires_grad: bool = False):
+    """A recorded argument back as a value: a `tensor_spec` as a tensor of that layout (random
+    values if floating point, zeros otherwise), a kept tensor as it was, anything else as given."""
     if isinstance(spec, tuple) and spec and spec[0] == "kept":
         return spec[1].to(device)
     if isinstance(spec, tuple) and spec and spec[0] == "tensor":
         _, shape, stride, dtype = spec
         t = torch.empty_strided(shape, stride, device=device, dtype=dtype)
+        if not dtype.is_floating_point:
+            return t.zero_()
         t.copy_(torch.randn(shape, device=device, dtype=torch.float32))
         return t.requires_grad_(requires_grad)
     return spec
@@ -141,7 +150,7 @@ def attention_train_replay(calls: list[SdpaCall], device):
     plan = []
     for call in calls:
         kwargs = {
-            name: _materialize(spec, device, requires_grad=name in _SDPA_ARGUMENTS[:3])
+            name: materialize(spec, device, requires_grad=name in _SDPA_ARGUMENTS[:3])
             for name, spec in call.kwargs.items()
         }
         with torch.no_grad():
@@ -157,8 +166,8 @@ def attention_train_replay(calls: list[SdpaCall], device):
     return run
 
 
-class _Buffers:
-    """Random bf16 (or the run's dtype) buffers by shape, shared by the calls that read one."""
+class Buffers:
+    """Random buffers of the run's dtype by shape, shared by the calls that read one."""
 
     def __init__(self, device, dtype):
         self.device, self.dtype, self.cache = device, dtype, {}
@@ -173,7 +182,7 @@ def linear_backward_replay(groups, device, dtype):
     """A callable running each Linear group's backward GEMMs: dX = dY W where the input requires
     grad, dW = dY^T X where the weight trains. `groups` are floor.py's (calls sharing one input,
     concatenated weight) pairs. Returns (callable, GEMM count, FLOPs)."""
-    buffers = _Buffers(device, dtype)
+    buffers = Buffers(device, dtype)
     plan, gemms, flops = [], 0, 0
     for calls, weight in groups:
         rows, k = calls[0].rows, calls[0].module.in_features
@@ -200,7 +209,7 @@ def lora_replays(calls: list[LoraCall], device, dtype):
     """Two callables: the LoRA factors' forward GEMMs (x A^T, then the output accumulated with
     h (s B)^T, as the base GEMM's output is added to) and their backward GEMMs (dh = dY (s B),
     dX += dh A where the input needs it, d(sB) = dY^T h, dA = dh^T x)."""
-    inputs, outputs = _Buffers(device, dtype), _Buffers(device, dtype)
+    inputs, outputs = Buffers(device, dtype), Buffers(device, dtype)
     plan = []
     for call in calls:
         down, up = call.factors(dtype)
