@@ -319,6 +319,10 @@ class AlgorithmConfig:
     old_log_prob: PPO denominator: the rollout's log-prob, or a recompute by the trainer before
         the update.
     train_timestep_fraction: fraction of each sample's SDE-window steps that are trained.
+    shuffle_advantages: the control run of a learning comparison: the step's advantages are
+        permuted over its trained rows (seeded from trainer.seed and the step), so the update
+        keeps their distribution and size but loses their link to the images. A run that learns
+        only when this is false learns from its reward, not from drift (docs/training.md).
     """
 
     adv_estimator: Literal["flow_grpo"] = "flow_grpo"
@@ -331,6 +335,7 @@ class AlgorithmConfig:
     kl_beta: float = 0.0
     old_log_prob: OldLogProbSource = "rollout"
     train_timestep_fraction: float = 1.0
+    shuffle_advantages: bool = False
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")

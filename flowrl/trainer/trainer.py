@@ -232,6 +232,8 @@ class FlowGRPOTrainer:
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
+        if algo.shuffle_advantages:  # the control run: same advantages, other rows
+            adv.values[keep] = adv.values[keep][self._control_permutation(step, int(keep.sum()))]
         metrics = everyone.metrics(adv, keep, self.policy_version)
         metrics.update(self._staleness_metrics(collected))
 
@@ -279,6 +281,11 @@ class FlowGRPOTrainer:
         self.step = step
         self._gc_freeze.after_step()
         return self._max_over_ranks(metrics)
+
+    def _control_permutation(self, step: int, num_rows: int) -> np.ndarray:
+        """algorithm.shuffle_advantages' permutation of step `step`'s trained rows (the same on
+        every rank: drawn from (trainer.seed, step) alone)."""
+        return np.random.default_rng([self.cfg.trainer.seed, step, 11]).permutation(num_rows)
 
     def prepare_step_rows(self, rows: list[dict], step: int) -> None:
         """Give step `step`'s prompt rows, in place, their group ids and the step's SDE window."""

@@ -60,3 +60,31 @@ def test_bad_input_names_the_problem():
         compute_group_advantages([1.0, 2.0], ["a"])
     with pytest.raises(ValueError, match="std_mode"):
         compute_group_advantages([1.0, 2.0], ["a", "a"], std_mode="batch")
+
+
+def test_shuffled_advantage_control_permutes_the_trained_rows_advantages(build_trainer, make_cfg, monkeypatch):
+    """algorithm.shuffle_advantages (the control run): the update gets the same advantages as the
+    plain run's, on other rows, and the same permutation on a rerun of the step."""
+    import numpy as np
+
+    seen = {}
+
+    def run(shuffle: bool, output: str):
+        cfg = make_cfg(
+            "rollout.n=4", "trainer.prompts_per_step=2", f"algorithm.shuffle_advantages={shuffle}", output=output
+        )
+        trainer = build_trainer(cfg)
+        original = trainer.updater.update
+
+        def capture(tensors, specs, advantages, *args, **kwargs):
+            seen[output] = advantages.clone()
+            return original(tensors, specs, advantages, *args, **kwargs)
+
+        monkeypatch.setattr(trainer.updater, "update", capture)
+        trainer.train_step()
+        return seen[output].numpy()
+
+    plain, shuffled, again = run(False, "plain"), run(True, "shuffled"), run(True, "again")
+    assert np.array_equal(np.sort(plain), np.sort(shuffled))
+    assert not np.array_equal(plain, shuffled)
+    assert np.array_equal(shuffled, again)
