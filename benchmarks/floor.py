@@ -246,7 +246,6 @@ def run_floor(args: argparse.Namespace) -> int:
                 "guidance_scale": args.guidance_scale,
                 "seconds": args.seconds,
                 "compile": args.compile,
-                "compile_rounding": args.compile_rounding,
                 "max_sequence_length": args.max_sequence_length,
                 "text_tokens": getattr(adapter, "text_tokens", None),
                 "lora_rank": args.lora_rank,
@@ -302,7 +301,7 @@ def run_floor(args: argparse.Namespace) -> int:
     if args.compile:
         from flowrl.accel import compile_adapter
 
-        compile_adapter(adapter, args.compile_backend, args.compile_rounding)
+        compile_adapter(adapter, args.compile_backend)
         measure("forward-compiled", forward, None)
     floor = min(parts["linears"]["seconds"], parts["linears-fused"]["seconds"]) + parts["attention"]["seconds"]
     per_image = args.steps * (rows / args.num_samples)  # forwards' worth of rows per image
@@ -439,8 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.compile_rounding != "eager" and not args.compile:
-        parser.error(f"--compile-rounding={args.compile_rounding} applies to compiled runs only; add --compile")
     if args.lora_rank < 0:
         parser.error(f"--lora-rank={args.lora_rank} must be >= 0 (0: no adapter, or with --train the full transformer)")
     if args.lora_targets and args.lora_rank == 0:

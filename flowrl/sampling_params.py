@@ -32,46 +32,44 @@ MAX_SEED = 2**63 - 1
 
 @dataclass
 class SamplingParams:
-    """How to sample one image.
-
-    height, width: image size in pixels (a multiple of the model's size factor: 16 for SD3 and
-        Qwen-Image), at most MAX_IMAGE_SIDE per side (or the model's own, smaller limit) and
-        MAX_IMAGE_PIXELS per image.
-    num_inference_steps: denoising steps T (the schedule has T + 1 sigmas, ending at 0), at most
-        MAX_INFERENCE_STEPS.
-    guidance_scale: the model's guidance g. On classifier-free-guidance models (SD3, Qwen-Image)
-        g > 1 runs cond and uncond rows in one forward (Qwen-Image "true CFG") and g <= 1 the
-        cond row only; on guidance-distilled models (FLUX.1 [dev]) g is the value of the
-        transformer's guidance embedding, one row per sample (flowrl.models.base says which).
-    true_cfg_scale: classifier-free guidance on top of a guidance-distilled model: > 1 adds the
-        uncond row (negative_prompt) to the same forward, as FluxPipeline's true_cfg_scale does.
-        Must stay 1.0 on classifier-free-guidance models (their guidance_scale is that already).
-    negative_prompt: text of the uncond row, when there is one (None means the empty string).
-    noise_level: the SDE noise level a; 0 makes every step the Euler ODE step.
-    sde_type: "sde" (Flow-GRPO) or "cps" (coefficient-preserving).
-    sde_window: explicit [start, end) step indices that are stochastic; None lets the engine
-        choose (see sde_window_size).
-    sde_window_size, sde_window_range: when sde_window is None and sde_window_size is set, the
-        engine draws start ~ U{lo .. hi - size} once per engine call (shared by all samples of a
-        generate_batched call), from a generator seeded by `seed`. When both are None, every step
-        but the last is stochastic.
-    seed: seed of the sample's own noise generator, in [0, MAX_SEED] (None: fresh randomness).
-    logprobs: record the per-step log-prob of the window steps.
-    """
+    """How to sample one image (every field's rules live in `validate`)."""
 
     height: int = 512
+    """Image height in pixels: a multiple of the model's size factor (16 for every family flowrl
+    supports), at most MAX_IMAGE_SIDE (or the model's own, smaller limit), MAX_IMAGE_PIXELS per image."""
     width: int = 512
+    """Image width in pixels (the same rules)."""
     num_inference_steps: int = 10
+    """Denoising steps T (the schedule has T + 1 sigmas, ending at 0), at most MAX_INFERENCE_STEPS."""
     guidance_scale: float = 1.0
+    """The model's guidance g. On classifier-free-guidance models (SD3, Qwen-Image, Z-Image) g > 1
+    runs cond and uncond rows in one forward and g <= 1 the cond row only; on guidance-distilled
+    models (FLUX.1 [dev]) g is the value of the transformer's guidance embedding, one row per
+    sample (flowrl.models.base says which). Z-Image's pipeline counts from the cond prediction, so
+    its guidance_scale=g is g + 1 here."""
     true_cfg_scale: float = 1.0
+    """Classifier-free guidance on top of a guidance-distilled model: > 1 adds the uncond row
+    (negative_prompt) to the same forward, as FluxPipeline's true_cfg_scale does. Must stay 1.0 on
+    classifier-free-guidance models (their guidance_scale is that already)."""
     negative_prompt: str | None = None
+    """Text of the uncond row, when there is one (null means the empty string)."""
     noise_level: float = 0.7
+    """The SDE noise level a; 0 makes every step the Euler ODE step."""
     sde_type: SdeType = "sde"
+    """`sde` (Flow-GRPO's step) or `cps` (coefficient-preserving)."""
     sde_window: tuple[int, int] | None = None
+    """Explicit [start, end) step indices that are stochastic; null lets sde_window_size choose."""
     sde_window_size: int | None = None
+    """With sde_window null: the window's length, its start drawn uniformly from sde_window_range
+    (default: every start that fits) once per engine call, from a generator seeded by `seed`. Both
+    null: every step but the last is stochastic."""
     sde_window_range: tuple[int, int] | None = None
+    """[lo, hi): where a drawn window may lie (null: every step but the last)."""
     seed: int | None = None
+    """Seed of the sample's own noise generator, in [0, MAX_SEED] (null: fresh randomness). In the
+    config it stays null: per-row seeds come from rollout.seed / rollout.val_seed."""
     logprobs: bool = True
+    """Record the per-step log-prob of the window steps."""
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

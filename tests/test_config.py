@@ -142,8 +142,6 @@ def test_wrong_type_names_key_and_value(override, key):
         ("algorithm.train_timestep_fraction=0", "algorithm.train_timestep_fraction"),
         ("trainer.lr=-1e-4", "trainer.lr"),
         ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
-        ("trainer.activation_memory_budget=0", "trainer.activation_memory_budget"),
-        ("trainer.activation_memory_budget=1.5", "trainer.activation_memory_budget"),
         ("trainer.lora.init=xavier", "trainer.lora.init"),
         ("rollout.sampling.sde_type=ode", "rollout.sampling.sde_type"),
         ("rollout.sampling.height=65", "rollout.sampling.height"),
@@ -156,20 +154,6 @@ def test_wrong_type_names_key_and_value(override, key):
 def test_semantic_errors_name_the_field(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config(None, [override])
-
-
-def test_an_activation_memory_budget_needs_compiled_training_graphs():
-    """Below 1 the budget sets how compiled grad graphs are partitioned; an eager trainer has
-    none, so the setting is refused there rather than ignored."""
-    with pytest.raises(ValueError, match=r"^trainer\.activation_memory_budget=0\.9 is invalid: .*engine\.compile=true"):
-        load_config(None, ["trainer.activation_memory_budget=0.9", "engine.compile=false"])
-    assert (
-        load_config(
-            None, ["trainer.activation_memory_budget=0.9", "engine.compile=true"]
-        ).trainer.activation_memory_budget
-        == 0.9
-    )
-    assert load_config(None, ["engine.compile=false"]).trainer.activation_memory_budget == 1.0
 
 
 def test_reward_component_keys_are_checked():
@@ -248,11 +232,9 @@ def _choice_fields(cls, prefix: str = ""):
 def test_every_choice_field_rejects_other_values_naming_field_and_choices():
     fields = dict(_choice_fields(FlowRLConfig))
     assert {"model.dtype", "algorithm.std_mode", "trainer.lora.init", "rollout.sampling.sde_type"} <= set(fields)
-    # Settings some choices need to be valid at all (a compile rounding needs compile on).
-    needs = {"engine.compile_rounding": ["engine.compile=true"]}
     for key, choices in fields.items():
         for choice in choices:  # every choice loads
-            assert load_config(None, [*needs.get(key, []), f"{key}={choice}"])
+            assert load_config(None, [f"{key}={choice}"])
         listed = ", ".join(map(repr, choices))
         with pytest.raises(ValueError) as error:
             load_config(None, [f"{key}=bogus"])
@@ -310,3 +292,20 @@ def test_an_override_of_a_whole_mapping_replaces_the_recipes_and_a_dotted_one_se
     # A later whole-mapping override replaces an earlier one; a later dotted one adds to it.
     assert load_config(recipe, ["reward.options={a: 1}", "reward.options.b=2"]).reward.options == {"a": 1, "b": 2}
     assert load_config(recipe, ["reward.options.b=2", "reward.options={a: 1}"]).reward.options == {"a": 1}
+
+
+@pytest.mark.parametrize("key", sorted(__import__("flowrl.config.sections", fromlist=["x"]).REMOVED_KEYS))
+def test_a_removed_key_is_refused_naming_it_and_why(key):
+    """A config written for an older flowrl that still sets a removed key fails naming the key,
+    why it went and the fix, instead of being accepted and ignored; a run's saved config (flowrl's
+    own output) drops it."""
+    from flowrl.config import config_from_dict
+    from flowrl.config.sections import REMOVED_KEYS
+
+    with pytest.raises(ValueError) as error:
+        load_config(None, [f"{key}=1"])
+    assert f"{key} was removed from flowrl ({REMOVED_KEYS[key]}); delete it" in str(error.value)
+    section, name = key.split(".")
+    assert config_from_dict({section: {name: 1}}, saved=True) == load_config(None, [])
+    with pytest.raises(ValueError, match="was removed"):
+        config_from_dict({section: {name: 1}})

@@ -24,13 +24,7 @@ CORE = (
     "flowrl.rollout",
     "flowrl.trainer",
 )
-ACCEL_ENTRY = {
-    "compile_adapter",
-    "cuda_graph_skips",
-    "is_compiled",
-    "set_training_activation_budget",
-    "set_training_cuda_graphs",
-}
+ACCEL_ENTRY = {"compile_adapter", "is_compiled"}
 
 
 def _modules() -> dict[str, Path]:

@@ -19,14 +19,8 @@ import flowrl.accel.flux as flux
 import flowrl.accel.qwen_image as qwen_image
 from flowrl.accel.fused_mlp import fuse_gelu_epilogues
 from flowrl.accel.lora_fold import fold_lora_projections
-from flowrl.accel.options import AccelOptions, check_backend, check_compile_rounding
-from flowrl.accel.regional_compile import (
-    compile_in_place,
-    compiled_settings,
-    set_grad_activation_budget,
-    set_grad_cuda_graphs,
-    take_checkpoints_inside,
-)
+from flowrl.accel.options import AccelOptions, check_backend
+from flowrl.accel.regional_compile import compile_in_place, compiled_settings, take_checkpoints_inside
 from flowrl.console import allow_tracing_cached_checks
 
 
@@ -82,19 +76,18 @@ def compiled_regions(adapter) -> list[tuple[str, torch.nn.Module]]:
     return regions
 
 
-def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager", **switches: bool) -> list[str]:
+def compile_adapter(adapter, backend: str = "inductor", **switches: bool) -> list[str]:
     """flowrl.accel.compile_adapter (see flowrl.accel)."""
     check_backend(backend)
-    check_compile_rounding(rounding)
     options = AccelOptions.from_switches(**switches)
     regions = compiled_regions(adapter)
     # Settings fixed by an earlier call are checked before anything changes.
     for _, module in regions:
         compiled_with = compiled_settings(module)
-        if compiled_with is not None and compiled_with != (backend, rounding):
+        if compiled_with is not None and compiled_with != backend:
             raise ValueError(
-                f"module is compiled already with (backend, rounding)={compiled_with}; "
-                f"it cannot be recompiled with {(backend, rounding)} in this process"
+                f"module is compiled already with backend {compiled_with!r}; it cannot be recompiled "
+                f"with {backend!r} in this process"
             )
     allow_tracing_cached_checks()  # diffusers' cached version checks trace exactly: no Dynamo warning
     family = FAMILIES.get(adapter.family, FamilyFastPath())
@@ -106,7 +99,7 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
         # Extra regions (the VAE decoder) run once per sample, not once per denoising step: their
         # kernels are not worth timing launch configurations for at compile time.
         tune = name not in family.extra_regions
-        compile_in_place(module, backend, rounding, family.no_grad_inductor_options, tune_kernels=tune)
+        compile_in_place(module, backend, family.no_grad_inductor_options, tune_kernels=tune)
     # Gradient checkpointing enabled before this call (as the trainer does) takes its checkpoints
     # inside the compiled blocks; enabled later, diffusers' own wraps them.
     take_checkpoints_inside(adapter.transformer)
@@ -116,28 +109,3 @@ def compile_adapter(adapter, backend: str = "inductor", rounding: str = "eager",
 def is_compiled(adapter) -> bool:
     """flowrl.accel.is_compiled (see flowrl.accel)."""
     return any(compiled_settings(module) is not None for _, module in compiled_regions(adapter))
-
-
-def set_training_cuda_graphs(adapter, enabled: bool) -> None:
-    """flowrl.accel.set_training_cuda_graphs (see flowrl.accel)."""
-    if not is_compiled(adapter):
-        raise ValueError("training CUDA graphs need a compiled model (engine.compile=true)")
-    if enabled and adapter.device.type != "cuda":
-        raise ValueError(f"training CUDA graphs need a CUDA device; the model is on {adapter.device.type}")
-    for _, module in compiled_regions(adapter):
-        set_grad_cuda_graphs(module, enabled)
-
-
-def set_training_activation_budget(adapter, budget: float) -> None:
-    """flowrl.accel.set_training_activation_budget (see flowrl.accel)."""
-    if not is_compiled(adapter):
-        raise ValueError("a training activation memory budget needs a compiled model (engine.compile=true)")
-    for _, module in compiled_regions(adapter):
-        set_grad_activation_budget(module, budget)
-
-
-def cuda_graph_skips() -> int:
-    """flowrl.accel.cuda_graph_skips (see flowrl.accel)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])

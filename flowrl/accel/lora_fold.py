@@ -6,12 +6,9 @@ Outside compiled graphs, and in training graphs, a LoRA Linear runs the trainer'
 compiled graph without grad (the rollout's, and the trainer's value pass, which runs the same
 graph: flowrl.trainer.policy) `folded_forward` runs the projection as one custom op that inductor
 keeps whole. Left to inductor, the sum base + low-rank is a separate pass over the projection's
-output: the low-rank GEMM writes a full-width output that an add kernel (or the fused q/k kernel)
-reads again, and the hand-written q/k kernel and joint v projection of Qwen-Image blocks
-(flowrl.accel.qwen_image.block) cannot apply, because their inputs would have to be stored as sums
-first. The op instead runs x A^T, then the low-rank GEMM with the base layer's bias into the
-output, then the base GEMM accumulating into it in place (cuBLAS beta = 1, read in the GEMM's
-epilogue): no add kernel, and its output is a plain tensor those kernels take.
+output: the low-rank GEMM writes a full-width output that an add kernel reads again. The op instead
+runs x A^T, then the low-rank GEMM with the base layer's bias into the output, then the base GEMM
+accumulating into it in place (cuBLAS beta = 1, read in the GEMM's epilogue): no add kernel, and its output is a plain tensor the GELU epilogue takes.
 
 A LoRA projection followed by a tanh GELU (the first projection of an adapted MLP) cannot take the
 GELU into the GEMM that accumulates (cuBLASLt applies it only with a bias vector, not with beta =
@@ -70,11 +67,6 @@ def low_rank_factors(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return layer.lora_A[name].weight.to(dtype), (layer.lora_B[name].weight * layer.scaling[name]).to(dtype)
 
 
-def low_rank_first(layer) -> bool:
-    """The GEMM order of `layer`'s folded op (AccelOptions.lora_low_rank_first)."""
-    return layer._flowrl_accel.lora_low_rank_first
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a linear layer computes x in: autocast's where autocast is on for x's device."""
     if torch.is_autocast_enabled(x.device.type):
@@ -116,7 +108,7 @@ def folded_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         weight, bias, down, up = rollout_operands(self, dtype)
         if down is None:
             return F.linear(x.to(dtype), weight, bias)
-        return lora_linear(x.to(dtype), weight, bias, down, up, low_rank_first(self))
+        return lora_linear(x.to(dtype), weight, bias, down, up)
     return forward_in_activation_dtype(self, x, *args, **kwargs)
 
 
@@ -156,19 +148,15 @@ def linear_into(
     out: torch.Tensor,
     down: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
-    low_rank_first: bool = True,
 ) -> None:
-    """out (M, N) = x (M, K) W^T + bias [+ (x down^T) up^T]: one GEMM writes out, the other
-    accumulates into it in place (cuBLAS beta = 1), so the sum needs no pass of its own.
-    low_rank_first: the low-rank GEMM with the bias writes out and the base GEMM accumulates
-    (the default), or the base GEMM with the bias writes and the low-rank GEMM accumulates."""
-    if down is not None and low_rank_first:
-        _gemm_into(torch.mm(x, down.t()), up, bias, out)
-        out.addmm_(x, weight.t())
+    """out (M, N) = x (M, K) W^T + bias [+ (x down^T) up^T]: the low-rank GEMM with the bias writes
+    out and the base GEMM accumulates into it in place (cuBLAS beta = 1), so the sum needs no pass
+    of its own."""
+    if down is None:
+        _gemm_into(x, weight, bias, out)
         return
-    _gemm_into(x, weight, bias, out)
-    if down is not None:
-        out.addmm_(torch.mm(x, down.t()), up.t())
+    _gemm_into(torch.mm(x, down.t()), up, bias, out)
+    out.addmm_(x, weight.t())
 
 
 @torch.library.custom_op("flowrl::lora_linear", mutates_args=())
@@ -178,17 +166,16 @@ def lora_linear(
     bias: torch.Tensor | None,
     down: torch.Tensor,
     up: torch.Tensor,
-    low_rank_first: bool,
 ) -> torch.Tensor:
     """x (..., K) W^T + bias + (x down^T) up^T, (..., N), in x's dtype (all inputs in it)."""
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty((rows.shape[0], weight.shape[0]))
-    linear_into(rows, weight, bias, out, down, up, low_rank_first)
+    linear_into(rows, weight, bias, out, down, up)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, down, up, low_rank_first):
+def _(x, weight, bias, down, up):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -4,23 +4,20 @@ does to each block (the engine's and the trainer's `engine.compile`).
 Each module (a transformer block, SD3's VAE decoder) keeps its parameters, names, hooks and
 state_dict; only its call goes through compiled graphs: one for calls with grad (the trainer), one
 for calls without (the rollout, the old-log-prob recompute), with the batch dim dynamic. Where
-inductor rounds low-precision intermediates is a setting (EMULATE_PRECISION_CASTS). With gradient
-checkpointing, the checkpoint is taken inside the compiled grad graph (`checkpoint_inside`). How
-much of a grad graph's forward is kept for its backward is a setting too
-(`set_grad_activation_budget`).
+inductor rounds low-precision intermediates exactly where eager PyTorch does
+(`emulate_precision_casts`, INDUCTOR_OPTIONS). With gradient checkpointing, the checkpoint is taken
+inside the compiled grad graph (`checkpoint_inside`).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
-import torch._functorch.config
 import torch._inductor.config
 import torch.utils.checkpoint
 
-from flowrl.accel.options import COMPILE_ROUNDINGS, check_backend, check_compile_rounding
+from flowrl.accel.options import check_backend
 
 # Inductor settings of every compiled module. Passed to torch.compile as options, so they hold in
 # whichever thread compiles (the engine thread compiles the rollout graph, the trainer's thread
@@ -29,24 +26,13 @@ INDUCTOR_OPTIONS = {
     # Tune each generated kernel's launch configuration by coordinate descent: a small gain in
     # rollout throughput, paid once at compile time.
     "coordinate_descent_tuning": True,
+    # Low-precision intermediates inside fused kernels are rounded exactly where eager rounds them.
+    # Otherwise the trainer's grad-mode graph, which inductor fuses differently (it keeps some
+    # activations for backward), rounds at other points than the rollout's no-grad graph and
+    # log-probs drift (tiny Qwen-Image in bf16 on CPU, rollout vs trainer: a gap without it,
+    # exactly 0 with it; tests/trainer/test_logprob_parity.py).
+    "emulate_precision_casts": True,
 }
-
-# compile rounding (flowrl.config.CompileRounding) -> inductor's emulate_precision_casts.
-# - "eager": low-precision intermediates inside fused kernels are rounded exactly where eager
-#   rounds them. Otherwise the trainer's grad-mode graph, which inductor fuses differently (it
-#   keeps some activations for backward), rounds at other points than the rollout's no-grad graph
-#   and log-probs drift (tiny Qwen-Image in bf16 on CPU, rollout vs trainer: a gap without it,
-#   exactly 0 with it; tests/bench/test_bench_cli.py).
-# - "fused": rounding only where a kernel writes its output: that log-prob gap, for a little
-#   speed where eager rounding adds kernels.
-# Either way a compiled trainer takes its log-prob values from the no-grad graph and only the
-# gradients from the grad graph (flowrl.trainer.policy), so these gaps no longer reach the ratio.
-EMULATE_PRECISION_CASTS = {"eager": True, "fused": False}
-assert tuple(EMULATE_PRECISION_CASTS) == COMPILE_ROUNDINGS
-
-# Inductor settings that replay a compiled function's graphs as CUDA graphs (what torch.compile's
-# mode="reduce-overhead" sets), used for the grad calls when set_grad_cuda_graphs turns them on.
-CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
 
 
 def _batch_tensors(args: tuple, kwargs: dict) -> tuple[int, list[torch.Tensor]]:
@@ -75,7 +61,6 @@ def _first_row(value):
 def compile_in_place(
     module: torch.nn.Module,
     backend: str = "inductor",
-    rounding: str = "eager",
     no_grad_options: dict | None = None,
     tune_kernels: bool = True,
     options: dict | None = None,
@@ -91,7 +76,6 @@ def compile_in_place(
     row 0 (the padding row only costs compute; the real row's result is the same function of its
     inputs, up to batch-shape rounding like any batch).
 
-    rounding: where inductor's kernels round low-precision intermediates (see EMULATE_PRECISION_CASTS).
     no_grad_options: inductor settings, on top of INDUCTOR_OPTIONS, for calls without autograd
     (the rollout, old-log-prob recompute): those calls run a second compiled function with
     them, calls with grad the plain one (a family's settings, e.g. flowrl.accel.qwen_image).
@@ -106,20 +90,18 @@ def compile_in_place(
     checkpoint inside a third compiled function (see `checkpoint_inside`).
     """
     check_backend(backend)
-    check_compile_rounding(rounding)
     compiled_with = compiled_settings(module)
     if compiled_with is not None:
-        if compiled_with != (backend, rounding):
+        if compiled_with != backend:
             raise ValueError(
-                f"module is compiled already with (backend, rounding)={compiled_with}; "
-                f"it cannot be recompiled with {(backend, rounding)} in this process"
+                f"module is compiled already with backend {compiled_with!r}; it cannot be recompiled "
+                f"with {backend!r} in this process"
             )
         return False
     extra = options or {}
     options = (
         {
             **INDUCTOR_OPTIONS,
-            "emulate_precision_casts": EMULATE_PRECISION_CASTS[rounding],
             **({} if tune_kernels else {"coordinate_descent_tuning": False}),
             **extra,
         }
@@ -138,16 +120,6 @@ def compile_in_place(
         _checkpointed(module._call_impl), backend=backend, dynamic=None, options=options
     )
 
-    @functools.cache
-    def graphed_calls() -> tuple:
-        """The grad calls replayed as CUDA graphs, without and with the checkpoint (made once, the
-        first time set_grad_cuda_graphs turns them on)."""
-        graphed_options = {**options, **CUDA_GRAPH_OPTIONS}
-        return (
-            torch.compile(module._call_impl, backend=backend, dynamic=None, options=graphed_options),
-            torch.compile(_checkpointed(module._call_impl), backend=backend, dynamic=None, options=graphed_options),
-        )
-
     def call_with_dynamic_batch(args: tuple, kwargs: dict, checkpoint: bool):
         _raise_recompile_limit()  # in the calling thread: the engine's, the trainer's
         batch, tensors = _batch_tensors(args, kwargs)
@@ -159,89 +131,21 @@ def compile_in_place(
             _, tensors = _batch_tensors(args, kwargs)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        budget = None
         if not torch.is_grad_enabled():
             fn = compiled_no_grad
         else:
-            budget = module._flowrl_activation_budget
-            if module._flowrl_graphed_calls is not None:
-                fn = module._flowrl_graphed_calls[checkpoint]
-            else:
-                fn = compiled_checkpointed if checkpoint else compiled
-        if budget is None:
-            out = fn(*args, **kwargs)
-        else:
-            # Read where the grad graph is partitioned, on its first call. Set and restored by hand:
-            # config.patch costs several times more host time per block call; both are per thread.
-            functorch_config = torch._functorch.config
-            previous = functorch_config.activation_memory_budget
-            functorch_config.activation_memory_budget = budget
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                functorch_config.activation_memory_budget = previous
+            fn = compiled_checkpointed if checkpoint else compiled
+        out = fn(*args, **kwargs)
         return _first_row(out) if padded else out
 
     module._compiled_call_impl = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=False)
     module._flowrl_checkpointed_call = lambda *args, **kwargs: call_with_dynamic_batch(args, kwargs, checkpoint=True)
-    module._flowrl_compile_settings = (backend, rounding)
-    module._flowrl_make_graphed_calls = graphed_calls
-    module._flowrl_graphed_calls = None  # set_grad_cuda_graphs
-    module._flowrl_activation_budget = None  # set_grad_activation_budget
+    module._flowrl_compile_settings = backend
     return True
 
 
-def set_grad_cuda_graphs(module: torch.nn.Module, enabled: bool) -> None:
-    """Run `module`'s compiled grad calls (training forwards and their backwards) as CUDA graphs
-    (inductor's CUDA graph trees: each graph recorded on a call after its first and replayed
-    after that), or as plain compiled calls. Calls without grad are never graphed.
-
-    Why: a training step at LoRA size launches many short kernels (the low-rank GEMMs, the
-    backward's small kernels); where launching them sets the step's pace, a replayed graph
-    launches a block's kernels at once. The kernels are the same ones, so the results are those
-    of the plain compiled call. Whether it pays is measured per recipe (docs/performance.md).
-
-    What callers keep to: every grad-mode forward's backward runs, or its graph is dropped, before
-    the next forward starts (`torch.compiler.cudagraph_mark_step_begin()` marks each start, after
-    which the earlier replays' outputs are overwritten), and gradients accumulate into `.grad`
-    tensors allocated outside the graphs (a `.grad` the first backward left in a graph's memory
-    would be overwritten by the next replay)."""
-    settings = compiled_settings(module)
-    if settings is None:
-        raise ValueError("set_grad_cuda_graphs: the module is not compiled (compile_in_place it first)")
-    if not enabled:
-        module._flowrl_graphed_calls = None
-        return
-    if settings[0] != "inductor":
-        raise ValueError(f"CUDA graphs need the inductor backend; this module is compiled with {settings[0]!r}")
-    module._flowrl_graphed_calls = module._flowrl_make_graphed_calls()
-
-
-def set_grad_activation_budget(module: torch.nn.Module, budget: float) -> None:
-    """Compile `module`'s grad calls keeping at most `budget` (0 < budget <= 1) of the activations
-    their forward would keep for the backward by default, recomputing the rest in the backward
-    (torch's `activation_memory_budget`, read by AOTAutograd's partitioner when it splits a grad
-    graph into forward and backward). The partitioner recomputes what costs least first: the
-    elementwise results (norms, activations, casts: no matrix products to redo), then, only
-    where the budget needs more, matrix products. 1 keeps torch's default partition.
-
-    Why: a micro-batch's activations are what decides whether it fits without gradient
-    checkpoints, and a checkpoint recomputes a whole forward where the elementwise results alone
-    may free enough (docs/training.md gives measured sizes). Values are those of the default
-    partition up to rounding; the FLOPs are too, unless the budget is low enough to recompute
-    products.
-
-    Call it before the module's first grad call: the partition is made when the grad graph
-    compiles, and the compiled graph is reused afterwards whatever the setting."""
-    if compiled_settings(module) is None:
-        raise ValueError("set_grad_activation_budget: the module is not compiled (compile_in_place it first)")
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"activation memory budget {budget!r} is not in (0, 1]")
-    module._flowrl_activation_budget = None if budget == 1.0 else float(budget)
-
-
-def compiled_settings(module: torch.nn.Module) -> tuple[str, str] | None:
-    """The (backend, rounding) `compile_in_place` compiled `module` with; None if it did not."""
+def compiled_settings(module: torch.nn.Module) -> str | None:
+    """The backend `compile_in_place` compiled `module` with; None if it did not."""
     return getattr(module, "_flowrl_compile_settings", None)
 
 
@@ -269,8 +173,7 @@ def checkpoint_inside(module: torch.nn.Module, *args):
     Why: a checkpoint around a compiled block runs autograd hooks on every tensor the block
     saves and a second trip through dynamo for the recompute, all host work, and a compiled
     training step is bound by the host. Inside, the recompute costs no host work of its own and
-    the log-probs are the same (`benchmarks/checkpoint_host_time.py` compares the three ways;
-    docs/performance.md)."""
+    the log-probs are the same."""
     checkpointed_call = getattr(module, "_flowrl_checkpointed_call", None)
     if checkpointed_call is None:
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)

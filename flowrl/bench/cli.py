@@ -1,4 +1,4 @@
-"""`flowrl bench rollout|logprob|train ...` (see flowrl.bench.rollout / .logprob / .train).
+"""`flowrl bench rollout|train ...` (see flowrl.bench.rollout / .train).
 
 --model takes a local diffusers folder or a named architecture with random weights (the names of
 flowrl.models.architectures: published sizes, built on the device in the model dtype, and the
@@ -11,10 +11,8 @@ architectures). The experiments in benchmarks/ reuse the common options (`add_co
 from __future__ import annotations
 
 import argparse
-from typing import get_args
 
 from flowrl.cli import positive_int
-from flowrl.config.sections import CompileRounding
 from flowrl.models.architectures import ARCHITECTURES
 
 
@@ -68,16 +66,10 @@ def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) ->
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend (inductor; eager/aot_eager for tests)"
     )
-    parser.add_argument(
-        "--compile-rounding",
-        default="eager",
-        choices=get_args(CompileRounding),
-        help="where compiled kernels round bf16 intermediates (as engine.compile_rounding; default eager)",
-    )
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,logprob,train}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,train}", required=True)
     rollout = sub.add_parser(
         "rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)"
     )
@@ -109,92 +101,6 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="roll out with a LoRA adapter of this rank on the attention projections, as training "
         "does (default 0: the base model, as the targets are stated)",
     )
-    rollout.add_argument(
-        "--profile",
-        nargs="?",
-        const="last",
-        default=None,
-        help="profile one mode after timing (default: the last mode run) and print where the time goes",
-    )
-    rollout.add_argument("--profile-steps", type=positive_int, default=2, help="denoising steps of the profiled run")
-
-    logprob = sub.add_parser("logprob", help="rollout-vs-trainer log-prob gap and training-step speed")
-    add_common_arguments(logprob)
-    logprob.add_argument(
-        "-n",
-        "--num-samples",
-        type=positive_int,
-        default=32,
-        help="samples generated with generate_batched (default 32)",
-    )
-    logprob.add_argument(
-        "--micro-batches", default="1,8,32", help="trainer micro-batch sizes to recompute with (default 1,8,32)"
-    )
-    logprob.add_argument(
-        "--lora-rank",
-        type=int,
-        default=32,
-        help="LoRA rank on the attention projections; 0 trains the full transformer",
-    )
-    logprob.add_argument(
-        "--autocast",
-        default="no",
-        choices=["no", "bf16", "fp16"],
-        help="trainer mixed precision (as trainer.mixed_precision)",
-    )
-    logprob.add_argument(
-        "--train-micro-batches",
-        "--train-micro-batch",
-        default=None,
-        help="micro-batch sizes of the timed training step, a comma list such as 2,4,8 (each timed "
-        "and, with --profile, profiled; default: the largest of --micro-batches that fits)",
-    )
-    logprob.add_argument("--train-repeats", type=positive_int, default=3, help="timed training steps (median reported)")
-    logprob.add_argument(
-        "--max-batch-rows", type=int, default=0, help="engine max_batch_rows (0: all rows of -n samples)"
-    )
-    add_compile_arguments(logprob, "regional torch.compile before the rollout (rollout and trainer run compiled)")
-    logprob.add_argument(
-        "--sde-window-size",
-        type=positive_int,
-        default=None,
-        help="SDE window length drawn per rollout (default: every step but the last is stochastic)",
-    )
-    logprob.add_argument(
-        "--cuda-graphs",
-        default="off",
-        choices=["on", "off", "both"],
-        help="replay the compiled training graphs as CUDA graphs (as trainer.cuda_graphs=true; needs --compile "
-        "on a GPU); both times every training step without, then with them, in this process (default off)",
-    )
-    logprob.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="time the training step with the transformer's gradient checkpointing on "
-        "(as trainer.gradient_checkpointing: true in the recipes)",
-    )
-    logprob.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile one training step after timing it: device time per kernel category, the top "
-        "kernels, and the share of the step's wall time the GPU was busy",
-    )
-    logprob.add_argument(
-        "--kl-beta",
-        type=float,
-        default=0.0,
-        help="the KL term's weight (as algorithm.kl_beta; the SD3.5 recipes use 0.04): > 0 adds the "
-        "LoRA-disabled reference's forward and the KL loss to the timed step; needs --lora-rank > 0",
-    )
-    logprob.add_argument(
-        "--old-log-prob",
-        default="rollout",
-        choices=["rollout", "recompute"],
-        help="the PPO denominator (as algorithm.old_log_prob), which sets how the trainer scores: with "
-        "recompute and --compile its values come from the grad pass (the reported gap is that pass's) "
-        "and the timed step runs no second no-grad forward; with rollout, from the no-grad pass",
-    )
-
     train = sub.add_parser(
         "train",
         help="a recipe's whole training step: phases against their FLOP limits, a peer's loop, a projection",
@@ -216,30 +122,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"
     )
-    train.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile one more flowrl step after the timed ones (not in the medians): per phase its wall time, "
-        "how busy the GPU was, its kernel categories, and the host ops running while the GPU idled",
-    )
     add_report_arguments(train)
-
-
-def _check_rounding_is_used(args) -> None:
-    """--compile-rounding other than the default with nothing compiled would be ignored: refuse."""
-    if args.compile_rounding == "eager":
-        return
-    if args.bench_command == "rollout":
-        from flowrl.bench.rollout import COMPILED_MODES, resolve_modes
-
-        used = any(mode in COMPILED_MODES for mode in resolve_modes(args.modes, args.compile))
-    else:
-        used = args.compile
-    if not used:
-        raise ValueError(
-            f"--compile-rounding={args.compile_rounding} applies to compiled runs only; "
-            "add --compile (or a *-compiled mode) or drop --compile-rounding"
-        )
 
 
 def run(args) -> int:
@@ -257,11 +140,6 @@ def run(args) -> int:
         from flowrl.bench.train import run_train
 
         return run_train(args)
-    _check_rounding_is_used(args)
-    if args.bench_command == "rollout":
-        from flowrl.bench.rollout import run_rollout
+    from flowrl.bench.rollout import run_rollout
 
-        return run_rollout(args)
-    from flowrl.bench.logprob import run_logprob
-
-    return run_logprob(args)
+    return run_rollout(args)

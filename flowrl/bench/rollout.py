@@ -31,14 +31,11 @@ from flowrl.bench.report import (
     format_table,
     median,
     peak_memory_gb,
-    profile_lines,
-    profile_summary,
     quiet_libraries,
     reset_peak_memory,
     resolve_device_dtype,
     time_runs,
 )
-from flowrl.bench.summary import lora_label
 from flowrl.sampling_params import SamplingParams
 
 EAGER_MODES = ("pipeline-serial", "pipeline-batched", "engine-batched", "engine-concurrent")
@@ -98,7 +95,6 @@ class RolloutBench:
                 max_batch_rows=self.max_batch_rows,
                 decode_chunk_size=self.args.decode_chunk_size,
                 compile=compile,
-                compile_rounding=self.args.compile_rounding if compiled else "eager",
             )
         return self.engines[compiled]
 
@@ -190,17 +186,6 @@ class RolloutBench:
             result.update(mean_rows_per_forward=float(rows))
         return result
 
-    def profile(self, mode: str) -> dict:
-        compiled = mode.endswith("-compiled")
-        steps = self.args.profile_steps
-        if mode.startswith("pipeline"):
-            fn = self.pipeline_call(steps, 1 if "serial" in mode else self.args.num_samples)
-        elif "concurrent" in mode:
-            fn = self.engine_concurrent(compiled, steps, self.args.num_samples)
-        else:
-            fn = self.engine_batched(compiled, steps, self.args.num_samples)
-        return profile_summary(fn, self.device)
-
     def shutdown(self) -> None:
         for engine in self.engines.values():
             engine.shutdown()
@@ -257,7 +242,6 @@ def run_rollout(args) -> int:
                 "max_batch_rows": bench.max_batch_rows,
                 "decode_chunk_size": a.decode_chunk_size,
                 "compile_backend": a.compile_backend,
-                "compile_rounding": a.compile_rounding,
                 "num_layers": a.num_layers,
                 "lora_rank": a.lora_rank,
                 "modes": modes,
@@ -310,15 +294,6 @@ def run_rollout(args) -> int:
         report.save()
         shown = result.get("error") or f"{result['images_per_second']:.3f} img/s, MFU {_percent(result['mfu'])}"
         print(f"[bench] {mode}: {shown}", flush=True)
-    # 3. Optional profile of one mode (where the time goes).
-    if a.profile:
-        target = a.profile if a.profile in modes else modes[-1]
-        try:
-            report.data["profile"] = {"mode": target, "steps": a.profile_steps, **bench.profile(target)}
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            report.data["profile"] = {"mode": target, "error": f"{type(exc).__name__}: {exc}"}
-        report.save()
     bench.shutdown()
     _print_summary(report.data)
     return 0 if all("error" not in m for m in report.data["modes"].values()) else 1
@@ -351,7 +326,7 @@ def _print_summary(data: dict) -> None:
     print(
         f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
         f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
-        f"{lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}"
+        f"{_lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}"
     )
     if flops["limit_images_per_second_sustained"]:
         print(
@@ -361,10 +336,8 @@ def _print_summary(data: dict) -> None:
     print(format_table(["mode", "img/s", "s/run", "MFU", "peak GB", "rows/fwd", "rows/forward histogram"], rows))
     for label, value in data.get("ratios", {}).items():
         print(f"   {label}: {value:.3f}")
-    profile = data.get("profile")
-    if profile and profile.get("total_ms", 0) < 0.01:
-        print(
-            f"   profile of {profile['mode']}: no kernels recorded (on a CPU the engine thread's ops are not captured)"
-        )
-    elif profile and "share_by_category" in profile:
-        print("\n".join(profile_lines(profile, f"{profile['mode']} ({profile['steps']} steps)")))
+
+
+def _lora_label(settings: dict) -> str:
+    """'LoRA rank R, ' for a run with an adapter (settings['lora_rank'] > 0), else ''."""
+    return f"LoRA rank {settings['lora_rank']}, " if settings.get("lora_rank") else ""

@@ -11,17 +11,14 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
 4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
 5. One more rollout of a step's prompts with nothing around it (no reward, no trainer step), to
-   set the step's rollout phase against; with --profile, one more step under torch.profiler
-   (flowrl.bench.step_profile), kept out of the medians.
+   set the step's rollout phase against.
 6. Per phase, the median over the timed steps of the trainer's own timings (`timing/*_s`: rollout,
    reward time not hidden behind the rollout, old log-prob, update, weight-version bump,
    validation), its FLOPs, its limit (those FLOPs at the measured peak) and its MFU; the whole
    step's images per second, its time over the sum of the phases' limits, the peak GPU memory,
-   Python's garbage-collection pauses (flowrl.bench.gc_pauses), the peer's step over flowrl's, and
-   how long trainer.total_steps of the recipe would take.
+   the peer's step over flowrl's, and how long trainer.total_steps of the recipe would take.
 
-The JSON (--json) is rewritten after every measurement; `python -m flowrl.bench.summary F`
-prints it again.
+The JSON (--json) is rewritten after every measurement.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ import traceback
 import torch
 
 from flowrl.bench import flops as flop_count
-from flowrl.bench.gc_pauses import GcPauses
 from flowrl.bench.report import (
     JsonReport,
     environment,
@@ -45,7 +41,6 @@ from flowrl.bench.report import (
     reset_peak_memory,
     synchronize,
 )
-from flowrl.bench.step_profile import profile_step
 from flowrl.bench.train_flops import (
     count_unit_flops,
     phase_flops,
@@ -149,8 +144,7 @@ def _allocator_counters() -> dict:
 
 def _flowrl_step(trainer, units, cfg) -> dict:
     before = _allocator_counters()
-    with GcPauses() as gc_pauses:
-        metrics = trainer.train_step()
+    metrics = trainer.train_step()
     after = _allocator_counters()
     val_every = cfg.trainer.val_every
     if val_every and trainer.step % val_every == 0:
@@ -177,7 +171,6 @@ def _flowrl_step(trainer, units, cfg) -> dict:
             bool(metrics["memory/gradient_checkpointing"]) if "memory/gradient_checkpointing" in metrics else None
         ),
         "activations_per_sample_gb": metrics.get("memory/activations_per_sample_gb"),
-        "gc_pauses": gc_pauses.as_dict(),  # Python's garbage collections during the training step
         "allocator": {name: after[name] - before[name] for name in after},  # on a GPU: ALLOCATOR_COUNTERS
     }
 
@@ -293,19 +286,15 @@ def _settings(args, cfg, adapter) -> dict:
         "window": window_size(s),
         "trained_steps_per_sample": trained_steps_per_sample(cfg),
         "micro_batch_size": tcfg.micro_batch_size,
-        "steps_per_forward": tcfg.steps_per_forward,
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,
         "gradient_checkpointing": tcfg.gradient_checkpointing,
-        "activation_memory_budget": tcfg.activation_memory_budget,
-        "cuda_graphs": tcfg.cuda_graphs,
         "mixed_precision": tcfg.mixed_precision,
         "old_log_prob": cfg.algorithm.old_log_prob,
         "kl_beta": cfg.algorithm.kl_beta,
         "reward": cfg.reward.name or [c["name"] for c in cfg.reward.components],
         "timed_steps": args.steps,
         "peer_steps": args.peer_steps,
-        "profile": args.profile,
     }
 
 
@@ -352,18 +341,6 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
         report.data["flowrl"].update(peak_memory(device))
         report.data["flowrl"]["rollout_alone_seconds"] = _rollout_alone(trainer, cfg, device)
         report.save()
-        report.data["flowrl"]["cuda_graphs"] = trainer.updater.cuda_graphs
-        if trainer.updater.cuda_graphs:
-            from flowrl.accel import cuda_graph_skips
-
-            report.data["flowrl"]["cuda_graph_skips"] = cuda_graph_skips()
-        if args.profile:
-            try:
-                report.data["flowrl"]["profile"] = profile_step(lambda: _flowrl_step(trainer, units, cfg), device)
-            except Exception as exc:  # noqa: BLE001 - the timed steps are still worth reporting
-                traceback.print_exc()
-                report.data["flowrl"]["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
-            report.save()
     finally:
         trainer.scorer.close()
         trainer.logger.close()
@@ -379,7 +356,97 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             "separates the images"
         )
     report.save()
-    from flowrl.bench.summary import train_markdown
-
-    print("\n".join(train_markdown("train", report.data)))
+    print("\n".join(train_lines(report.data)))
     return 1 if untrained or "error" in peer else 0
+
+
+_PHASE_LABELS = {
+    "rollout": "rollout (VAE decode included)",
+    "reward_wait": "reward, not hidden",
+    "old_log_prob": "old log-prob",
+    "update": "update",
+    "weight_sync": "weight version bump",
+    "validation": "validation",
+}
+
+
+def _cell(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _memory(part: dict) -> str:
+    allocated, reserved = part.get("peak_memory_gb"), part.get("peak_memory_reserved_gb")
+    if allocated is None:
+        return "n/a (CPU)"
+    return f"{allocated:.1f} GiB" + (f" ({reserved:.1f} GiB reserved)" if reserved is not None else "")
+
+
+def train_lines(data: dict) -> list[str]:
+    """The result as a markdown table and a few lines: each phase of flowrl's and the peer's step
+    against its FLOP limit, the whole step, memory and the projection."""
+    s = data.get("settings", {})
+    weights = f"random weights ({s['random_weights']})" if s.get("random_weights") else s.get("model")
+    gpu = data.get("environment", {}).get("gpu") or data.get("environment", {}).get("device")
+    lines = [
+        f"### {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
+        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {s.get('size')}px, "
+        f"{s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank {s.get('lora_rank')}, "
+        f"micro-batch {s.get('micro_batch_size')}, {'compiled' if s.get('compile') else 'eager'}, {gpu}",
+        "",
+    ]
+    flowrl, peer = data.get("flowrl", {}), data.get("peer", {})
+    if not flowrl.get("phases") and not peer.get("phases"):
+        return lines + ["(no timed step finished)", ""]
+    lines += ["| phase | flowrl s | limit s | flowrl MFU | peer s | peer MFU |", "|---|---|---|---|---|---|"]
+    for phase, label in _PHASE_LABELS.items():
+        mine, theirs = flowrl.get("phases", {}).get(phase), peer.get("phases", {}).get(phase)
+        if mine is None and theirs is None:
+            continue
+        ref = mine or theirs
+        lines.append(
+            f"| {label} | {_cell(mine and mine['seconds'], '.2f')} | {ref['limit_seconds']:.2f} "
+            f"| {_cell(mine and mine['mfu'], '.1%')} | {_cell(theirs and theirs['seconds'], '.2f')} "
+            f"| {_cell(theirs and theirs['mfu'], '.1%')} |"
+        )
+    ref = flowrl if flowrl.get("phases") else peer
+    lines.append(
+        f"| **training step** (validation apart) | {_cell(flowrl.get('step_seconds'), '.2f')} "
+        f"| {ref['limit_seconds']:.2f} | {_cell(flowrl.get('mfu'), '.1%')} | {_cell(peer.get('step_seconds'), '.2f')} "
+        f"| {_cell(peer.get('mfu'), '.1%')} |"
+    )
+    lines.append("")
+    if flowrl.get("phases"):
+        lines.append(
+            f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
+            f"the sum of its phases' limits, peak GPU memory {_memory(flowrl)}"
+        )
+    alone = flowrl.get("rollout_alone_seconds")
+    if alone is not None and flowrl.get("phases", {}).get("rollout"):
+        lines.append(
+            f"- the rollout alone (no reward or step around it): {alone:.2f} s, against "
+            f"{flowrl['phases']['rollout']['seconds']:.2f} s as the step's phase"
+        )
+    warmup = flowrl.get("warmup")
+    if warmup:
+        shown = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in warmup["seconds"].items())
+        lines.append(f"- flowrl's first step (it compiles): {warmup['step_seconds']:.1f} s ({shown})")
+    if peer.get("phases"):
+        lines.append(
+            f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "
+            f"{peer['images_per_second']:.3f} img/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
+            f"{_memory(peer)}"
+        )
+    if data.get("peer_over_flowrl"):
+        lines.append(f"- the peer's training step takes {data['peer_over_flowrl']:.2f} x flowrl's")
+    p = data.get("projection")
+    if p:
+        lines.append(
+            f"- {p['total_steps']} steps of this recipe at {p['recipe_samples_per_step']} samples per step (scaled "
+            f"linearly in samples): about {p['hours_at_recipe_size']:.1f} h on this GPU, "
+            f"{p['hours_at_recipe_size_on_gpus']:.1f} h on {p['gpus']} GPUs if the step splits without loss"
+        )
+    if peer.get("error"):
+        lines.append(f"- the peer's loop failed: {peer['error']}")
+    if data.get("error"):
+        lines.append(f"- error: {data['error']}")
+    return lines + [""]

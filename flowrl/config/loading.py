@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flowrl.config.sections import FlowRLConfig, check_choice, field_types, literal_choices
+from flowrl.config.sections import REMOVED_KEYS, FlowRLConfig, check_choice, field_types, literal_choices
 
 # ---- Loading: defaults <- YAML file <- overrides; strict keys and types; back to dataclasses ----
 
@@ -54,9 +54,23 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> FlowR
     return _build(layers)
 
 
-def config_from_dict(data: dict, overrides: Sequence[str] = ()) -> FlowRLConfig:
-    """Like `load_config`, from an already parsed mapping (e.g. a checkpoint's saved config)."""
+def config_from_dict(data: dict, overrides: Sequence[str] = (), saved: bool = False) -> FlowRLConfig:
+    """Like `load_config`, from an already parsed mapping. saved=True: a config flowrl wrote itself
+    (a run's or a checkpoint's), whose keys that flowrl has removed since (REMOVED_KEYS) are
+    dropped instead of refused: they named speed settings, not what the weights mean."""
+    if saved:
+        data = _without_removed_keys(data)
     return _build([("config", data, None)] + [_override_layer(item) for item in overrides])
+
+
+def _without_removed_keys(data: dict, prefix: str = "") -> dict:
+    if not isinstance(data, dict):
+        return data
+    return {
+        key: _without_removed_keys(value, f"{prefix}{key}.")
+        for key, value in data.items()
+        if f"{prefix}{key}" not in REMOVED_KEYS
+    }
 
 
 def config_to_dict(cfg) -> dict:
@@ -187,6 +201,11 @@ def _check_value(tp, value, key: str, source: str) -> None:
             )
         for name, item in value.items():
             full_key = f"{key}.{name}" if key else str(name)
+            if full_key in REMOVED_KEYS:
+                raise ValueError(
+                    f"{source}: {full_key} was removed from flowrl ({REMOVED_KEYS[full_key]}); delete it from "
+                    "the config (docs/config.md lists the removed keys)"
+                )
             if name not in field_types(tp):
                 close = difflib.get_close_matches(str(name), list(field_types(tp)), n=1)
                 prefix = f"{key}." if key else ""

@@ -1,5 +1,10 @@
 """flowrl configuration sections: one dataclass per component, each with `validate()`.
 
+Every field is documented by the docstring under it (an attribute docstring, as cleanrl and
+torchtitan write them); `flowrl.config.reference` reads them back, and docs/config.md's tables are
+generated from them (a test holds the two equal). A key that no longer exists is listed in
+`REMOVED_KEYS` with why, and a config that still sets it fails naming it.
+
 `flowrl.config.load_config(path, overrides)` (loading.py) merges, in order, the defaults below, a YAML file and
 `key=value` overrides (`rollout.n=16 rollout.sampling.guidance_scale=4.5`), checks every key and
 type strictly, converts back to plain dataclasses (real `SamplingParams`, tuples stay tuples) and
@@ -30,6 +35,7 @@ from typing import Literal
 from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
+AlgorithmName = Literal["flow_grpo"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
 StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -37,6 +43,18 @@ GradientCheckpointing = bool | Literal["auto"]
 ScoringWorkers = int | Literal["auto"]
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# Keys that existed once, and why they went: a config that sets one fails naming it. The fast
+# paths behind the first four did not save 2% of a recipe's step or rollout on a GPU
+# (benchmarks/results/2026-12-05_fast_paths_h200.md).
+REMOVED_KEYS = {
+    "trainer.cuda_graphs": "replaying the training graphs as CUDA graphs did not shorten a recipe's step",
+    "trainer.activation_memory_budget": "a smaller activation budget with a larger micro-batch did not pay",
+    "trainer.steps_per_forward": "several trained steps per forward saved 1% of a step for 2.6x the memory",
+    "engine.compile_rounding": "compiled kernels always round where eager PyTorch does",
+    "engine.prompt_cache_device": "prompt encodings are always cached in host memory",
+    "algorithm.adv_estimator": "the algorithm is chosen by algorithm.name (its advantages with it)",
+}
 REWARD_COMPONENT_KEYS = ("name", "weight", "options", "optional", "label")
 
 
@@ -94,26 +112,24 @@ def check_finite(node, key: str = "") -> None:
 
 @dataclass
 class ModelConfig:
-    """Which checkpoint to load and how.
-
-    path: local diffusers folder (written by `save_pretrained` or `flowrl make-tiny`), or
-        `random:NAME`: random weights at a published architecture (flowrl.models.random_weights;
-        speed and memory runs only). None means the embedded tiny SD3 model, which the trainer
-        builds offline on first use.
-    family: "auto" reads model_index.json; or force "sd3" / "qwen_image" / "flux" / "z_image".
-    dtype: dtype of the model weights ("float32" on CPU; "bfloat16" is usual on GPU).
-    device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
-    max_sequence_length: the prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's;
-        Qwen-Image and Z-Image: the longest prompt, shorter ones stay unpadded). None: the family's
-        default (SD3 256, FLUX 512 as FluxPipeline, Qwen-Image 1024, Z-Image 512); the pipelines
-        allow up to 512 (SD3, FLUX, Z-Image) and 1024 (Qwen-Image).
-    """
+    """Which checkpoint to load and how."""
 
     path: str | None = None
+    """Local diffusers folder (`save_pretrained`, `flowrl make-tiny`, `flowrl make-toy`), or
+    `random:NAME`: random weights at a published architecture (flowrl/models/architectures.py,
+    with random prompt embeddings in place of the text encoders; speed and memory runs only). null:
+    the embedded tiny SD3 model, built offline on first use."""
     family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
+    """`auto` reads `model_index.json`; or force one family."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the model weights (`float32` on CPU; `bfloat16` is usual on GPU)."""
     device: str = "auto"
+    """`auto` (cuda when a GPU is visible, else cpu), `cpu`, `cuda` or `cuda:N`."""
     max_sequence_length: int | None = None
+    """The prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's; Qwen-Image and
+    Z-Image: the longest prompt, shorter ones stay unpadded). null: the family's default (SD3 256,
+    FLUX 512, Qwen-Image 1024, Z-Image 512); the pipelines allow up to 512 (SD3, FLUX, Z-Image) and
+    1024 (Qwen-Image)."""
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
@@ -144,48 +160,34 @@ class ModelConfig:
         return getattr(torch, self.dtype)
 
 
-# torch.compile backends and compile roundings of `flowrl.accel.compile_adapter` (the engine's
-# `compile` and `compile_rounding`): the one list of each, which flowrl.accel reads.
+# torch.compile backends of `flowrl.accel.compile_adapter` (the engine's `compile`): the one list,
+# which flowrl.accel reads.
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
-CompileRounding = Literal["eager", "fused"]
-# Where the engine keeps prompt encodings (flowrl.engine.prompt_cache): host memory or the device.
-PromptCacheDevice = Literal["host", "device"]
 
 
 @dataclass
 class EngineConfig:
-    """Rollout engine limits.
-
-    max_batch_rows: most transformer rows per forward (a CFG sample counts two rows).
-    decode_chunk_size: most samples VAE-decoded at once (bounds decode memory).
-    compile: regional torch.compile of the transformer blocks (and SD3's VAE decoder) with the
-        fast paths of flowrl.accel (fused kernels, LoRA fold, Qwen-Image's block fast path).
-    compile_rounding: where compiled kernels round bf16 intermediates: "eager" (where eager
-        PyTorch does, so the trainer's grad graph stays close to the rollout's graph) or "fused"
-        (only where kernels write); where the trainer's log-prob values come from does not
-        depend on it (flowrl.trainer.update.Scoring); see flowrl.accel.regional_compile.
-    prompt_cache_mb: MiB of prompt encodings kept for reuse (least recently used evicted first;
-        0 disables the cache). prompt_cache_device: "host" (pinned host memory on a GPU machine,
-        copied to the device per request) or "device" (no copy, costs device memory).
-    """
+    """Rollout engine limits."""
 
     max_batch_rows: int = 32
+    """Most transformer rows per forward (a CFG sample counts two)."""
     decode_chunk_size: int = 16
+    """Most samples VAE-decoded at once (bounds decode memory)."""
     compile: bool = False
-    compile_rounding: CompileRounding = "eager"
+    """Regional torch.compile of the transformer blocks (and SD3's VAE decoder) with the fast paths
+    of flowrl.accel: faster rollouts and training steps on a GPU after a one-time compilation in
+    the first steps. Rollout and trainer then run different compiled graphs (no-grad, grad); where
+    each log-prob's value comes from is chosen once (docs/training.md). The GPU recipes turn it on;
+    on a tiny CPU model compiling costs more than it saves."""
     prompt_cache_mb: int = 1024
-    prompt_cache_device: PromptCacheDevice = "host"
+    """MiB of prompt encodings kept for reuse, in host memory (least recently used evicted first;
+    0 disables the cache)."""
 
     def validate(self) -> "EngineConfig":
         for name in ("max_batch_rows", "decode_chunk_size"):
             _check_min(f"engine.{name}", getattr(self, name), 1)
         _check_min("engine.prompt_cache_mb", self.prompt_cache_mb, 0)
         check_choices(self, "engine")
-        if self.compile_rounding != "eager" and not self.compile:
-            raise ValueError(
-                f"engine.compile_rounding={self.compile_rounding!r} takes effect only with "
-                "engine.compile=true; set engine.compile=true or leave compile_rounding at 'eager'"
-            )
         return self
 
 
@@ -199,59 +201,54 @@ def _default_val_sampling() -> SamplingParams:
 
 @dataclass
 class RolloutConfig:
-    """How dataset rows become rollouts (the agent loop's slice).
+    """How dataset rows become rollouts (the agent loop's slice), and where they run.
 
-    n: samples per prompt (the group size of group-relative advantages). Rows are repeated
-        interleaved: p0 x n, then p1 x n, ...
-    enable_batched_diffusion: send each group of n consecutive rows as ONE
-        `engine.generate_batched(prompt, n, sampling)` call (one prompt encoding, samples admitted
-        together). Taken only when provably safe, i.e. all of: this flag is on; the engine supports
-        batched generation; n > 1; len(batch) % n == 0; and within every group agent_name,
-        raw_prompt, negative_prompt and sampling settings are identical. Otherwise (or with the
-        flag off) every row is sent as its own single `generate` request, all in flight at once
-        (the engine still batches them into shared forwards), with identical results and the same
-        row layout; the agent loop logs why it fell back.
-    seed: base seed; row i of a rollout batch gets a seed derived from it and the global row index,
-        so reruns are identical. None: fresh randomness per row. (`sampling.seed` must stay None:
-        per-row seeds always come from here.)
-    val_seed: the base seed of validation rollouts, fixed so validation images are comparable
-        across steps.
-    sampling: SamplingParams of training rollouts (SDE, log-probs on).
-    val_sampling: SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs).
-    merge_lora: training rollouts compute each adapted projection with the merged weight
-        W + s B A, stochastically rounded to the model's dtype and made once per rollout (with
-        engine.compile, in one compiled kernel per layer), instead of the base weight plus the
-        low-rank term (flowrl.trainer.lora_merge): faster, at one more copy of the adapted
-        weights in device memory while the rollout runs, sampling a policy within rounding noise
-        of the trained one. Needs a LoRA adapter, algorithm.old_log_prob=recompute and the
-        trainer's own engine. Validation and `flowrl eval` sample the adapter itself.
-
-    Decoupled training (docs/serving.md): training rollouts run on rollout servers instead of the
-    trainer's own engine (validation stays in the trainer's process, with its weights).
-    servers: URLs of `flowrl serve` replicas started by the user (e.g. http://10.0.0.2:8000), all
-        serving the trainer's model; empty: none.
-    num_replicas: `flowrl serve` processes the trainer starts itself (on 127.0.0.1, model.path)
-        and stops on exit; 0: none. Give either servers or num_replicas, not both.
-    replica_devices: the device of each started replica (one entry per replica, e.g.
-        [cuda:1, cuda:2]); empty: every replica on model.device.
-    request_timeout_s: how long a rollout request may take on a server (queueing included)
-        before the replica counts as down.
-    max_replica_failures: a replica down this many times in a row is dropped for the rest of the
-        run (its requests go to the others; with none left the step fails).
-    """
+    Decoupled training (docs/serving.md): with `servers` or `num_replicas`, training rollouts run
+    on rollout servers instead of the trainer's own engine (validation stays in the trainer's
+    process, with its weights)."""
 
     n: int = 4
+    """Samples per prompt (the group size of group-relative advantages). Rows are repeated
+    interleaved: p0 x n, then p1 x n, ..."""
     enable_batched_diffusion: bool = True
+    """Send each group of n consecutive rows as ONE `engine.generate_batched(prompt, n, sampling)`
+    call (one prompt encoding, samples admitted together) when that is provably safe: the engine
+    supports it, n > 1, len(batch) % n == 0, and within every group agent_name, raw_prompt,
+    negative_prompt and sampling settings are identical. Otherwise (or with the flag off) every
+    row is its own `generate` request, all in flight at once (the engine still batches them into
+    shared forwards), with identical results and row layout; the agent loop logs why it fell
+    back."""
     seed: int | None = 42
+    """Base seed: row i of a rollout batch gets a seed derived from it and the global row index,
+    so reruns are identical. null: fresh randomness per row (`sampling.seed` must stay null)."""
     val_seed: int = 0
+    """Base seed of validation rollouts, fixed so validation images compare across steps."""
     sampling: SamplingParams = field(default_factory=_default_sampling)
+    """SamplingParams of training rollouts (SDE, log-probs on); its fields are listed below."""
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
+    """SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs)."""
     merge_lora: bool = False
+    """Training rollouts compute each adapted projection with the merged weight W + s B A,
+    stochastically rounded to the model's dtype and made once per rollout (with engine.compile, in
+    one compiled kernel per layer), instead of the base weight plus the low-rank term: faster, at
+    one more copy of the adapted weights in device memory while the rollout runs. Needs a LoRA
+    adapter, algorithm.old_log_prob=recompute and the trainer's own engine. Validation and
+    `flowrl eval` sample the adapter itself."""
     servers: list[str] = field(default_factory=list)
+    """URLs of `flowrl serve` replicas started by the user (e.g. http://10.0.0.2:8000), all serving
+    the trainer's model; training rollouts go there, balanced per group."""
     num_replicas: int = 0
+    """`flowrl serve` processes the trainer starts itself (on 127.0.0.1, model.path) and stops on
+    exit; 0: none. Give either servers or num_replicas, not both."""
     replica_devices: list[str] = field(default_factory=list)
+    """The device of each started replica (one per replica, e.g. [cuda:1, cuda:2]); empty: every
+    replica on model.device."""
     request_timeout_s: float = 600.0
+    """How long a rollout request may take on a server (queueing included) before the replica
+    counts as down."""
     max_replica_failures: int = 2
+    """A replica down this many times in a row is dropped for the rest of the run (its requests go
+    to the others; with none left the step fails)."""
 
     @property
     def is_decoupled(self) -> bool:
@@ -306,36 +303,42 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """FlowGRPO objective: group-relative advantages and the clipped PPO loss.
+    """The RL algorithm (flowrl.trainer's registry) and its objective's settings."""
 
-    adv_estimator: "flow_grpo": (r - mean_group) / (std + std_eps), clamped to +-adv_clip_max.
-    std_mode: "global" (std over the whole batch, Flow-GRPO default) or "group" (per prompt).
-    zero_std_policy: a group whose reward std <= zero_std_threshold has zero advantages; "drop"
-        removes its rows from the update (as Flow-GRPO does with rows whose advantage is zero),
-        "keep" leaves them in, where they add nothing to the policy gradient but still count in
-        its mean (shrinking it by the share of such rows) and in the KL term. Either way the
-        trainer reports their share as `zero_std_ratio`.
-    clip_range: PPO ratio clip epsilon. kl_beta: weight of the KL to the reference (LoRA off).
-    old_log_prob: PPO denominator: the rollout's log-prob, or a recompute by the trainer before
-        the update.
-    train_timestep_fraction: fraction of each sample's SDE-window steps that are trained.
-    shuffle_advantages: the control run of a learning comparison: the step's advantages are
-        permuted over its trained rows (seeded from trainer.seed and the step), so the update
-        keeps their distribution and size but loses their link to the images. A run that learns
-        only when this is false learns from its reward, not from drift (docs/training.md).
-    """
-
-    adv_estimator: Literal["flow_grpo"] = "flow_grpo"
+    name: AlgorithmName = "flow_grpo"
+    """The algorithm: `flow_grpo` (SDE rollouts with per-step log-probs, group-relative
+    advantages, the clipped PPO loss; flowrl/trainer/flow_grpo.py)."""
     std_mode: StdMode = "global"
+    """Advantage = (r - group mean) / (std + std_eps): `global` takes the std over the whole batch
+    (the Flow-GRPO default), `group` the std of the row's own group."""
     std_eps: float = 1e-4
+    """Added to the std."""
     adv_clip_max: float = 5.0
+    """Advantages are clamped to +-adv_clip_max."""
     zero_std_policy: Literal["keep", "drop"] = "drop"
+    """A group whose reward std <= zero_std_threshold has zero advantages: `drop` removes its rows
+    from the update (as Flow-GRPO drops rows whose advantage is zero), `keep` leaves them in, where
+    they add nothing to the policy gradient but still count in its mean and in the KL term. Their
+    share is logged as `adv/zero_std_ratio` either way."""
     zero_std_threshold: float = 1e-6
+    """The reward std at or below which a group counts as having no spread."""
     clip_range: float = 1e-4
+    """PPO ratio clip epsilon."""
     kl_beta: float = 0.0
+    """Weight of the KL to the reference (the same model with the LoRA disabled): Flow-GRPO's,
+    mean((mu - mu_ref)^2) / (2 std_t^2) with the diffusion coefficient std_t, so the published
+    betas apply as they are. Needs LoRA."""
     old_log_prob: OldLogProbSource = "rollout"
+    """The PPO denominator: the rollout's log-probs (`rollout`), or a recompute by the trainer
+    before the update (`recompute`: the first optimizer step's samples take theirs from its own
+    forwards; the rest are re-scored)."""
     train_timestep_fraction: float = 1.0
+    """Fraction of each sample's SDE-window steps that are trained (a random subset per sample)."""
     shuffle_advantages: bool = False
+    """The control run of a learning comparison: the step's advantages are permuted over its
+    trained rows (seeded from trainer.seed and the step), so the update keeps their distribution
+    and size but loses their link to the images. A run that learns only when this is false learns
+    from its reward, not from drift (docs/training.md)."""
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
@@ -350,17 +353,22 @@ class AlgorithmConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapter (peft). enabled=False means full fine-tuning of the transformer.
-
-    init: "default" (peft's kaiming A, zero B), "gaussian", "pissa", "olora", "orthogonal".
-    """
+    """The LoRA adapter (peft)."""
 
     enabled: bool = True
+    """false: full fine-tuning of the transformer."""
     rank: int = 8
+    """The adapter's rank."""
     alpha: float = 16.0
+    """Its scale numerator (the low-rank term is scaled by alpha / rank)."""
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Module names to adapt."""
     init: Literal["default", "gaussian", "pissa", "olora", "orthogonal"] = "gaussian"
+    """peft's initialisation: `default` (kaiming A, zero B), `gaussian`, `pissa`, `olora`,
+    `orthogonal`."""
     dropout: float = 0.0
+    """LoRA dropout; above 0, compiled rollouts keep each adapted projection as two GEMMs and an add
+    instead of one op (flowrl/accel/lora_fold.py)."""
 
     def validate(self) -> "LoraConfig":
         check_choices(self, "trainer.lora")
@@ -379,16 +387,17 @@ class LoraConfig:
 
 @dataclass
 class EmaConfig:
-    """An exponential moving average of the trained weights (Flow-GRPO's: decay 0.9 every 8
-    optimizer steps), which validation samples with and checkpoints save beside the weights.
-
-    After every `update_every`-th optimizer step t: ema += (1 - d) * (weights - ema), with
-    d = min(decay, (1 + t) / (10 + t)) (a warm-up: early averages follow the weights faster).
-    """
+    """An exponential moving average of the trained weights (Flow-GRPO keeps one), which validation
+    samples with and checkpoints save beside the weights."""
 
     enabled: bool = False
+    """Keep the average: validation samples with it, checkpoints save it (`ema.safetensors`), resume
+    restores it, and the end of the run also writes `final/ema/`."""
     decay: float = 0.9
+    """After every `update_every`-th optimizer step t: ema += (1 - d) (weights - ema), with
+    d = min(decay, (1 + t) / (10 + t)) (a warm-up: early averages follow the weights faster)."""
     update_every: int = 8
+    """Optimizer steps between two moves of the average."""
 
     def validate(self) -> "EmaConfig":
         if not 0.0 <= self.decay < 1.0:
@@ -399,75 +408,67 @@ class EmaConfig:
 
 @dataclass
 class TrainerConfig:
-    """The training loop.
-
-    total_steps: training steps (one rollout batch + its updates each); epochs: passes over the
-        prompt dataset (None: cycle until total_steps). Training stops at whichever comes first.
-    prompts_per_step: prompts per step; the step holds prompts_per_step * rollout.n samples.
-    update_epochs: passes of updates over one rollout batch.
-    updates_per_step: optimizer steps per pass: the pass's samples (shuffled) split into this many
-        mini-batches of (nearly) equal size, one optimizer step each; every step after the first
-        is slightly off-policy, which is where the PPO clip acts (the references use 2).
-    micro_batch_size: samples per forward/backward in the update; gradients accumulate over a
-        mini-batch's micro-batches, every trained (sample, step) pair weighing the same.
-    steps_per_forward: trained window steps of a micro-batch's samples scored in one forward (its
-        rows: samples x steps x CFG rows); 1 runs one forward + backward per trained step. More
-        rows per forward launch fewer, larger kernels, and keep that many times the activations.
-    gradient_checkpointing: recompute each block's forward in the backward instead of keeping its
-        activations (less memory, about half a forward more work per trained pair): true, false,
-        or "auto": on only when one micro-batch's activations, measured at the first update, do
-        not fit in the device's free memory (flowrl.trainer.checkpointing).
-    activation_memory_budget: the share (0 < x <= 1) of the activations the compiled training
-        graphs keep for their backward, against torch's default partition (1, the default): below
-        1 the graphs recompute the rest in the backward, the elementwise results (norms,
-        activations, casts) first and matrix products only where the budget needs more
-        (flowrl.accel.set_training_activation_budget). Less memory per micro-batch, so a larger
-        micro-batch, or one without gradient checkpoints (which recompute a whole forward), fits
-        (docs/training.md gives measured sizes). Needs engine.compile.
-    cuda_graphs: replay the compiled blocks' training forwards and backwards as CUDA graphs
-        (inductor's CUDA graph trees; needs engine.compile and a GPU, not with sharded weights),
-        so the host launches each block's kernels at once. The same kernels, so the same update;
-        the graphs keep their activations' memory between updates, and each new micro-batch
-        shape is recorded once. Off by default: on the Qwen-Image recipe it did not pay
-        (docs/performance.md); `flowrl bench logprob --cuda-graphs both` measures a recipe.
-    ema: an exponential moving average of the trained weights (EmaConfig).
-    resume: "auto" (the newest verified checkpoint in output_dir, if any), "never", or a checkpoint
-        path. A new run refuses a folder holding another run's files (flowrl.trainer.resume).
-    overwrite: a new run deletes another run's files in output_dir first (and nothing else).
-    save_every / val_every / log_every: in steps; 0 disables saving / validation.
-    num_val_images: validation prompts (one ODE sample each, fixed seeds).
-    async_rollout: one-step-ahead training (decoupled only, docs/training.md): step k+1's rollouts
-        run on the rollout servers, with the weights step k started from, while step k trains.
-        Every sample is then one weight update stale (from the second step on); the PPO ratio is
-        taken against its own rollout log-prob (algorithm.old_log_prob=rollout).
-    """
+    """The training loop."""
 
     output_dir: str = "outputs/flowrl"
+    """Checkpoints, metrics.jsonl, tensorboard logs and images."""
     total_steps: int = 30
+    """Training steps (one rollout batch and its updates each)."""
     epochs: int | None = None
+    """Passes over the prompt dataset (null: cycle until total_steps); training stops at whichever
+    limit comes first."""
     prompts_per_step: int = 4
+    """Prompts per step; the step holds prompts_per_step * rollout.n samples."""
     update_epochs: int = 1
+    """Passes of updates over one rollout batch."""
     updates_per_step: int = 1
+    """Optimizer steps per pass: the pass's samples (shuffled) split into this many mini-batches of
+    (nearly) equal size, one optimizer step each; every step after the first is slightly
+    off-policy, which is where the PPO clip acts (the references, and the GPU recipes, use 2)."""
     micro_batch_size: int = 8
-    steps_per_forward: int = 1
+    """Samples per forward/backward in the update; gradients accumulate over a mini-batch's
+    micro-batches, every trained (sample, step) pair weighing the same whatever the cut."""
     lr: float = 1e-3
+    """AdamW learning rate."""
     weight_decay: float = 1e-4
+    """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     grad_clip: float = 1.0
+    """Largest gradient norm (clipped above it)."""
     mixed_precision: MixedPrecision = "no"
+    """`no`, `bf16` or `fp16` (GPU): torch.autocast of the trainer's forward and of the rollout
+    engine's transformer (the same arithmetic on both sides)."""
     gradient_checkpointing: GradientCheckpointing = False
-    activation_memory_budget: float = 1.0
-    cuda_graphs: bool = False
+    """Recompute each block's forward in the backward instead of keeping its activations (less
+    memory, about half a forward more work per trained pair): true, false, or `auto`: on only when
+    one micro-batch's activations, measured at the first update, do not fit in the device's free
+    memory (the recipes use auto)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    """The LoRA adapter (its keys below)."""
     ema: EmaConfig = field(default_factory=EmaConfig)
+    """The moving average of the weights (its keys below)."""
     save_every: int = 10
+    """Steps between checkpoints; 0: none."""
     val_every: int = 10
+    """Steps between validations; 0: none."""
     resume: str = "auto"
+    """`auto` (the newest checkpoint in output_dir that verifies, if any), `never`, or a checkpoint
+    path. A new run refuses a folder holding another run's files (docs/training.md)."""
     overwrite: bool = False
+    """A new run in a folder holding another run's files deletes those files first (and nothing
+    else) instead of refusing to start."""
     log_every: int = 1
+    """Steps between metrics lines."""
     seed: int = 42
+    """The trainer's seed: LoRA initialisation, data order, trained steps, control permutations."""
     num_val_images: int = 4
+    """Validation prompts (one ODE sample each, fixed seeds)."""
     async_rollout: bool = False
+    """One-step-ahead training (decoupled only, docs/training.md): step k+1's rollouts run on the
+    rollout servers, with the weights step k started from, while step k trains. Every sample is
+    then one weight update stale (from the second step on); the PPO ratio is taken against its own
+    rollout log-prob (algorithm.old_log_prob=rollout)."""
 
     def validate(self) -> "TrainerConfig":
         check_choices(self, "trainer")
@@ -478,7 +479,6 @@ class TrainerConfig:
             "update_epochs",
             "updates_per_step",
             "micro_batch_size",
-            "steps_per_forward",
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
@@ -486,12 +486,6 @@ class TrainerConfig:
             _check_min(f"trainer.{name}", getattr(self, name), 0)
         _check_min("trainer.lr", self.lr, 0.0, strict=True)
         _check_min("trainer.grad_clip", self.grad_clip, 0.0, strict=True)
-        if not 0.0 < self.activation_memory_budget <= 1.0:
-            _fail(
-                "trainer.activation_memory_budget",
-                self.activation_memory_budget,
-                "it is the share of the default activations kept, in (0, 1]; use 1 for torch's default",
-            )
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             _fail("trainer.betas", self.betas, "both Adam betas must be in [0, 1), e.g. [0.9, 0.999]")
         if not self.output_dir:
@@ -507,24 +501,21 @@ class TrainerConfig:
 
 @dataclass
 class RewardConfig:
-    """What scores the images (the rewards' slice).
-
-    name / options: a single registered reward and its options (the reward registry,
-        `flowrl.rewards.registered_rewards()`, is the one list of names; the trainer checks the
-        name against it before loading the model). components: a weighted sum of
-        rewards instead, each {name, weight (1.0), options ({}), optional (False: a failure
-        raises; True: the row gets NaN and is excluded)}; set name=null when using components.
-    route_by_data_source: data_source -> reward name, for datasets that mix tasks.
-    num_workers: reward scoring threads of each rank (scoring overlaps generation); "auto": the
-        cores this process may use, shared by the ranks of its host, less one
-        (flowrl.rewards.async_scoring.scoring_workers).
-    """
+    """What scores the images (the rewards' slice)."""
 
     name: str | None = "jpeg_compressibility"
+    """A single registered reward (the registry, `flowrl.rewards.registered_rewards()`, is the one
+    list of names; the trainer checks it before loading the model); null with `components`."""
     options: dict = field(default_factory=dict)
+    """The reward's options."""
     components: list[dict] = field(default_factory=list)
+    """A weighted sum of rewards instead: each {name, weight (1.0), options ({}), optional (false:
+    a failure raises; true: the row gets NaN and is excluded)}; set name=null with it."""
     route_by_data_source: dict[str, str] = field(default_factory=dict)
+    """data_source -> reward name, for datasets that mix tasks."""
     num_workers: ScoringWorkers = "auto"
+    """Reward scoring threads of each rank (scoring overlaps generation); `auto`: the cores this
+    process may use, shared by the ranks of its host, less one."""
 
     def validate(self) -> "RewardConfig":
         if self.num_workers != "auto":
@@ -571,18 +562,19 @@ def _validate_component(key: str, component: dict) -> None:
 
 @dataclass
 class DataConfig:
-    """Prompt datasets (.txt: one prompt per line; .jsonl / .parquet: one row per prompt).
-
-    train_path / val_path: None uses the embedded tiny prompt list (train) / the train prompts (val).
-    prompt_field: the column holding the prompt text in jsonl/parquet rows.
-    max_prompts: keep only the first N prompts (None: all).
-    """
+    """Prompt datasets (.txt: one prompt per line; .jsonl / .parquet: one row per prompt, with an
+    optional `ground_truth`, `negative_prompt` and `data_source`)."""
 
     train_path: str | None = None
+    """The training prompts; null: the embedded tiny prompt list."""
     val_path: str | None = None
+    """The validation prompts (same formats); null: the training prompts."""
     prompt_field: str = "prompt"
+    """The column holding the prompt text in jsonl / parquet rows."""
     shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded from trainer.seed and the epoch)."""
     max_prompts: int | None = None
+    """Keep only the first N prompts (null: all)."""
 
     def validate(self) -> "DataConfig":
         for name in ("train_path", "val_path"):
@@ -600,10 +592,15 @@ class LoggingConfig:
     """Where metrics go (metrics.jsonl under trainer.output_dir is always written)."""
 
     tensorboard: bool = True
+    """Tensorboard event files under trainer.output_dir/tensorboard."""
     wandb: bool = False
+    """Mirror metrics and images to Weights & Biases (`pip install flowrl[wandb]`)."""
     wandb_project: str = "flowrl"
+    """The wandb project."""
     progress_bar: bool = True
+    """The training progress bar."""
     log_images: bool = True
+    """Validation grids in tensorboard / wandb (the PNGs under val/ are always written)."""
 
     def validate(self) -> "LoggingConfig":
         if self.wandb and not self.wandb_project:
@@ -618,29 +615,26 @@ DistributedBackend = Literal["auto", "nccl", "gloo"]
 
 @dataclass
 class DistributedConfig:
-    """Data-parallel training over several processes (docs/distributed.md).
-
-    launcher: "auto": the ranks torchrun started when its environment (RANK, WORLD_SIZE) is set,
-        else one process; "torchrun": the same, but an error when not started by torchrun;
-        "ray": `num_workers` Ray Train workers started from this process; "none": one process.
-    num_workers: the world size of a Ray launch (one GPU each when the cluster has GPUs);
-        torchrun takes its world size from its own --nnodes / --nproc-per-node.
-    address: the Ray cluster to join ("auto", "HOST:6379", "ray://HOST:10001"); None starts a
-        local Ray on this machine, bound to 127.0.0.1.
-    backend: the torch.distributed backend: "auto" is nccl on CUDA devices and gloo on the CPU.
-    timeout_s: how long a collective waits for the other ranks before the job fails (a rank that
-        died or hangs ends the run then, not never); it must cover the longest stretch between two
-        collectives: a step's rollout, a validation, a checkpoint write.
-    max_restarts: Ray only: how many times a failed worker group restarts, resuming from the
-        latest checkpoint (torchrun takes its own --max-restarts).
-    """
+    """Data-parallel training over several processes (docs/distributed.md)."""
 
     launcher: Launcher = "auto"
+    """`auto`: the ranks torchrun started when its environment (RANK, WORLD_SIZE) is set, else one
+    process; `torchrun`: the same, but an error when not started by torchrun; `ray`: num_workers
+    Ray Train workers started from this process; `none`: one process."""
     num_workers: int = 1
+    """Ray only: the world size (one GPU each when the cluster has GPUs); torchrun takes its own
+    --nnodes / --nproc-per-node."""
     address: str | None = None
+    """Ray only: the cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); null starts a local
+    Ray on this machine, bound to 127.0.0.1."""
     backend: DistributedBackend = "auto"
+    """The torch.distributed backend: `auto` is nccl on CUDA devices and gloo on the CPU."""
     timeout_s: float = 1800.0
+    """How long a collective waits for the other ranks before the job fails; it must cover the
+    longest stretch between two collectives (a step's rollout, a validation, a checkpoint)."""
     max_restarts: int = 0
+    """Ray only: how many times a failed worker group restarts, resuming from the latest checkpoint
+    (torchrun takes its own --max-restarts)."""
 
     def validate(self) -> "DistributedConfig":
         check_choices(self, "distributed")
@@ -691,22 +685,8 @@ class FlowRLConfig:
                     f"rollout.{name}.{field_name}={getattr(params, field_name)} runs CFG, two rows per sample; "
                     f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
                 )
-        if self.trainer.cuda_graphs and not self.engine.compile:
-            _fail(
-                "trainer.cuda_graphs",
-                True,
-                "CUDA graphs replay the compiled blocks' training graphs; set engine.compile=true, "
-                "or trainer.cuda_graphs=false",
-            )
-        if self.trainer.activation_memory_budget < 1.0 and not self.engine.compile:
-            _fail(
-                "trainer.activation_memory_budget",
-                self.trainer.activation_memory_budget,
-                "it sets how the compiled training graphs split their forward and backward; set "
-                "engine.compile=true, or trainer.activation_memory_budget=1",
-            )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
-        if self.algorithm.adv_estimator == "flow_grpo" and self.rollout.n < 2:
+        if self.algorithm.name == "flow_grpo" and self.rollout.n < 2:
             _fail(
                 "rollout.n",
                 self.rollout.n,

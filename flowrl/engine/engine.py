@@ -60,28 +60,23 @@ def _compile_backend(compile: bool | str) -> str:
     )
 
 
-def _compile(adapter: FlowModelAdapter, compile: bool | str, rounding: str) -> list[str]:
+def _compile(adapter: FlowModelAdapter, compile: bool | str) -> list[str]:
     """The engine's `compile` option: flowrl.accel's one entry (imported here, so an engine
     without compile never loads torch's compiler); returns the compiled modules' names."""
     if not compile:
-        if rounding != "eager":
-            raise ValueError(
-                f"compile_rounding={rounding!r} applies to compiled modules only; "
-                "pass compile=True or leave compile_rounding at 'eager'"
-            )
         return []
     backend = _compile_backend(compile)
     from flowrl.accel import compile_adapter
 
-    return compile_adapter(adapter, backend, rounding)
+    return compile_adapter(adapter, backend)
 
 
 class DiffusionEngine(EngineAPI):
     """Continuous-batching diffusion engine over one model adapter.
 
     prompt_cache_mb: bytes of prompt encodings kept for reuse, in MiB (0: none); the least
-    recently used are evicted first. prompt_cache_device: where they are kept: "host" (pinned
-    memory on a GPU machine, copied to the device per request without blocking) or "device".
+    recently used are evicted first. They are kept in host memory (pinned on a GPU machine) and
+    copied to the device per request without blocking.
     """
 
     is_in_process = True  # each sample's future resolves as soon as that sample is done, at any call size
@@ -93,22 +88,19 @@ class DiffusionEngine(EngineAPI):
         decode_chunk_size: int = 16,
         compile: bool | str = False,
         autocast_dtype: torch.dtype | None = None,
-        compile_rounding: str = "eager",
         prompt_cache_mb: int = 1024,
-        prompt_cache_device: str = "host",
     ):
         self.adapter = adapter
         # compile: False, True (inductor) or a torch.compile backend name; regional compilation of
         # the adapter's hot modules with flowrl's fast paths, in place (the trainer shares them).
-        # compile_rounding: "eager" or "fused" (flowrl.config.CompileRounding). See flowrl.accel.
-        self.compiled_modules = _compile(adapter, compile, compile_rounding)
+        self.compiled_modules = _compile(adapter, compile)
         self.scheduler = Scheduler(max_batch_rows)
         self.executor = Executor(adapter, decode_chunk_size)
         self.set_mixed_precision(autocast_dtype)  # the transformer under torch.autocast, or not
         self.max_batch_rows = max_batch_rows
         if isinstance(prompt_cache_mb, bool) or not isinstance(prompt_cache_mb, int) or prompt_cache_mb < 0:
             raise ValueError(f"prompt_cache_mb={prompt_cache_mb!r} must be an integer >= 0 (MiB; 0 disables it)")
-        self.prompt_cache = PromptCache(prompt_cache_mb * 2**20, adapter.device, prompt_cache_device)
+        self.prompt_cache = PromptCache(prompt_cache_mb * 2**20, adapter.device)
         self._loop = EngineLoop(adapter, self.scheduler, self.executor, self.prompt_cache)
 
     @classmethod
@@ -120,9 +112,7 @@ class DiffusionEngine(EngineAPI):
         max_batch_rows: int = 32,
         decode_chunk_size: int = 16,
         compile: bool | str = False,
-        compile_rounding: str = "eager",
         prompt_cache_mb: int = 1024,
-        prompt_cache_device: str = "host",
         **adapter_kwargs,
     ) -> "DiffusionEngine":
         from flowrl.models.registry import load_adapter
@@ -135,9 +125,7 @@ class DiffusionEngine(EngineAPI):
             max_batch_rows=max_batch_rows,
             decode_chunk_size=decode_chunk_size,
             compile=compile,
-            compile_rounding=compile_rounding,
             prompt_cache_mb=prompt_cache_mb,
-            prompt_cache_device=prompt_cache_device,
         )
 
     # --- public API (generate, generate_batched, async twins, submit: flowrl.engine.api) ---------

@@ -5,9 +5,9 @@ training step sends each prompt n times; validation repeats the same prompts eve
 bound is the sum of the stored tensors' bytes (embeds, mask, pooled), which is what the memory
 costs: SD3.5's T5 embeddings take megabytes per prompt, so a count of entries says little.
 
-Entries live on the host (`storage="host"`: pinned memory when the compute device is a GPU) or on
-the compute device (`storage="device"`). `get` returns the encoding on the compute device: from
-pinned host memory the copy is non-blocking, so a lookup never waits for the device. Every entry
+Entries live on the host (pinned memory when the compute device is a GPU). `get` returns the
+encoding on the compute device: from pinned host memory the copy is non-blocking, so a lookup never
+waits for the device. Every entry
 is its own copy (an encoder's batched output is sliced per prompt, and a slice would keep the
 whole batch alive), so the bytes counted are the bytes held.
 
@@ -17,11 +17,9 @@ The cache knows nothing about models or requests; it is used by the engine threa
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import get_args
 
 import torch
 
-from flowrl.config.sections import PromptCacheDevice
 from flowrl.models.base import PromptEncoding
 
 
@@ -32,15 +30,13 @@ def encoding_nbytes(encoding: PromptEncoding) -> int:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, compute_device: torch.device, storage: PromptCacheDevice = "host"):
+    def __init__(self, max_bytes: int, compute_device: torch.device):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"prompt cache max_bytes={max_bytes!r} must be an integer >= 0 (0 disables the cache)")
-        if storage not in get_args(PromptCacheDevice):
-            raise ValueError(f"prompt cache storage={storage!r} is unknown; use one of {get_args(PromptCacheDevice)}")
         self.max_bytes = max_bytes
         self.compute_device = torch.device(compute_device)
-        self.storage_device = self.compute_device if storage == "device" else torch.device("cpu")
-        self._pin = storage == "host" and self.compute_device.type == "cuda"
+        self.storage_device = torch.device("cpu")
+        self._pin = self.compute_device.type == "cuda"
         self._entries: OrderedDict[str, tuple[PromptEncoding, int]] = OrderedDict()
         self.nbytes = 0
 

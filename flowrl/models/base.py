@@ -13,8 +13,8 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   CFG rows (cond and uncond) run in the same transformer forward. `guidance_scale` (B,): each
   row's classifier-free guidance weight, `cfg_scale(params)` (rows without an uncond encoding
   ignore it). `sigma_values`: the same sigmas as host floats, which the engine passes so that an
-  adapter can look up per-timestep work without reading the device (Qwen-Image's modulation
-  table); results do not depend on it. A guidance-distilled adapter also takes
+  adapter can decide per-timestep work without reading the device (Z-Image's CFG truncation);
+  results do not depend on it. A guidance-distilled adapter also takes
   `embedded_guidance` (B,), the value of its guidance embedding (`guidance_embedding_kwargs`).
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
 

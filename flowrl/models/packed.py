@@ -59,7 +59,3 @@ class PackedLatentAdapter(FlowModelAdapter):
         if key not in self._sigma_cache:
             self._sigma_cache[key] = schedule_sigmas(self.scheduler, num_steps, image_seq_len=seq_len, linear_base=True)
         return self._sigma_cache[key]
-
-    def schedule_sigma_values(self) -> list[float]:
-        """Every sigma of the schedules `sigmas` has built so far, as host floats."""
-        return [s for sigmas in self._sigma_cache.values() for s in sigmas.tolist()]

@@ -6,8 +6,8 @@ seed gives the same start as the pipeline. Text: Qwen2.5-VL hidden states throug
 own chat-template encoder, variable length per prompt; batched rows are right-padded and masked.
 Schedule: dynamic shift with mu from the packed image token count. Timestep scaling: sigma.
 CFG is "true CFG" with the guided vector rescaled to the cond vector's norm, as the pipeline does.
-Compiling (flowrl.accel.compile_adapter) installs `transformer_call_hook`, the one place where the
-fast path meets the adapter; without it the transformer runs as diffusers wrote it.
+Compiling (flowrl.accel.compile_adapter) sets `pads_single_row`, the one place where the fast path
+meets the adapter; without it the transformer runs as diffusers wrote it.
 """
 
 from __future__ import annotations
@@ -36,13 +36,10 @@ class QwenImageAdapter(PackedLatentAdapter):
         "attn.add_v_proj",
         "attn.to_add_out",
     )
-    # Set by flowrl.accel.compile_adapter; None runs diffusers' forward as is. Called in `velocity`
-    # as hook(num_rows, row_sigmas, text_lengths) with the forward's row count, its rows' sigmas as
-    # host floats (None when the caller passed no sigma_values) and its rows' text lengths (None
-    # when no row's text is padded); returns (pad, attention_kwargs):
-    # whether a batch of one runs as two identical rows (row 0 kept), and extra attention kwargs
-    # for the blocks (or None). Results stay the same function of the inputs either way.
-    transformer_call_hook = None
+    # Set by flowrl.accel.compile_adapter (flowrl.accel.qwen_image): a batch of one runs as two
+    # identical rows (row 0 kept), so that compiled blocks reuse their batch >= 2 graph. Results stay
+    # the same function of the inputs either way.
+    pads_single_row = False
 
     def __init__(self, pipeline, device, dtype, max_sequence_length: int = 1024, true_cfg_renorm: bool = True):
         super().__init__(pipeline, device, dtype, max_sequence_length)
@@ -103,10 +100,7 @@ class QwenImageAdapter(PackedLatentAdapter):
         padded_text = len(set(lengths)) > 1
         h, w = self._latent_hw(height, width)
         rows = hidden.shape[0]
-        padded, attention_kwargs = False, None
-        if self.transformer_call_hook is not None:
-            row_sigmas = None if sigma_values is None else list(sigma_values) + [sigma_values[i] for i in cfg_rows]
-            padded, attention_kwargs = self.transformer_call_hook(rows, row_sigmas, lengths if padded_text else None)
+        padded = self.pads_single_row and rows == 1
         repeat = (lambda t: torch.cat([t, t])) if padded else (lambda t: t)  # noqa: E731
         out = self.transformer(
             hidden_states=repeat(hidden.to(self.dtype)),
@@ -114,7 +108,6 @@ class QwenImageAdapter(PackedLatentAdapter):
             encoder_hidden_states=repeat(embeds.to(self.dtype)),
             encoder_hidden_states_mask=repeat(mask) if padded_text else None,
             img_shapes=[[(1, h // 2, w // 2)]] * (rows + padded),
-            attention_kwargs=attention_kwargs,
             return_dict=False,
         )[0][:rows].float()
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=self.true_cfg_renorm)

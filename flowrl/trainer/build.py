@@ -82,7 +82,6 @@ def engine_options(engine_cfg) -> dict:
         max_batch_rows=engine_cfg.max_batch_rows,
         decode_chunk_size=engine_cfg.decode_chunk_size,
         prompt_cache_mb=engine_cfg.prompt_cache_mb,
-        prompt_cache_device=engine_cfg.prompt_cache_device,
     )
 
 
@@ -98,18 +97,6 @@ def build_engine(cfg, device: str | None = None):
         **engine_options(cfg.engine),
         **cfg.model.adapter_options(),
     )
-
-
-def uses_training_cuda_graphs(trainer_cfg, sharded: bool) -> bool:
-    """trainer.cuda_graphs for this process; true with sharded weights (whose all-gathers run
-    around each block's graph) is a ValueError. Compiling and the device are checked with the
-    config and before the model loads."""
-    if trainer_cfg.cuda_graphs and sharded:
-        raise ValueError(
-            "trainer.cuda_graphs=true with sharded weights (full fine-tuning over several ranks) is not "
-            "supported; set trainer.cuda_graphs=false"
-        )
-    return trainer_cfg.cuda_graphs
 
 
 def check_device(model_cfg) -> None:
@@ -181,11 +168,6 @@ def check_before_loading(cfg, reward=None) -> Prepared:
             "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
         )
     check_device(cfg.model)
-    if cfg.trainer.cuda_graphs and not cfg.model.resolve_device().startswith("cuda"):
-        raise ValueError(
-            f"trainer.cuda_graphs=true needs a CUDA device, but model.device={cfg.model.device!r} resolves to "
-            f"{cfg.model.resolve_device()!r}; set trainer.cuda_graphs=false or run on a GPU"
-        )
     check_output_dir(cfg.trainer.output_dir)
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")

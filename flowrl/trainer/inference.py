@@ -128,9 +128,12 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
     if args.config:
         cfg, origin = load_config(args.config, overrides), f"--config {args.config}"
     elif saved is not None:
-        cfg, origin = config_from_dict(saved.config, overrides), f"the run's saved config ({saved.path})"
+        cfg, origin = config_from_dict(saved.config, overrides, saved=True), f"the run's saved config ({saved.path})"
     elif final_info is not None and final_info.get("config"):
-        cfg, origin = config_from_dict(final_info["config"], overrides), f"the run's saved config ({args.model})"
+        cfg, origin = (
+            config_from_dict(final_info["config"], overrides, saved=True),
+            f"the run's saved config ({args.model})",
+        )
     else:
         cfg, origin = load_config(None, overrides), DEFAULTS
     if args.model:
@@ -176,12 +179,7 @@ def open_engine(setup: Setup, sources: list[WeightSource]):
     )
     loader = WeightLoader(adapter)
     loader.prepare(sources)
-    engine = DiffusionEngine(
-        adapter,
-        **engine_options(setup.cfg.engine),
-        compile=setup.compile,
-        compile_rounding=setup.cfg.engine.compile_rounding if setup.compile else "eager",
-    )
+    engine = DiffusionEngine(adapter, **engine_options(setup.cfg.engine), compile=setup.compile)
     engine.set_mixed_precision(MIXED_PRECISION_DTYPES[setup.cfg.trainer.mixed_precision])
     return engine, loader
 

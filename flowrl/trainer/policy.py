@@ -11,8 +11,8 @@ The reference policy (for the KL term) is the same transformer with its LoRA ada
 
 Compiled models (`engine.compile`): inductor compiles a block's grad-mode call (the trainer) and
 its no-grad call (the rollout, the old-log-prob recompute) into different graphs, which round
-bf16 intermediates differently where their fusions differ (and the rollout's graphs use
-hand-written kernels, the modulation table). With `values_from_no_grad`, a scored micro-batch runs
+bf16 intermediates differently where their fusions differ (and the rollout's graphs fold LoRA
+into its base GEMM). With `values_from_no_grad`, a scored micro-batch runs
 the no-grad graph first and the grad graph second, and the result takes its VALUES from the first
 and only its GRADIENTS from the second (`value + (graded - graded.detach())`, exactly the no-grad
 value): the PPO ratio and its clipping then compare the rollout's graph with itself, and the
@@ -20,7 +20,7 @@ gradient is that of the same function up to rounding. It costs one no-grad forwa
 micro-batch. Not with dropout (`takes_values_from_no_grad`). Why it matters: when the rollout's
 log-probs are the PPO denominator, with a small clip range (the recipes use 1e-4 and below), the
 grad graph's rounding alone can move the ratio out of the clip range before any update; the
-no-grad pass's values do not (`flowrl bench logprob` measures both gaps). Where the denominator is
+no-grad pass's values do not. Where the denominator is
 recomputed by the trainer, flowrl.trainer.update scores it with the grad graph instead and needs
 no value pass (`Scoring`).
 
@@ -31,7 +31,6 @@ rollout engine.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,8 +88,7 @@ class _StepInputs:
     next_latents: torch.Tensor
     sigma: torch.Tensor
     sigma_next: torch.Tensor
-    # The rows' sigmas as host floats, as the engine passes them: they select the same
-    # modulation-table rows in a no-grad forward (see FlowModelAdapter.velocity).
+    # The rows' sigmas as host floats, as the engine passes them (FlowModelAdapter.velocity).
     sigma_values: list[float]
     cond: list[PromptEncoding]
     uncond: list[PromptEncoding | None]
@@ -178,16 +176,6 @@ def _sigma_first(schedule: torch.Tensor) -> float:
     return float(schedule[1] if schedule.shape[0] > 2 else schedule[0])
 
 
-def _mark_cuda_graph_step() -> None:
-    """Tell inductor's CUDA graph trees that a new training step starts: the outputs of earlier
-    replays are no longer needed and may be overwritten (without it, a forward whose graph was
-    dropped unused, as the recompute's, would keep the next forward off its recorded graph).
-    A process that never imported them has no CUDA graphs to tell."""
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is not None:
-        trees.mark_step_begin()
-
-
 def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
     """Whether the trainer scores with `values_from_no_grad`: when the model is compiled (module
     docstring), and only when its train-mode forward is deterministic. A dropout layer with p > 0
@@ -213,11 +201,7 @@ def score_transitions(
     and stds (for the KL). `specs`: the settings each row was drawn with (one TransitionSpec per
     row, or one for all), sharing one `group_key`. Gradients flow when called with grad enabled;
     with `values_from_no_grad` too, the log-prob's and the mean's values come from a no-grad pass
-    (module docstring).
-
-    With grad, each call starts a new step of the CUDA graphs of compiled training graphs
-    (`trainer.cuda_graphs`): the caller runs the backward of one call's result, or drops it,
-    before the next call, since a replay overwrites the outputs of the one before."""
+    (module docstring)."""
     inputs = _step_inputs(adapter, tensors, step_index, specs)
     if not (values_from_no_grad and torch.is_grad_enabled()):
         return _score(adapter, inputs, autocast_dtype)
@@ -244,8 +228,6 @@ def with_values(
 def _score(adapter: FlowModelAdapter, inputs: _StepInputs, autocast_dtype: torch.dtype | None) -> sampler.StepResult:
     """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
     engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
-    if torch.is_grad_enabled():
-        _mark_cuda_graph_step()
     device = adapter.device
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)

@@ -48,11 +48,10 @@ from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
 from flowrl.trainer import checkpoint, resume
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path, uses_training_cuda_graphs
+from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path
 from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.export import export_pipeline, save_transformer
-from flowrl.trainer.gc_freeze import GcFreeze
 from flowrl.trainer.health import ZeroSpreadWatch
 from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
 from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
@@ -139,25 +138,18 @@ class FlowGRPOTrainer:
             # engine and the trainer share them (compilation is in place).
             from flowrl.accel import compile_adapter
 
-            self.engine.compiled_modules = compile_adapter(self.adapter, rounding=cfg.engine.compile_rounding)
-            if tcfg.activation_memory_budget < 1.0:  # before the first training forward partitions its graph
-                from flowrl.accel import set_training_activation_budget
-
-                set_training_activation_budget(self.adapter, tcfg.activation_memory_budget)
+            self.engine.compiled_modules = compile_adapter(self.adapter)
             # torch.compile is lazy: say where the first steps' time goes (docs/config.md, engine.compile).
             self._print(
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
                 "rollout, validation and update take longer (minutes on a GPU; docs/performance.md gives the "
                 "measured first-step times)"
             )
-        cuda_graphs = self._training_cuda_graphs()
         named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         ema = tcfg.ema
         self.ema = ParameterEMA(named, ema.decay, ema.update_every) if ema.enabled else None
-        self.updater = PolicyUpdater(
-            self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel, cuda_graphs=cuda_graphs
-        )
+        self.updater = PolicyUpdater(self.adapter, params, cfg.algorithm, tcfg, ema=self.ema, parallel=self.parallel)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.updater.autocast_dtype)
         self.rollout_backend.bind(self.engine)
@@ -180,19 +172,8 @@ class FlowGRPOTrainer:
             self.logger = MetricsLogger(
                 self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
             )
-        self._gc_freeze = GcFreeze()  # after the first step, its objects kept out of full collections
         # Last: its worker threads run until close(), so a failure above leaves none behind.
         self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
-
-    def _training_cuda_graphs(self) -> bool:
-        """trainer.cuda_graphs for this process (flowrl.trainer.build.uses_training_cuda_graphs),
-        set on the compiled blocks (which start without)."""
-        enabled = uses_training_cuda_graphs(self.cfg.trainer, self.parallel.is_sharded)
-        if enabled:
-            from flowrl.accel import set_training_cuda_graphs
-
-            set_training_cuda_graphs(self.adapter, True)
-        return enabled
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
@@ -253,11 +234,6 @@ class FlowGRPOTrainer:
             if not checkpointing_known and self.world.is_main:  # the process's first update
                 if self.updater.checkpointing.measured:
                     note(self.updater.checkpointing.describe())  # trainer.gradient_checkpointing=auto
-                if metrics.get("compile/cuda_graph_skips"):
-                    note(
-                        f"trainer.cuda_graphs: {int(metrics['compile/cuda_graph_skips'])} compiled graphs run without "
-                        "CUDA graphs (TORCH_LOGS=cudagraphs names the reasons)"
-                    )
         # 4. the new version goes live (with trainer.async_rollout: once the early rollout returns)
         t_sync = time.perf_counter()
         self.rollouts.after_update(self.policy_version)
@@ -279,7 +255,6 @@ class FlowGRPOTrainer:
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.world.device) / 2**30
             metrics["memory/peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.world.device) / 2**30
         self.step = step
-        self._gc_freeze.after_step()
         return self._max_over_ranks(metrics)
 
     def _control_permutation(self, step: int, num_rows: int) -> np.ndarray:
@@ -661,7 +636,6 @@ class FlowGRPOTrainer:
         self.scorer.close(drop_pending=drop_pending, join_timeout_s=_STOPPED_SCORING_WAIT_S if drop_pending else None)
         if self.logger is not None:
             self.logger.close()
-        self._gc_freeze.release()
 
     def close(self) -> None:
         """Join the reward workers, close the rollout backend and the logger, and shut the engine

@@ -13,9 +13,8 @@
    1); only the rows of the later optimizer steps are re-scored before the update, or earlier,
    while the step's rewards are still being scored (`score_denominators_early`,
    flowrl.trainer.early_denominators);
-3. for each optimizer step, for each micro-batch and each group of `trainer.steps_per_forward`
-   trained steps (one forward: the micro-batch's rows at each step of the group): recomputes the
-   log-prob with grad, each row with the settings it was drawn with (`specs`), adds the clipped
+3. for each optimizer step, for each micro-batch and each trained step (one forward: the
+   micro-batch's rows at that step): recomputes the log-prob with grad, each row with the settings it was drawn with (`specs`), adds the clipped
    loss (+ KL to the LoRA-disabled reference) and backpropagates; then clips the gradient, takes
    one AdamW step and, with `trainer.ema`, updates the moving average.
 
@@ -152,11 +151,7 @@ class PolicyUpdater:
 
     ema: a flowrl.trainer.ema.ParameterEMA over the same parameters, stepped after every
     optimizer step (None: no moving average). parallel: how gradients combine over ranks
-    (flowrl.distributed.DataParallel; None: one process). cuda_graphs: the compiled blocks'
-    grad calls replay as CUDA graphs (flowrl.accel.set_training_cuda_graphs, trainer.cuda_graphs):
-    gradients then accumulate into `.grad` tensors allocated before an optimizer step's first
-    backward (each grad pass's backward runs before the next pass starts, as the graphs need:
-    flowrl.trainer.policy.score_transitions)."""
+    (flowrl.distributed.DataParallel; None: one process)."""
 
     def __init__(
         self,
@@ -166,7 +161,6 @@ class PolicyUpdater:
         trainer_cfg,
         ema=None,
         parallel: DataParallel | None = None,
-        cuda_graphs: bool = False,
     ):
         self.adapter = adapter
         self.params = params
@@ -175,7 +169,6 @@ class PolicyUpdater:
         self.algorithm = algorithm_cfg
         self.trainer = trainer_cfg
         self.ema = ema
-        self.cuda_graphs = cuda_graphs
         self.optimizer = torch.optim.AdamW(
             params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay
         )
@@ -236,10 +229,6 @@ class PolicyUpdater:
         metrics["actor/num_optimizer_steps"] = len(self.records)
         metrics["actor/num_trained_steps_per_sample"] = num_train
         metrics.update(self.checkpointing.metrics())
-        if self.cuda_graphs:
-            from flowrl.accel import cuda_graph_skips
-
-            metrics["compile/cuda_graph_skips"] = cuda_graph_skips()
         if early_share is not None:
             metrics["actor/old_log_prob_early_share"] = early_share
         if gap_count:
@@ -276,8 +265,6 @@ class PolicyUpdater:
             normalizer = plan.step_weights[index] * num_train
             outputs: list[PolicyLossOutput] = []
             rollout_gaps: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-            if self.cuda_graphs:
-                self._allocate_gradients()
             for rows, is_padding in with_padding(micro_batches, plan.padding[index]):
                 for steps in step_groups:
                     pair_rows, pair_specs, step_index = _pairs(rows, steps, plan.train_steps, specs)
@@ -396,17 +383,14 @@ class PolicyUpdater:
             self.adapter.transformer,
             probe,
             probe_samples=len(rows),
-            # A forward holds the micro-batch's samples at up to steps_per_forward trained steps.
-            micro_batch_size=self.trainer.micro_batch_size * min(self.trainer.steps_per_forward, train_steps.shape[1]),
+            micro_batch_size=self.trainer.micro_batch_size,
             device=self.adapter.device,
             agree_max=self.world.max,
         )
 
     def _step_groups(self, num_train: int) -> list[list[int]]:
-        """The trained-step indices 0..num_train-1 in groups of trainer.steps_per_forward, each
-        group scored in one forward."""
-        size = self.trainer.steps_per_forward
-        return [list(range(start, min(start + size, num_train))) for start in range(0, num_train, size)]
+        """The trained-step indices 0..num_train-1, one forward each."""
+        return [[k] for k in range(num_train)]
 
     def _micro_batches(self, rows: torch.Tensor, specs: Sequence[TransitionSpec]) -> list[torch.Tensor]:
         """`rows` cut into micro-batches of at most trainer.micro_batch_size rows, each holding
@@ -518,15 +502,6 @@ class PolicyUpdater:
             return self._score_no_grad(tensors, specs, rows, step_index).log_prob
         with torch.enable_grad():
             return self._score_with_grad(tensors, specs, rows, step_index, "grad_pass").log_prob.detach()
-
-    def _allocate_gradients(self) -> None:
-        """Zero `.grad` tensors for the trained parameters that have none, before an optimizer
-        step's first backward: with CUDA graphs the backward's gradients live in the graphs' memory,
-        which the next replay overwrites, so they must be added into tensors of their own (a
-        `.grad` left None would take the graph's output itself)."""
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
 
     def _score_with_grad(self, tensors, specs, rows, step_index, source: ValueSource):
         """Score micro-batch `rows` at `step_index` with grad, its values from `source`."""

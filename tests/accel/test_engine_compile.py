@@ -45,9 +45,8 @@ def test_compiled_engine_matches_eager(name):
             for a, b in zip(_staggered_run(eager, guidance), _staggered_run(compiled, guidance)):
                 torch.testing.assert_close(b.all_latents, a.all_latents, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(b.all_log_probs, a.all_log_probs, atol=1e-5, rtol=1e-5)
-        if name == "tiny-qwen":  # the compiled blocks read their modulation from the per-timestep table
-            assert compiled_model.adapter.transformer_call_hook.table.builds >= 1
-            assert eager_model.adapter.transformer_call_hook is None
+        if name == "tiny-qwen":  # compiled, a batch of one runs as two rows at the model input
+            assert compiled_model.adapter.pads_single_row and not eager_model.adapter.pads_single_row
         # Idempotent: a second engine on the same adapter does not wrap the modules again.
         again = DiffusionEngine(compiled_model.adapter, compile="aot_eager")
         assert again.compiled_modules == compiled.compiled_modules
@@ -116,26 +115,6 @@ def test_real_rope_attention_equals_diffusers_processor():
     torch.testing.assert_close(real, reference, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rounding, emulate", [("eager", True), ("fused", False)])
-def test_compile_rounding_reaches_inductor(monkeypatch, rounding, emulate):
-    """engine compile_rounding -> inductor's emulate_precision_casts on every compiled module; the
-    other inductor options stay as they are (the blocks tune their kernels, the VAE decoder does
-    not: tests/accel/test_compile_adapter.py)."""
-    seen = []
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real_compile(fn, backend="eager"))
-    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
-    engine = DiffusionEngine(bench.adapter, compile=True, compile_rounding=rounding)
-    engine.shutdown()
-    # Per module: the call, and the call with its gradient checkpoint inside (compiled lazily).
-    assert len(seen) == 2 * len(engine.compiled_modules) > 0
-    for kwargs in seen:
-        assert kwargs["backend"] == "inductor"
-        assert kwargs["options"]["emulate_precision_casts"] is emulate
-    tuned = [kwargs["options"]["coordinate_descent_tuning"] for kwargs in seen]
-    assert tuned.count(False) == 2 and tuned.count(True) == len(tuned) - 2  # the decoder's two
-
-
 def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkeypatch):
     """Qwen-Image blocks: calls without autograd (rollout) run a compiled function with the
     family's realize_opcount_threshold, calls with grad (training) one without. SD3: neither."""
@@ -171,39 +150,3 @@ def test_no_grad_inductor_options_reach_only_no_grad_calls_of_that_family(monkey
     compiled.clear()
     compile_adapter(build_bench_model("tiny-sd3", "cpu", torch.float32).adapter)
     assert compiled and all("realize_opcount_threshold" not in r["options"] for r in compiled)
-
-
-def test_compile_rounding_errors_name_the_field_and_the_choices():
-    from flowrl.config.sections import EngineConfig
-
-    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
-    with pytest.raises(ValueError, match=r"compile_rounding='fast' is unknown; use one of \('eager', 'fused'\)"):
-        DiffusionEngine(bench.adapter, compile=True, compile_rounding="fast")
-    with pytest.raises(ValueError, match=r"engine.compile_rounding='exact'"):
-        EngineConfig(compile_rounding="exact").validate()
-    # Modules compiled once keep their settings: asking for others is an error, not ignored.
-    DiffusionEngine(bench.adapter, compile="eager").shutdown()
-    with pytest.raises(ValueError, match="compiled already"):
-        DiffusionEngine(bench.adapter, compile="eager", compile_rounding="fused")
-
-
-def test_compile_rounding_without_compile_is_refused_not_ignored():
-    import argparse
-
-    from flowrl.bench.cli import build_parser, run
-    from flowrl.config.sections import EngineConfig
-
-    bench = build_bench_model("tiny-sd3", "cpu", torch.float32)
-    with pytest.raises(ValueError, match="applies to compiled modules only"):
-        DiffusionEngine(bench.adapter, compile_rounding="fused")
-    with pytest.raises(ValueError, match=r"engine.compile_rounding='fused' takes effect only with engine.compile=true"):
-        EngineConfig(compile_rounding="fused").validate()
-    EngineConfig(compile=True, compile_rounding="fused").validate()
-    parser = argparse.ArgumentParser()
-    build_parser(parser)
-    for argv in (
-        ["rollout", "--model", "tiny-sd3", "--compile-rounding", "fused"],
-        ["rollout", "--model", "tiny-sd3", "--modes", "engine-batched", "--compile-rounding", "fused"],
-    ):
-        with pytest.raises(ValueError, match="--compile-rounding=fused applies to compiled runs only"):
-            run(parser.parse_args(argv))

@@ -12,7 +12,6 @@ import torch
 
 from flowrl.accel import lora_fold
 from flowrl.accel.options import AccelOptions
-from flowrl.accel.qwen_image import joint_linear
 
 
 class _Projections(torch.nn.Module):
@@ -91,23 +90,19 @@ def test_training_graph_keeps_the_differentiable_expression():
             torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("low_rank_first", [True, False])
-def test_bf16_op_rounds_where_its_gemm_order_says(low_rank_first):
-    """In bf16 the op's first GEMM writes a rounded output and the second accumulates its float32
-    product into it before rounding once more: within half a bf16 step of (first output, rounded)
-    + (second product, unrounded). The shipped order writes the low-rank term plus bias first; the
-    expression (each term rounded on its own, then their sum) is not that close."""
+def test_bf16_op_rounds_where_its_gemm_order_says():
+    """In bf16 the op's first GEMM (the low-rank term plus bias) writes a rounded output and the base
+    GEMM accumulates its float32 product into it before rounding once more: within half a bf16 step
+    of (first output, rounded) + (second product, unrounded). The expression (each term rounded on
+    its own, then their sum) is not that close."""
     layer = _adapted(torch.bfloat16).proj
     x = torch.randn(256, 24, dtype=torch.bfloat16)
     a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
     down, up, base = a.to(torch.bfloat16), (b * s).to(torch.bfloat16), layer.base_layer
     with torch.no_grad():
-        got = lora_fold.lora_linear(x, base.weight, base.bias, down, up, low_rank_first)
+        got = lora_fold.lora_linear(x, base.weight, base.bias, down, up)
         low_rank_input = x @ down.t()  # bf16, as the op keeps it
-        if low_rank_first:
-            want = torch.addmm(base.bias, low_rank_input, up.t()).float() + x.float() @ base.weight.float().t()
-        else:
-            want = base(x).float() + low_rank_input.float() @ up.float().t()
+        want = torch.addmm(base.bias, low_rank_input, up.t()).float() + x.float() @ base.weight.float().t()
         expression = _expression(layer, x)
     assert got.dtype == torch.bfloat16
     half_step = want.abs() * 2**-8  # half a step of bf16 (8 significant bits) at |want|
@@ -115,19 +110,13 @@ def test_bf16_op_rounds_where_its_gemm_order_says(low_rank_first):
     assert not ((expression.float() - want).abs() <= half_step).all()
 
 
-def test_both_gemm_orders_compute_the_same_function():
+def test_the_op_computes_the_expressions_function():
     layer = _adapted().proj
     x = torch.randn(40, 24)
     a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
-    outputs = []
-    for low_rank_first in (True, False):
-        with torch.no_grad():
-            outputs.append(
-                lora_fold.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s, low_rank_first)
-            )
-    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(outputs[0], _expression(layer, x), atol=1e-6, rtol=1e-6)
+        output = lora_fold.lora_linear(x, layer.base_layer.weight, layer.base_layer.bias, a, b * s)
+        torch.testing.assert_close(output, _expression(layer, x), atol=1e-6, rtol=1e-6)
 
 
 def test_under_autocast_the_op_casts_its_inputs_as_autocast_does():
@@ -161,20 +150,6 @@ def test_fold_applies_only_to_adapters_it_computes():
 
     plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), _Projections())
     assert lora_fold.fold_lora_projections(plain) == 0 and not lora_fold.folds(plain.proj)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_joint_projection_takes_folding_lora_projections(bias):
-    module = _adapted(bias=bias)
-    gen = torch.Generator().manual_seed(0)
-    txt, img = torch.randn(5, 3, 24, generator=gen), torch.randn(11, 3, 24, generator=gen)
-    assert joint_linear.applies(module.other, module.proj)
-    with torch.no_grad():
-        got = joint_linear.joint_projection(txt, module.other, img, module.proj)
-        want = torch.cat([_expression(module.other, txt), _expression(module.proj, img)])
-    assert got.shape == (16, 3, 16)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    assert not joint_linear.applies(_adapted(dropout=0.1).proj, module.proj)
 
 
 def _adapted_mlp(options=AccelOptions()):
@@ -224,8 +199,8 @@ def _merged_value(layer):
 
 
 def test_rollout_graphs_on_merged_weights_run_plain_gemms_and_a_new_merge_compiles_nothing():
-    """During a merged training rollout (flowrl.trainer.lora_merge) the projection, the adapted
-    MLP's GELU epilogue and the joint projection take the merged weight without the low-rank GEMMs;
+    """During a merged training rollout (flowrl.trainer.lora_merge) the projection and the adapted
+    MLP's GELU epilogue take the merged weight without the low-rank GEMMs;
     the merged weights are graph inputs, so the next merge (new weights) reuses the graph, and
     after the rollout the folded op is back."""
     from flowrl.trainer.lora_merge import merged_lora
@@ -244,9 +219,7 @@ def test_rollout_graphs_on_merged_weights_run_plain_gemms_and_a_new_merge_compil
                     compiled(x), x @ _merged_value(module.proj).t() + module.proj.base_layer.bias
                 )
                 torch.testing.assert_close(compiled_mlp(x), mlp(x))  # eager on the merged weights too
-                assert lora_fold.folds(module.proj) and joint_linear.applies(module.other, module.proj)
-                joint = joint_linear.joint_projection(x[:2], module.other, x[2:], module.proj)
-                torch.testing.assert_close(joint, torch.cat([module.other(x[:2]), module.proj(x[2:])]))
+                assert lora_fold.folds(module.proj)
             for layer in (module.proj, mlp.net[0].proj):
                 merged = _merged_value(layer)
                 with torch.no_grad():

@@ -80,27 +80,18 @@ def test_sd35_recipe_step_with_the_peer_and_validation(tmp_path, capsys):
     assert "flowrl's first step" in printed.out
 
 
-def test_qwen_recipe_step_without_the_peer_and_a_profiled_step(tmp_path, capsys):
-    code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", QWEN, "--peer-steps", "0", "--profile")
+def test_qwen_recipe_step_without_the_peer(tmp_path, capsys):
+    code, report = _bench(tmp_path, "qwen_image_ocr_lora.yaml", QWEN, "--peer-steps", "0")
     assert code == 0, report.get("error")
     assert "peer" not in report and "peer_over_flowrl" not in report
     assert report["settings"]["window"] == 2 and report["settings"]["rows_per_sample"] == 2
     assert "validation" not in report["flowrl"]["phases"]  # val_every 50 > the steps run
     assert not report["projection"]["validation_included"]
-    # One more step, profiled phase by phase, is kept out of the timed steps' medians.
     flowrl = report["flowrl"]
     assert [s["step"] for s in flowrl["steps"]] == [2, 3]
     assert 0 <= flowrl["steps"][-1]["old_log_prob_early_share"] <= 1  # the recipe recomputes
-    profile = flowrl["profile"]
-    assert profile["clock"] == "cpu" and set(profile["phases"]) == {"rollout", "old_log_prob", "update"}
-    update = profile["phases"]["update"]
-    assert update["wall_ms"] > 0 and any(op["name"].startswith("aten::") for op in update["host_ops_self_ms"])
     printed = capsys.readouterr().out
-    assert "the peer" not in printed and "profiled step, update:" in printed
-    # Python's garbage collections are timed per step (the tiny run's may be none at all).
-    pauses = flowrl["steps"][-1]["gc_pauses"]
-    assert pauses["seconds"] >= 0 and len(pauses["by_generation"]) == 3
-    assert "garbage collector paused" in printed
+    assert "the peer" not in printed
     assert flowrl["rollout_alone_seconds"] > 0 and "the rollout alone" in printed
 
 
@@ -122,7 +113,7 @@ def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_mer
     # The merge's own seconds, part of the rollout phase, are kept per step and printed.
     steps = report["flowrl"]["steps"]
     assert all(0 < step["lora_merge_seconds"] < step["seconds"]["rollout"] for step in steps)
-    assert "the LoRA merge" in printed and "the rollout's on merged LoRA weights" in printed
+    assert "| rollout" in printed
 
 
 @pytest.mark.parametrize(
@@ -271,20 +262,12 @@ def test_trainable_leaves_the_model_as_it_was():
     assert all(torch.equal(after[n], before[n]) and not after[n].requires_grad for n in before)
 
 
-def test_a_failing_peer_or_profile_keeps_flowrls_figures(tmp_path, capsys, monkeypatch):
-    """The peer implements the sde step only: with cps it fails, and flowrl's step is still measured;
-    so it is when the profiled step fails."""
-
-    def failing_profile(fn, device):
-        raise RuntimeError("no profiler here")
-
-    monkeypatch.setattr("flowrl.bench.train.profile_step", failing_profile)
-    code, report = _bench(tmp_path, "sd35_medium_ocr_lora.yaml", [*SD35, "rollout.sampling.sde_type=cps"], "--profile")
+def test_a_failing_peer_keeps_flowrls_figures(tmp_path, capsys):
+    """The peer implements the sde step only: with cps it fails, and flowrl's step is still measured."""
+    code, report = _bench(tmp_path, "sd35_medium_ocr_lora.yaml", [*SD35, "rollout.sampling.sde_type=cps"])
     assert code == 1
     assert "sde_type='cps'" in report["peer"]["error"] and report["flowrl"]["step_seconds"] > 0
-    assert report["flowrl"]["profile"] == {"error": "RuntimeError: no profiler here"}
-    printed = capsys.readouterr().out
-    assert "the peer's loop failed" in printed and "the profiled step failed: RuntimeError" in printed
+    assert "the peer's loop failed" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
@@ -295,27 +278,18 @@ def test_bench_train_on_cuda_in_bf16(tmp_path):
     out = tmp_path / "train.json"
     recipe = str(REPO / "recipes" / "qwen_image_ocr_lora.yaml")
     argv = ["bench", "train", "--config", recipe, *cuda, *QWEN, "model.device=cuda", "model.dtype=bfloat16"]
-    assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out), "--profile"]) == 0
+    assert main([*argv, "--steps", "1", "--peak-seconds", "0.1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["flowrl"]["peak_memory_gb"] > 0 and report["peer"]["peak_memory_gb"] > 0
     for loop in ("flowrl", "peer"):
         assert report[loop]["peak_memory_reserved_gb"] >= report[loop]["peak_memory_gb"]
     assert report["peer_over_flowrl"] > 0
-    # The profiled step's phases saw the GPU's kernels.
-    phases = report["flowrl"]["profile"]["phases"]
-    assert all(0 < phases[name]["gpu_busy"] <= 1 for name in ("rollout", "update"))
-    assert phases["update"]["share_by_category"].get("matmul", 0) > 0
-    # Each long gap's kernel was matched with its launch call (they share the profiler's correlation id).
-    for name in ("rollout", "update"):
-        split = phases[name]["long_gaps_by_launch"]
-        assert split["unmatched"]["gaps"] == 0, split
 
 
 def test_a_run_stopped_after_its_timed_steps_keeps_their_summary(tmp_path, monkeypatch):
     """A bench stopped by its time limit after its timed steps (here: while it times the rollout
     alone) leaves a JSON whose flowrl summary covers the steps it timed, and the markdown reports them."""
     import flowrl.bench.train as bench_train
-    from flowrl.bench.summary import train_markdown
 
     class Stopped(Exception):
         pass
@@ -334,28 +308,5 @@ def test_a_run_stopped_after_its_timed_steps_keeps_their_summary(tmp_path, monke
     assert flowrl["step_seconds"] == pytest.approx(np.median([s["step_seconds"] for s in flowrl["steps"]]))
     assert set(flowrl["phases"]) >= {"rollout", "old_log_prob", "update"}
     assert "rollout_alone_seconds" not in flowrl and "projection" not in report
-    table = "\n".join(train_markdown("train", report))
+    table = "\n".join(bench_train.train_lines(report))
     assert f"| **training step** (validation apart) | {flowrl['step_seconds']:.2f} |" in table
-
-
-def test_the_summary_prints_the_reserved_peak_beside_the_allocated_one():
-    """CUDA graph replays allocate nothing, so their pools show only in the reserved peak: the summary
-    prints both when the run measured both, and the allocated one alone (or '-' on a CPU) otherwise."""
-    from flowrl.bench.summary import _memory
-
-    assert _memory({"peak_memory_gb": 10.23, "peak_memory_reserved_gb": 29.61}) == "10.2 GB allocated, 29.6 GB reserved"
-    assert _memory({"peak_memory_gb": 10.23}) == "10.2 GB"
-    assert _memory({"peak_memory_gb": None, "peak_memory_reserved_gb": None}) == "- GB"
-
-
-def test_the_header_names_an_activation_memory_budget_only_below_one():
-    """A run with trainer.activation_memory_budget < 1 kept less than torch's default for its
-    backward: the header says so; at 1, or in reports written before the setting, it says nothing."""
-    from flowrl.bench.summary import train_markdown
-
-    def header(settings: dict) -> str:
-        return train_markdown("train", {"settings": {"micro_batch_size": 6, **settings}})[0]
-
-    assert "micro-batch 6, activation memory budget 0.9, " in header({"activation_memory_budget": 0.9})
-    assert "activation memory budget" not in header({"activation_memory_budget": 1.0})
-    assert "activation memory budget" not in header({})

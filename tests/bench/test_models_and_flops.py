@@ -75,29 +75,3 @@ def test_counting_flops_leaves_compiled_modules_compiled():
     assert compiled_regions() == 1
     assert count_flops(lambda: module(x)) == 2 * (2 * 4 * 8 * 8)  # two 4x8 @ 8x8 GEMMs
     assert compiled_regions() == 1
-
-
-def test_device_events_count_each_kernel_once():
-    """A GPU profile lists the host's ops (with their kernels' time as their own), the kernels, and
-    GPU-side copies of host annotations; only the kernels (and memsets, copies) are device work."""
-    from types import SimpleNamespace
-
-    from flowrl.bench.report import device_events
-
-    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    events = [
-        SimpleNamespace(key=k, device_type=d)
-        for k, d in [
-            ("aten::mm", cpu),
-            ("nvjet_sm90_tst_256x128_bias_TNT", cuda),
-            ("Memset (Device)", cuda),
-            ("Optimizer.step#AdamW.step", cpu),
-            ("Optimizer.step#AdamW.step", cuda),
-            ("void multi_tensor_apply_kernel<AdamW>", cuda),
-        ]
-    ]
-    assert [e.key for e in device_events(events)] == [
-        "nvjet_sm90_tst_256x128_bias_TNT",
-        "Memset (Device)",
-        "void multi_tensor_apply_kernel<AdamW>",
-    ]

@@ -71,18 +71,14 @@ def test_an_encoding_larger_than_the_bound_is_not_stored_and_zero_disables():
 def test_bad_bound_is_refused(bad):
     with pytest.raises(ValueError, match="max_bytes"):
         PromptCache(bad, torch.device("cpu"))
-    with pytest.raises(ValueError, match="storage='gpu'"):
-        PromptCache(10, torch.device("cpu"), "gpu")
 
 
 def test_engine_cache_is_bounded_and_set_from_the_config(tiny_sd3_path, params):
     from flowrl.config import load_config
     from flowrl.engine import DiffusionEngine
 
-    cfg = load_config(None, ["engine.prompt_cache_mb=1", "engine.prompt_cache_device=device"]).engine
-    engine = DiffusionEngine.from_pretrained(
-        tiny_sd3_path, prompt_cache_mb=cfg.prompt_cache_mb, prompt_cache_device=cfg.prompt_cache_device
-    )
+    cfg = load_config(None, ["engine.prompt_cache_mb=1"]).engine
+    engine = DiffusionEngine.from_pretrained(tiny_sd3_path, prompt_cache_mb=cfg.prompt_cache_mb)
     try:
         first = engine.generate("a cat", params)
         again = engine.generate("a cat", params)
@@ -90,18 +86,15 @@ def test_engine_cache_is_bounded_and_set_from_the_config(tiny_sd3_path, params):
         stats = engine.stats()
         assert stats["num_prompt_encodes"] == 1 and stats["num_prompt_cache_hits"] == 1
         assert stats["prompt_cache_entries"] == 1 and 0 < stats["prompt_cache_bytes"] <= 2**20
-        assert engine.prompt_cache.storage_device == engine.adapter.device
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="engine.prompt_cache_mb=-1"):
         load_config(None, ["engine.prompt_cache_mb=-1"])
-    with pytest.raises(ValueError, match="engine.prompt_cache_device='gpu'"):
-        load_config(None, ["engine.prompt_cache_device=gpu"])
 
 
 @pytest.mark.gpu
 def test_host_cache_is_pinned_and_returns_device_tensors():
-    cache = PromptCache(2**20, torch.device("cuda"), "host")
+    cache = PromptCache(2**20, torch.device("cuda"))
     encoding = _encoding(10)
     cache.put("a cat", PromptEncoding(*(t.cuda() for t in (encoding.embeds, encoding.mask, encoding.pooled))))
     stored = cache._entries["a cat"][0]

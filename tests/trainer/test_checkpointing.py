@@ -172,15 +172,3 @@ def test_auto_trains_exactly_as_the_fixed_setting_it_chose(build_trainer, make_c
     assert weights.keys() == reference.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], reference[name], rtol=0, atol=0, msg=name)
-
-
-def test_the_trainer_gives_its_activation_memory_budget_to_every_compiled_block(build_trainer, make_cfg):
-    """trainer.activation_memory_budget reaches the compiled blocks before any training forward
-    partitions their grad graphs; at 1 (the default) they keep torch's own partition."""
-    from flowrl.accel.adapter import compiled_regions
-
-    def budgets(trainer):
-        return {module._flowrl_activation_budget for _, module in compiled_regions(trainer.adapter)}
-
-    assert budgets(build_trainer(make_cfg("engine.compile=true", "trainer.activation_memory_budget=0.9"))) == {0.9}
-    assert budgets(build_trainer(make_cfg("engine.compile=true", output="default"))) == {None}

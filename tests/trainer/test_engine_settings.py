@@ -6,16 +6,14 @@ import flowrl.accel
 def test_engine_compile_compiles_the_trained_modules(build_trainer, make_cfg, monkeypatch):
     calls = []
 
-    def fake_compile(adapter, backend="inductor", rounding="eager", **switches):
+    def fake_compile(adapter, backend="inductor", **switches):
         # Called after LoRA injection: the blocks hold the trained LoRA layers.
-        calls.append((any("lora_A" in name for name, _ in adapter.transformer.named_parameters()), backend, rounding))
+        calls.append((any("lora_A" in name for name, _ in adapter.transformer.named_parameters()), backend))
         return ["transformer.transformer_blocks.0"]
 
     monkeypatch.setattr(flowrl.accel, "compile_adapter", fake_compile)
-    trainer = build_trainer(
-        make_cfg("engine.compile=true", "trainer.lora.enabled=true", "engine.compile_rounding=fused")
-    )
-    assert calls == [(True, "inductor", "fused")]
+    trainer = build_trainer(make_cfg("engine.compile=true", "trainer.lora.enabled=true"))
+    assert calls == [(True, "inductor")]
     assert trainer.engine.compiled_modules == ["transformer.transformer_blocks.0"]
 
 

@@ -3,7 +3,6 @@
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from flowrl.trainer.policy import score_transitions
@@ -162,67 +161,3 @@ def _update_with(build_trainer, make_cfg, take_rollout, monkeypatch, *overrides)
     weights = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
     run.metrics = trainer.updater.update(tensors, specs, advantages, weights, step=1)
     return run
-
-
-@pytest.mark.parametrize("old_log_prob", ["rollout", "recompute"])
-def test_steps_per_forward_scores_several_trained_steps_in_one_forward_and_trains_the_same(
-    build_trainer, make_cfg, take_rollout, monkeypatch, old_log_prob
-):
-    """trainer.steps_per_forward=S scores a micro-batch at S trained steps in one forward: fewer
-    forwards of S times the rows, and the same update (gradients, loss, clipped share, gaps) up to
-    batch-shape rounding; the recompute scores in the same groups, so the first optimizer step's
-    ratios stay exactly 1."""
-    one, two = (
-        _update_with(
-            build_trainer,
-            make_cfg,
-            take_rollout,
-            monkeypatch,
-            f"algorithm.old_log_prob={old_log_prob}",
-            "rollout.sampling.sde_window_size=3",
-            f"trainer.steps_per_forward={per_forward}",
-        )
-        for per_forward in (1, 2)
-    )
-    sizes = one.sizes
-    assert one.window == 3 and sizes == [2, 1, 2, 1]  # two mini-batches of 3 samples, micro-batches of 2
-    assert one.forwards == [m for m in sizes for _ in range(3)]  # one forward per trained step
-    assert two.forwards == [rows for m in sizes for rows in (2 * m, m)]  # steps (0, 1) together, then 2
-    records_one, records_two = one.trainer.updater.records, two.trainer.updater.records
-    assert records_one[0].clipfrac == records_two[0].clipfrac == 0.0
-    for a, b in zip(records_one, records_two):
-        assert torch.equal(a.rows, b.rows)
-        assert abs(a.loss - b.loss) < 1e-6 and a.clipfrac == b.clipfrac
-        assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm  # the same gradient
-    for name in ("actor/policy_loss", "actor/ratio_mean", "actor/clipfrac"):
-        assert abs(one.metrics[name] - two.metrics[name]) < 1e-6, name
-    if "actor/logprob_gap_max" in one.metrics:
-        assert abs(one.metrics["actor/logprob_gap_max"] - two.metrics["actor/logprob_gap_max"]) < 1e-5
-    for step_one, step_two in zip(one.grads, two.grads):  # each optimizer step's accumulated gradients
-        for a, b in zip(step_one, step_two):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
-
-
-def test_steps_per_forward_below_one_names_the_field():
-    from flowrl.config import load_config
-
-    with pytest.raises(ValueError, match="trainer.steps_per_forward"):
-        load_config(None, ["trainer.steps_per_forward=0"])
-
-
-def test_auto_checkpointing_plans_for_every_step_a_forward_holds(build_trainer, make_cfg, take_rollout, monkeypatch):
-    needed = {}
-    for per_forward in (1, 3):
-        run = _update_with(
-            build_trainer,
-            make_cfg,
-            take_rollout,
-            monkeypatch,
-            "rollout.sampling.sde_window_size=3",
-            "trainer.gradient_checkpointing=auto",
-            f"trainer.steps_per_forward={per_forward}",
-        )
-        choice = run.trainer.updater.checkpointing
-        assert choice.measured and choice.sample_bytes > 0
-        needed[per_forward] = choice.needed_bytes / choice.sample_bytes
-    assert needed[3] == pytest.approx(3 * needed[1])  # micro-batch 2 at 3 steps: 6 samples' activations

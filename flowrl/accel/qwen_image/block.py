@@ -1,48 +1,24 @@
-"""Qwen-Image transformer blocks as the engine compiles them: real-arithmetic RoPE, a
-sequence-major memory layout, and hand-written kernels and a modulation table for the rollout.
+"""Qwen-Image transformer blocks as the engine compiles them: real-arithmetic RoPE and a
+sequence-major memory layout.
 
-All are installed per instance by `prepare_for_compile` (flowrl.accel.compile_adapter). The first
-two change how the same math runs and are exact in float32 (tests/accel/test_qwen_block.py); the
-others serve only rollout forwards (no grad), are exact up to bf16 rounding, and each has a
-switch of flowrl.accel.options.AccelOptions (named below; a block reads them from
-`block._flowrl_accel`):
+Both are installed per instance by `prepare_for_compile` (flowrl.accel.compile_adapter), change
+how the same math runs and are exact in float32 (tests/accel/test_qwen_block.py):
 
 1. Rotary embeddings in real arithmetic (`_rotate`, tables from `_real_rope_tables`): diffusers
    rotates with complex tensors, for which inductor generates no code, so they would run eagerly
    (several extra float32 passes over q and k per block).
 
-2. Sequence-major activations (`sequence_major`). Joint attention runs over [text tokens, image tokens]. With
-   diffusers' batch-major (B, L, D) activations that join is a copy of q, k and v into a joint
-   buffer (for v, whose producers are GEMMs, a kernel of its own), and the split of the attention
-   output back into the two streams is another copy of the whole output. Stored sequence-major
-   ((L, B, D) in memory; the tensors still have the (B, L, D) shape diffusers passes between
-   blocks), each stream is a contiguous run of rows of the joint buffer: cuDNN attention writes
-   its output in its query's layout, so the two output projections read their rows in place.
-   The image rows come first, so the keys a row with padded text sees are a prefix of the joint
-   sequence: rollout forwards attend per run of equal text lengths without a mask
-   (flowrl.accel.qwen_image.prefix_attention; `prefix_attention`).
-   (Inductor writes a GEMM's output only into a buffer of its own, so the v join is a copy,
-   except in rollout graphs: item 3.) The training step gains most, its graphs copying more.
-   The transformer's input projections (`img_in`, `txt_in`) hand the first block sequence-major
-   tensors through forward hooks, every block returns that layout, and the final norm reads it.
-   A block also accepts batch-major tensors (then the layout costs copies, not correctness).
-
-3. In the rollout's compiled graphs (no grad), the joint q and k are built by a hand-written
-   Triton kernel (flowrl.accel.qwen_image.qk_norm_rope: RMSNorm, rotation and the text/image
-   join, with eager's rounding points; `qk_kernel`). Training graphs and eager runs keep the
-   PyTorch expression (`_normed_rotated`). There, too, the text and image v projections write
-   into one joint buffer (flowrl.accel.qwen_image.joint_linear; `joint_v`) instead of being
-   copied into it. Both take LoRA-wrapped projections too: in these graphs the low-rank term is
-   accumulated inside the projection's GEMM output (flowrl.accel.lora_fold).
-
-4. Also in the rollout's compiled graphs, each stream's LayerNorm + modulation, gate + residual,
-   and the two together run in one hand-written kernel (flowrl.accel.qwen_image.modulated_norm;
-   `norm_kernel`) instead of inductor's three, with eager's rounding points.
-
-5. The modulation parameters come from the block's `img_mod` / `txt_mod` GEMMs, or, when the
-   forward's `joint_attention_kwargs` carry table rows (rollout forwards without grad), from a
-   per-timestep table computed once per weight version (flowrl.accel.qwen_image.modulation;
-   `modulation_table`).
+2. Sequence-major activations (`sequence_major`, a switch of flowrl.accel.options.AccelOptions).
+   Joint attention runs over [text tokens, image tokens]. With diffusers' batch-major (B, L, D)
+   activations that join is a copy of q, k and v into a joint buffer, and the split of the
+   attention output back into the two streams is another copy of the whole output. Stored
+   sequence-major ((L, B, D) in memory; the tensors still have the (B, L, D) shape diffusers
+   passes between blocks), each stream is a contiguous run of rows of the joint buffer: cuDNN
+   attention writes its output in its query's layout, so the two output projections read their
+   rows in place. The transformer's input projections (`img_in`, `txt_in`) hand the first block
+   sequence-major tensors through forward hooks, every block returns that layout, and the final
+   norm reads it. A block also accepts batch-major tensors (then the layout costs copies, not
+   correctness).
 
 Blocks that need features this forward does not implement (per-token modulation of the edit
 models, `zero_cond_t`, attention kwargs) run diffusers' own forward with the real-RoPE processor.
@@ -55,13 +31,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-import flowrl.accel.qwen_image.joint_linear as joint_linear
-import flowrl.accel.qwen_image.modulated_norm as modulated_norm
-import flowrl.accel.qwen_image.prefix_attention as prefix_attention
-import flowrl.accel.qwen_image.qk_norm_rope as qk_norm_rope
-from flowrl.accel.lora_fold import folds
 from flowrl.accel.options import AccelOptions
-from flowrl.accel.qwen_image.modulation import ROWS_KEY
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +40,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     expanded to the head width (see `_real_rope_tables`) and broadcast against x by the caller:
     cos = (c0, c0, c1, c1, ...), sin = (-s0, s0, -s1, s1, ...), so out = x * cos + swap_pairs(x) *
     sin. This pair-swap form compiles to a much faster kernel than unbinding and re-stacking the
-    pairs (benchmarks/qwen_block_parts.py times both)."""
+    pairs."""
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos + swapped * sin).type_as(x)
@@ -132,49 +102,10 @@ def _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim: int):
     return (txt_q, img_q), (txt_k, img_k), v_pair
 
 
-def _plain_qk_projections(attn) -> bool:
-    """The q and k projections of both streams produce plain GEMM outputs in the rollout's graphs:
-    nn.Linear, or LoRA Linears whose low-rank term is accumulated inside the GEMM's output there
-    (flowrl.accel.lora_fold). Left to inductor, a LoRA projection's output is a sum that would
-    have to be stored before the hand-written kernel reads it."""
-    return all(type(p) is torch.nn.Linear or folds(p) for p in (attn.to_q, attn.to_k, attn.add_q_proj, attn.add_k_proj))
-
-
-def _joint_kernel_applies(attn, img_q: torch.Tensor, rope, options: AccelOptions) -> bool:
-    """Whether a sequence-major block builds its joint q and k with the hand-written kernel
-    (flowrl.accel.qwen_image.qk_norm_rope): inside a compiled graph without grad (the rollout's; training
-    graphs keep inductor's differentiable kernel, eager runs PyTorch's ops), on CUDA, with plain
-    q/k projections and norms the kernel reproduces. Autocast does not change RMSNorm or the
-    rotation, so the kernel applies under it, and the joint v projection casts its inputs as
-    autocast would (flowrl.accel.qwen_image.joint_linear). `options.qk_kernel` off turns it off,
-    and with it the joint v projection; `options.joint_v` off only the latter."""
-    return (
-        options.qk_kernel
-        and not torch.is_grad_enabled()
-        and torch.compiler.is_compiling()
-        and _plain_qk_projections(attn)
-        and all(
-            qk_norm_rope.applicable(img_q, norm, rope)
-            for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
-        )
-    )
-
-
-def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope, options: AccelOptions):
-    """The joint (L_img + L_txt, B, H, Dh) q, k, v of sequence-major streams, image rows first (the
-    keys a row with padded text sees are then a prefix: flowrl.accel.qwen_image.prefix_attention)."""
-    q_pair = (_split_heads(attn, attn.add_q_proj(txt)), _split_heads(attn, attn.to_q(img)))
-    k_pair = (_split_heads(attn, attn.add_k_proj(txt)), _split_heads(attn, attn.to_k(img)))
-    if not _joint_kernel_applies(attn, q_pair[1], rope, options):
-        v_pair = (_split_heads(attn, attn.add_v_proj(txt)), _split_heads(attn, attn.to_v(img)))
-        pairs = _normed_rotated(attn, q_pair, k_pair, v_pair, rope, seq_dim=0)
-        return tuple(torch.cat((img_part, txt_part)) for txt_part, img_part in pairs)
-    q = qk_norm_rope.joint_rotated(*q_pair, attn.norm_added_q, attn.norm_q, rope)
-    k = qk_norm_rope.joint_rotated(*k_pair, attn.norm_added_k, attn.norm_k, rope)
-    if options.joint_v and joint_linear.applies(attn.to_v, attn.add_v_proj):
-        v = joint_linear.joint_projection(img, attn.to_v, txt, attn.add_v_proj, options.lora_low_rank_first)
-        return q, k, _split_heads(attn, v)
-    return q, k, torch.cat((_split_heads(attn, attn.to_v(img)), _split_heads(attn, attn.add_v_proj(txt))))
+def _joint_qkv(attn, img: torch.Tensor, txt: torch.Tensor, rope):
+    """The joint (L_img + L_txt, B, H, Dh) q, k, v of sequence-major streams, image rows first."""
+    pairs = _rotated_qkv(attn, img, txt, rope, seq_dim=0)
+    return tuple(torch.cat((img_part, txt_part)) for txt_part, img_part in pairs)
 
 
 class RealRopeQwenAttention:
@@ -203,84 +134,26 @@ class RealRopeQwenAttention:
         return img_out, attn.to_add_out(out[:, :seq_txt].contiguous())
 
 
-def _joint_attention(
-    attn,
-    img: torch.Tensor,
-    txt: torch.Tensor,
-    text_mask: torch.Tensor | None,
-    rope,
-    options: AccelOptions = AccelOptions(),
-    text_lengths: torch.Tensor | None = None,
-):
+def _joint_attention(attn, img: torch.Tensor, txt: torch.Tensor, text_mask: torch.Tensor | None, rope):
     """RealRopeQwenAttention's math on sequence-major streams img (L_img, B, D), txt (L_txt, B, D);
     returns the two streams' outputs, sequence-major. The joint buffers are (L, B, H, Dh) with the
-    image rows first, so each stream is a contiguous block of rows (see the module docstring).
-    text_lengths: each row's valid text tokens (a CPU int64 tensor; the mask's leading True
-    values), with which a padded batch runs `prefix_attention` instead of the masked call (the
-    hook passes them only where that pays)."""
+    image rows first, so each stream is a contiguous block of rows (see the module docstring)."""
     image_tokens, batch = img.shape[:2]
     # (L, B, H, Dh) -> the (B, H, L, Dh) view SDPA takes; no copy.
-    q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope, options))
-    if text_mask is not None and text_lengths is not None and options.prefix_attention and prefix_attention.applies(q):
-        out = prefix_attention.attention(q, k, v, text_lengths, key_offset=image_tokens)
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=_joint_mask(text_mask, batch, image_tokens, image_first=True)
-        )
+    q, k, v = (t.permute(1, 2, 0, 3) for t in _joint_qkv(attn, img, txt, rope))
+    mask = _joint_mask(text_mask, batch, image_tokens, image_first=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.permute(2, 0, 1, 3).flatten(2).to(q.dtype)  # (L, B, H*Dh): a view when cuDNN kept q's layout
     img_out = attn.to_out[1](attn.to_out[0](out[:image_tokens]))  # to_out[1]: dropout
     return img_out, attn.to_add_out(out[image_tokens:])
 
 
-def _autocast_on(x: torch.Tensor) -> bool:
-    """Whether autocast is on for x's device. Under autocast LayerNorm returns float32, so the
-    modulated input stays float32 until the next linear layer casts it once: not the bf16
-    rounding points the modulated-norm kernel reproduces. (Dynamo guards compiled graphs on the
-    autocast state.)"""
-    return torch.is_autocast_enabled(x.device.type)
-
-
-def _norm_kernel_applies(block, img: torch.Tensor) -> bool:
-    """Whether a sequence-major block runs its LayerNorm + modulation and gate + residual steps
-    with the hand-written kernel (flowrl.accel.qwen_image.modulated_norm): as the q/k kernel, only
-    inside a compiled graph without grad (the rollout's), on CUDA, with the LayerNorms it
-    reproduces, with `norm_kernel` on, and not under autocast (the trainer's mixed precision,
-    whose rounding points the kernel does not reproduce: with it, a rollout under bf16 autocast
-    and the trainer's graph would differ by a log-prob gap)."""
-    return (
-        block._flowrl_accel.norm_kernel
-        and not torch.is_grad_enabled()
-        and torch.compiler.is_compiling()
-        and not _autocast_on(img)
-        and all(
-            modulated_norm.applicable(img, norm)
-            for norm in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2)
-        )
-    )
-
-
-def _modulated_input(x: torch.Tensor, norm, params: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _modulated_input(x: torch.Tensor, norm, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Adaptive-norm input of sequence-major x (L, B, D) with per-row params (B, 3D): norm(x) *
     (1 + scale) + shift, with the (B, D) shift, scale and gate broadcast over the sequence dim;
     returns it and the gate."""
     shift, scale, gate = params.chunk(3, dim=-1)
-    if kernel:
-        return modulated_norm.modulated(x, norm, shift, scale), gate
     return norm(x) * (1 + scale) + shift, gate
-
-
-def _residual_modulated_input(x, gate, y, norm, params: torch.Tensor, kernel: bool):
-    """x + gate * y, then that sum's `_modulated_input`: (sum, input, gate)."""
-    if not kernel:
-        x = x + gate * y
-        return x, *_modulated_input(x, norm, params, kernel)
-    shift, scale, next_gate = params.chunk(3, dim=-1)
-    x, modulated = modulated_norm.residual_modulated(x, gate, y, norm, shift, scale)
-    return x, modulated, next_gate
-
-
-def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, kernel: bool) -> torch.Tensor:
-    return modulated_norm.residual(x, gate, y) if kernel else x + gate * y
 
 
 def _sequence_major_forward(
@@ -295,10 +168,7 @@ def _sequence_major_forward(
 ):
     """QwenImageTransformerBlock.forward's math on sequence-major activations (module docstring).
     Same signature and return value ((text, image) states of diffusers' shapes)."""
-    kwargs = dict(joint_attention_kwargs or {})
-    table_rows = kwargs.pop(ROWS_KEY, None)
-    text_lengths = kwargs.pop(prefix_attention.TEXT_LENGTHS_KEY, None)
-    if modulate_index is not None or self.zero_cond_t or kwargs:
+    if modulate_index is not None or self.zero_cond_t or joint_attention_kwargs:
         return type(self).forward(
             self,
             hidden_states,
@@ -310,22 +180,17 @@ def _sequence_major_forward(
             modulate_index,
         )
     img, txt = hidden_states.transpose(0, 1), encoder_hidden_states.transpose(0, 1)  # (L, B, D)
-    if table_rows is None:
-        img_mod, txt_mod = self.img_mod(temb), self.txt_mod(temb)
-    else:  # rows of the per-timestep table (flowrl.accel.qwen_image.modulation), no GEMM
-        img_mod, txt_mod = self._flowrl_modulation.index_select(1, table_rows).unbind(0)
-    img_mod1, img_mod2 = img_mod.chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = txt_mod.chunk(2, dim=-1)
-    kernel = _norm_kernel_applies(self, img)
-    img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1, kernel)
-    txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1, kernel)
-    img_attn, txt_attn = _joint_attention(
-        self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb, self._flowrl_accel, text_lengths
-    )
-    img, img_in, img_gate2 = _residual_modulated_input(img, img_gate1, img_attn, self.img_norm2, img_mod2, kernel)
-    txt, txt_in, txt_gate2 = _residual_modulated_input(txt, txt_gate1, txt_attn, self.txt_norm2, txt_mod2, kernel)
-    img = _gated_residual(img, img_gate2, self.img_mlp(img_in), kernel)
-    txt = _gated_residual(txt, txt_gate2, self.txt_mlp(txt_in), kernel)
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+    img_in, img_gate1 = _modulated_input(img, self.img_norm1, img_mod1)
+    txt_in, txt_gate1 = _modulated_input(txt, self.txt_norm1, txt_mod1)
+    img_attn, txt_attn = _joint_attention(self.attn, img_in, txt_in, encoder_hidden_states_mask, image_rotary_emb)
+    img = img + img_gate1 * img_attn
+    txt = txt + txt_gate1 * txt_attn
+    img_in, img_gate2 = _modulated_input(img, self.img_norm2, img_mod2)
+    txt_in, txt_gate2 = _modulated_input(txt, self.txt_norm2, txt_mod2)
+    img = img + img_gate2 * self.img_mlp(img_in)
+    txt = txt + txt_gate2 * self.txt_mlp(txt_in)
     if img.dtype == torch.float16:  # diffusers' overflow guard
         img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
     return txt.transpose(0, 1), img.transpose(0, 1)
