@@ -13,7 +13,7 @@ slowed by other work on the machine do not decide the comparison:
     python benchmarks/async_rollout.py --steps 30 --replicas 1 --device cuda:0 --replica-devices cuda:1 \
         rollout.sampling.height=256 rollout.sampling.width=256
 
-Extra KEY=VALUE arguments override the embedded tiny run's config (flowrl.trainer.cli).
+Extra KEY=VALUE arguments override the embedded tiny run's config (flowrl.cli.train).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MODES = ("colocated", "sync", "async")
 
 
 def run_mode(mode: str, args, out_dir: str) -> dict:
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.config import load_train_config
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
     overrides = [

@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     path = args.model
     if path is None:
-        from flowrl.models.tiny import build_tiny_checkpoint
+        from flowrl.models.debug.tiny import build_tiny_checkpoint
 
         path = build_tiny_checkpoint(args.kind, tempfile.mkdtemp(prefix="flowrl-bench-"))
     engine = DiffusionEngine.from_pretrained(path, max_batch_rows=max(32, args.n))

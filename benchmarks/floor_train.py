@@ -37,7 +37,7 @@ class LoraCall:
 
     def factors(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, s B) of the active adapters, concatenated along the rank, in `dtype`: the product
-        the trainer's LoRA forward computes (flowrl.trainer.lora.forward_in_activation_dtype)."""
+        the trainer's LoRA forward computes (flowrl.models.lora.forward_in_activation_dtype)."""
         downs, ups = [], []
         for name in self.module.active_adapters:
             if name in self.module.lora_A:

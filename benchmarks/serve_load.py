@@ -128,7 +128,7 @@ def _tiny_server(max_batch_rows: int):
     import tempfile
 
     from flowrl.engine import DiffusionEngine
-    from flowrl.models.tiny import build_tiny_checkpoint
+    from flowrl.models.debug.tiny import build_tiny_checkpoint
     from flowrl.server.http import serve_in_background
     from flowrl.server.rollout_app import create_rollout_app
 

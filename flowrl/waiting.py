@@ -6,7 +6,7 @@ Event's): the lock then stays held, and the next thread that needs it (a reward 
 in its scores, the engine completing a sample) waits forever. So a wait the trainer may abort
 waits in slices of `POLL_S` seconds and calls `stop_check()` between them and once more at its
 end, so a stop requested at any time during the wait ends it; `stop_check` raises
-(flowrl.trainer.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
+(flowrl.run.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
 no lock. Main-thread work that a stop should end at once runs on a thread of its own
 (`call_abortably`) while the main thread waits for it in that way. Nothing here knows signals or
 trainers.

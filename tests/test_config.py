@@ -15,8 +15,8 @@ from flowrl.config import (
     config_to_yaml,
     load_config,
 )
+from flowrl.run.resume import flatten as _flatten
 from flowrl.sampling_params import SamplingParams
-from flowrl.trainer.resume import flatten as _flatten
 
 
 def test_defaults_load_as_plain_dataclasses():
@@ -254,7 +254,7 @@ def test_code_that_maps_a_choice_list_covers_exactly_its_choices():
     from typing import get_args
 
     from flowrl.config.sections import MixedPrecision
-    from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+    from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
 
     assert tuple(MIXED_PRECISION_DTYPES) == get_args(MixedPrecision)
 

@@ -73,7 +73,7 @@ def no_gpu():
 
 
 def test_every_invalid_value_is_a_value_error_naming_the_key(output_dir, no_gpu):
-    from flowrl.trainer.build import check_before_loading
+    from flowrl.run.checks import check_before_loading
 
     @settings(max_examples=150, deadline=None)
     @given(key=st.sampled_from(FUZZED_KEYS), value=ANY_VALUE)

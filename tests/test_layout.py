@@ -1,5 +1,6 @@
 """The package's import rules, read from the source with the standard library (nothing imported):
 
+- each package imports only the packages before it in ORDER (the layout of the architecture page);
 - no import cycle among flowrl's modules (module-level imports; an import inside a function is
   lazy and cannot form a cycle at import time, so it is left out here, but rules below count it);
 - the core (config, sampler, models, engine, rollout, trainer) reaches the fast paths only through
@@ -24,7 +25,7 @@ CORE = (
     "flowrl.rollout",
     "flowrl.trainer",
 )
-ACCEL_ENTRY = {"compile_adapter", "is_compiled"}
+ACCEL_ENTRY = {"compile_adapter", "is_compiled", "merged_lora"}
 
 
 def _modules() -> dict[str, Path]:
@@ -138,7 +139,7 @@ def test_config_imports_nothing_of_models_engine_or_accel():
 
 
 def test_core_never_imports_the_benchmarks():
-    """flowrl.bench builds on the core (random weights live in flowrl.models.random_weights so that
+    """flowrl.bench builds on the core (random weights live in flowrl.models.debug.random_weights so that
     the trainer can take them); the core never reaches back into the benchmarks."""
     bad = []
     for module in MODULES:
@@ -147,3 +148,54 @@ def test_core_never_imports_the_benchmarks():
                 if any(_within(target, "flowrl.bench") for target in _targets(imported, names) or {imported}):
                     bad.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {imported}")
     assert not bad, "\n".join(bad)
+
+
+# The package order of docs/ARCHITECTURE's layout: each package imports only those before it (or
+# itself). Top-level modules count as packages of their own.
+ORDER = (
+    "sampling_params",
+    "console",
+    "output_paths",
+    "waiting",
+    "config",
+    "sampler",
+    "data",
+    "models",
+    "accel",
+    "rewards",
+    "engine",
+    "server",
+    "distributed",
+    "client",
+    "run",
+    "rollout",
+    "trainer",
+    "eval",
+    "bench",
+    "cli",
+)
+
+
+def _package(module: str) -> str | None:
+    """The ORDER entry a flowrl module belongs to (None: the package's own __init__ / __main__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] not in ("__main__",) else None
+
+
+def test_every_package_imports_only_those_before_it():
+    """No arrow runs up the order: an import inside a function counts too (it is a call upward all
+    the same), so a package's callers are always above it."""
+    rank = {name: index for index, name in enumerate(ORDER)}
+    unknown = sorted({_package(m) for m in MODULES} - set(ORDER) - {None})
+    assert not unknown, f"packages missing from ORDER (place them in the layout): {unknown}"
+    upward = []
+    for module in MODULES:
+        mine = _package(module)
+        if mine is None:
+            continue
+        for imported, names, line in _imports(module, module_level_only=False):
+            for target in _targets(imported, names) or ({imported} if imported.startswith("flowrl.") else set()):
+                theirs = _package(target)
+                if theirs is not None and rank[theirs] > rank[mine]:
+                    upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} ({mine}) imports {target}")
+    assert not upward, "imports up the package order:\n" + "\n".join(upward)

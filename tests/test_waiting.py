@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flowrl.rewards import AsyncRewardScorer, Reward
-from flowrl.trainer.interrupts import PhaseAborted, StopSignals
+from flowrl.run.interrupts import PhaseAborted, StopSignals
 from flowrl.waiting import POLL_S, call_abortably, wait_for_event, wait_for_futures, wait_on_condition
 
 

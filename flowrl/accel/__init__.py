@@ -22,7 +22,7 @@ or step on a GPU (benchmarks/results/ holds the measurements).
 Layout: options.py (the switches), adapter.py (what compiling an adapter does, per family),
 regional_compile.py (torch.compile in place), fused_mlp.py (GELU in the GEMM epilogue),
 lora_fold.py (LoRA's low-rank term inside the base GEMM, with an adapted MLP's GELU in its
-epilogue), qwen_image/ (Qwen-Image's real-arithmetic RoPE and sequence-major blocks), flux.py
+epilogue), lora_merge.py (training rollouts on the adapter merged into its weights), qwen_image/ (Qwen-Image's real-arithmetic RoPE and sequence-major blocks), flux.py
 (FLUX.1's single-stream blocks without their concatenation). The core (config, sampler, models,
 engine, rollout, trainer) imports only the functions below from here, inside the functions that
 need them. Importing this package loads none of torch's compiler.
@@ -39,6 +39,15 @@ def compile_adapter(adapter, backend: str = "inductor", **switches: bool) -> lis
     return compile_(adapter, backend, **switches)
 
 
+def merged_lora(module, seed: int, compiled: bool = False):
+    """A context in which every LoRA projection under `module` runs on its merged weight
+    W + s B A, stochastically rounded with noise from `seed` (flowrl.accel.lora_merge): the
+    rollout fast path of `rollout.merge_lora`."""
+    from flowrl.accel.lora_merge import merged_lora as merged
+
+    return merged(module, seed, compiled=compiled)
+
+
 def is_compiled(adapter) -> bool:
     """Whether `compile_adapter` compiled this adapter's modules."""
     from flowrl.accel.adapter import is_compiled as compiled
@@ -46,4 +55,4 @@ def is_compiled(adapter) -> bool:
     return compiled(adapter)
 
 
-__all__ = ["compile_adapter", "is_compiled"]
+__all__ = ["compile_adapter", "is_compiled", "merged_lora"]

@@ -2,9 +2,9 @@
 cuBLAS: `flowrl::lora_linear`.
 
 Outside compiled graphs, and in training graphs, a LoRA Linear runs the trainer's forward
-(flowrl.trainer.lora.forward_in_activation_dtype: base(x) + (x A^T)(s B)^T in x's dtype). In a
+(flowrl.models.lora.forward_in_activation_dtype: base(x) + (x A^T)(s B)^T in x's dtype). In a
 compiled graph without grad (the rollout's, and the trainer's value pass, which runs the same
-graph: flowrl.trainer.policy) `folded_forward` runs the projection as one custom op that inductor
+graph: flowrl.trainer.logprob) `folded_forward` runs the projection as one custom op that inductor
 keeps whole. Left to inductor, the sum base + low-rank is a separate pass over the projection's
 output: the low-rank GEMM writes a full-width output that an add kernel reads again. The op instead
 runs x A^T, then the low-rank GEMM with the base layer's bias into the output, then the base GEMM
@@ -17,7 +17,7 @@ GELU into the GEMM that accumulates (cuBLASLt applies it only with a bias vector
 bias and the GELU in its epilogue (flowrl.accel.fused_mlp calls it): it copies x into the joint
 input instead of writing the wide low-rank output, reading it back and running the GELU pass.
 
-During a training rollout on merged weights (flowrl.trainer.lora_merge) the same entry points run
+During a training rollout on merged weights (flowrl.accel.lora_merge) the same entry points run
 a merged projection as the plain GEMM with W' = W + s B A, so the fast paths that need plain GEMM
 outputs still apply.
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.accel.options import AccelOptions
-from flowrl.trainer.lora import forward_in_activation_dtype, merged_weight
+from flowrl.models.lora import forward_in_activation_dtype, merged_weight
 
 
 def _foldable_adapter(layer) -> str | None:
@@ -78,7 +78,7 @@ def folds(layer) -> bool:
     """Whether `layer` (any module) is a LoRA Linear whose rollout graphs compute it as plain GEMM
     outputs: on `folded_forward` (installed by `fold_lora_projections`) with an adapter
     `flowrl::lora_linear` computes, or with a training rollout's merged weight
-    (flowrl.trainer.lora_merge)."""
+    (flowrl.accel.lora_merge)."""
     if not isinstance(getattr(layer, "base_layer", None), torch.nn.Linear):
         return False
     return merged_weight(layer) is not None or _foldable_adapter(layer) is not None
@@ -122,7 +122,7 @@ def folded_gelu_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def fold_lora_projections(module: torch.nn.Module, options: AccelOptions = AccelOptions()) -> int:
-    """Put every LoRA Linear under `module` that runs the trainer's forward (flowrl.trainer.lora)
+    """Put every LoRA Linear under `module` that runs the trainer's forward (flowrl.models.lora)
     on `folded_forward` with `options`; returns how many. Layers on peft's own forward are left
     alone. Idempotent; a later call's options replace the earlier ones."""
     count = 0

@@ -4,8 +4,8 @@
 diffusers pipeline that share one transformer and one VAE (so every mode of a benchmark runs the
 very same modules), plus the text geometry used for fake prompts.
 
-Named architectures (random weights, no text encoders; flowrl.models.random_weights builds them
-from the configs of flowrl.models.architectures, and the trainer takes them as `random:NAME`):
+Named architectures (random weights, no text encoders; flowrl.models.debug.random_weights builds them
+from the configs of flowrl.models.debug.architectures, and the trainer takes them as `random:NAME`):
 - `sd3-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
   stabilityai/stable-diffusion-3-medium (2.03 B transformer parameters); prompts as sd35-medium's.
 - `sd35-medium`: SD3Transformer2DModel and AutoencoderKL with the configs of
@@ -21,7 +21,7 @@ from the configs of flowrl.models.architectures, and the trainer takes them as `
   Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
   architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
   Qwen3-4B gives.
-- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.tiny` (CPU
+- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.debug.tiny` (CPU
   smoke tests).
 
 Prompt embeddings are fixed random tensors drawn from a hash of the prompt text: realistic
@@ -36,9 +36,9 @@ from types import SimpleNamespace
 
 import torch
 
-from flowrl.models.architectures import ARCHITECTURES
 from flowrl.models.base import FlowModelAdapter, pad_encodings
-from flowrl.models.random_weights import RANDOM_PREFIX
+from flowrl.models.debug.architectures import ARCHITECTURES
+from flowrl.models.debug.random_weights import RANDOM_PREFIX
 from flowrl.models.registry import load_adapter
 from flowrl.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ def build_bench_model(
     num_layers: int | None = None,
     max_sequence_length: int | None = None,
 ) -> BenchModel:
-    """A BenchModel for a named architecture (flowrl.models.architectures; `random:NAME` too) or a
+    """A BenchModel for a named architecture (flowrl.models.debug.architectures; `random:NAME` too) or a
     local diffusers folder. num_layers: build a named architecture with fewer transformer blocks
     (smoke tests only). max_sequence_length: the adapter's text length (model.max_sequence_length;
     None: the family's default), which also sets a named architecture's prompt length."""
@@ -80,7 +80,7 @@ def build_bench_model(
 def make_trainable(transformer: torch.nn.Module, rank: int, targets) -> list[torch.nn.Parameter]:
     """The trainer's setup at `--lora-rank`: a LoRA adapter of that rank on `targets` (peft's
     gaussian init, alpha = 2 x rank, as the recipes), or, at rank 0, the full transformer."""
-    from flowrl.trainer.lora import apply_trainable
+    from flowrl.models.lora import apply_trainable
 
     if rank < 0:
         raise ValueError(f"--lora-rank={rank} must be >= 0 (0 trains the full transformer)")

@@ -21,7 +21,7 @@ so that `flowrl bench train` can state flowrl's whole step as a ratio to it.
 
 It shares with flowrl only what is not the loop: the adapter's modules and prompt embeddings,
 the reward object, the advantage function and the EMA class, and two pieces that are cheaper than
-the references' own, a favour to the peer: the LoRA layers' forward (flowrl.trainer.lora: the
+the references' own, a favour to the peer: the LoRA layers' forward (flowrl.models.lora: the
 low-rank product in the activations' dtype; peft's own copies every adapted projection's input to
 float32 first) and the decode (flowrl's VAE path, on Qwen-Image 0.39 x the stock decode's
 FLOPs). The caller sets up the trainable parameters (`flowrl.bench.train_flops.trainable`).
@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from flowrl.bench.flops import synchronize
+from flowrl.models.lora import adapter_disabled
 from flowrl.rewards.async_scoring import scoring_workers
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.lora import adapter_disabled
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
 
 _NOT_METADATA = ("raw_prompt", "sampling_overrides", "uid")
 

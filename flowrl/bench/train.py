@@ -62,7 +62,7 @@ BENCH_OVERRIDES = ("logging.tensorboard=false", "logging.wandb=false", "logging.
 
 
 def load_bench_config(config: str, overrides: list[str], output_dir: str):
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.config import load_train_config
 
     return load_train_config(config, [*overrides, *BENCH_OVERRIDES, f"trainer.output_dir={output_dir}"])
 
@@ -181,8 +181,8 @@ def _rollout_alone(trainer, cfg, device) -> float:
     wait that polls for a stop, no step before or after. Against the step's rollout phase it shows
     what the trainer's surroundings cost the rollout. The trainer's data position and row count
     are left as they were."""
+    from flowrl.data.prompts import PromptSampler
     from flowrl.rollout.batch import RolloutBatch
-    from flowrl.trainer.data import PromptSampler
 
     rows = PromptSampler(trainer.prompts.rows, cfg.trainer.prompts_per_step, shuffle=False, seed=0).next_rows()
     trainer.prepare_step_rows(rows, trainer.step)
@@ -214,7 +214,7 @@ def _peer_step(peer, prompts, units, cfg, samples_per_prompt=None) -> dict:
 
 def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
     from flowrl.bench.peer import PeerLoop
-    from flowrl.trainer.data import PromptSampler
+    from flowrl.data.prompts import PromptSampler
 
     with trainable(adapter.transformer, cfg.trainer) as params:
         peer = PeerLoop(adapter, cfg, prepared.reward, params)
@@ -245,8 +245,8 @@ def _run_peer(adapter, cfg, prepared, units, args, report, device) -> None:
 
 
 def run_train(args) -> int:
-    from flowrl.trainer.build import check_before_loading
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.checks import check_before_loading
+    from flowrl.run.config import load_train_config
 
     quiet_libraries()
     output_dir = tempfile.mkdtemp(prefix="flowrl-bench-train-")
@@ -300,7 +300,7 @@ def _settings(args, cfg, adapter) -> dict:
 
 def _measure(args, cfg, recipe_cfg, prepared) -> int:
     from flowrl.config import config_to_dict
-    from flowrl.trainer.build import build_engine
+    from flowrl.run.checks import build_engine
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
     device = torch.device(cfg.model.resolve_device())

@@ -7,7 +7,7 @@ before anything is compiled (a compiled model's custom ops have no FLOP formulas
 - `forward_per_row`: one transformer row at the training size (a sample has `rows_per_sample` of
   them, the adapter's guidance rule: two with an uncond row);
 - `rollout_forward_per_row`: the same as a training rollout runs it: with rollout.merge_lora on the
-  merged weights (flowrl.trainer.lora_merge), so without the low-rank GEMMs, and
+  merged weights (flowrl.accel.lora_merge), so without the low-rank GEMMs, and
   `merge_per_rollout`, the merge's own GEMMs once per rollout; otherwise `forward_per_row` and 0;
 - `decode_per_image`: one VAE decode;
 - `train_per_sample_step`: forward + backward of one sample's rows at one trained step, without
@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flowrl.bench.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
-from flowrl.trainer.lora import apply_trainable, has_lora
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES
+from flowrl.models.lora import apply_trainable, has_lora
+from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
 
 
 def window_size(params) -> int:
@@ -54,7 +54,7 @@ def trained_steps_per_sample(cfg) -> int:
 @contextlib.contextmanager
 def trainable(transformer: torch.nn.Module, trainer_cfg):
     """The trainer's trainable parameters (LoRA initialised from trainer.seed, or the whole
-    transformer) on a bare transformer for the duration, as flowrl.trainer.lora sets them up;
+    transformer) on a bare transformer for the duration, as flowrl.models.lora sets them up;
     removed afterwards, so that the trainer sets itself up on the same modules as on a fresh model."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(trainer_cfg.seed)
@@ -91,7 +91,7 @@ class UnitFlops:
 
 def _merged_rollout_flops(adapter, cfg, prompt: str) -> tuple[int, int]:
     """(a row-forward on merged weights, one merge) at the training size (module docstring)."""
-    from flowrl.trainer.lora_merge import merged_lora
+    from flowrl.accel import merged_lora
 
     def merge() -> None:
         with merged_lora(adapter.transformer, seed=0):

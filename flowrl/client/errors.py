@@ -1,6 +1,6 @@
 """What a remote engine's calls raise, each naming the server.
 
-`ServerUnavailableError` is the balancer's `ReplicaDownError`: the server could not be reached or
+`ServerUnavailableError` is a `ReplicaDownError`: the server could not be reached or
 answered 502/503/504 after the client's bounded retries, or took longer than its timeout; a
 balancer re-sends the request to another replica. `RemoteRequestError` (a ValueError) is a 4xx:
 the request itself is wrong, and another server would refuse it too. `RemoteEngineError` is
@@ -9,7 +9,10 @@ anything else the server reported (a 500: the request failed on its side).
 
 from __future__ import annotations
 
-from flowrl.rollout.balancer import ReplicaDownError
+
+class ReplicaDownError(RuntimeError):
+    """A replica could not serve a request (unreachable, died, or failing on its side); a balancer
+    (flowrl.rollout.balancer) re-sends the request to another replica."""
 
 
 class RemoteEngineError(RuntimeError):

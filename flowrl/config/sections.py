@@ -116,7 +116,7 @@ class ModelConfig:
 
     path: str | None = None
     """Local diffusers folder (`save_pretrained`, `flowrl make-tiny`, `flowrl make-toy`), or
-    `random:NAME`: random weights at a published architecture (flowrl/models/architectures.py,
+    `random:NAME`: random weights at a published architecture (flowrl/models/debug/architectures.py,
     with random prompt embeddings in place of the text encoders; speed and memory runs only). null:
     the embedded tiny SD3 model, built offline on first use."""
     family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"

@@ -2,7 +2,7 @@
 
 `read_model_family(path)` reads a local diffusers folder's model_index.json and names its family;
 `load_adapter(path, ...)` loads that family's adapter. A path `random:NAME` names a published
-architecture with random weights instead (flowrl.models.random_weights). Adding a family means
+architecture with random weights instead (flowrl.models.debug.random_weights). Adding a family means
 one adapter module and one entry in FAMILIES. (The config's `model.family` choices, flowrl.config,
 repeat these names; tests/models/test_adapters.py checks that the two lists agree.)
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter
+from flowrl.models.debug.random_weights import is_random_path, load_random_adapter, random_family
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
-from flowrl.models.random_weights import is_random_path, load_random_adapter, random_family
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.models.z_image import ZImageAdapter
 

@@ -26,12 +26,9 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from flowrl.client.errors import ReplicaDownError
+
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDownError(RuntimeError):
-    """A replica could not serve a request (unreachable, died, or failing on its side); the
-    balancer re-sends the request to another replica."""
 
 
 class NoReplicaLeftError(RuntimeError):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.models.lora import apply_trainable, has_lora
 from flowrl.server import wire
 from flowrl.server.score_request import BadRequest
-from flowrl.trainer.lora import apply_trainable, has_lora
 
 KINDS = ("lora", "full")
 _SHA256 = re.compile(r"[0-9a-f]{64}")

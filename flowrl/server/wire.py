@@ -19,7 +19,7 @@ The body is one safetensors file:
 
 Weights (`WEIGHTS_MEDIA_TYPE`): `encode_weights(state, lora=None) -> bytes`: a safetensors file of
 transformer parameter name -> tensor, names as `transformer.named_parameters()` gives them (a LoRA:
-`....lora_A.default.weight`, what flowrl.trainer.lora.trainable_state_dict returns; full weights:
+`....lora_A.default.weight`, what flowrl.models.lora.trainable_state_dict returns; full weights:
 every parameter), with `__metadata__["flowrl.lora"]` = the LoRA settings as JSON ({rank, alpha,
 target_modules, dropout}) for a LoRA. `file_sha256(body)` is the checksum sent along (what
 `sha256sum FILE` prints); `weights_sha256(state)` a checksum of the tensors themselves (names,

@@ -8,7 +8,7 @@ for evaluation and checkpoints.
 - `applied()`: a context in which the parameters hold the average (in place, so an engine sharing
   the modules samples with it), the trained values restored exactly afterwards;
 - `state_dict()` / `load_state_dict()`: the averages by parameter name (the names of
-  `flowrl.trainer.lora.trainable_state_dict`) and a small JSON-ready meta dict.
+  `flowrl.models.lora.trainable_state_dict`) and a small JSON-ready meta dict.
 
 Averages are kept in float32 on the parameters' device. This module knows parameters by name and
 nothing about models, optimizers or the checkpoint layout.

@@ -11,7 +11,7 @@ that step's mean and every pair weighs the same however the rows were cut into m
 Metrics follow the Flow-GRPO reference: clipfrac = share of rows with |ratio - 1| > eps,
 approx_kl = 0.5 * mean((log_prob - old_log_prob)^2).
 
-This module is pure tensor math: the log-probs come from `flowrl.trainer.policy`.
+This module is pure tensor math: the log-probs come from `flowrl.trainer.logprob`.
 """
 
 from __future__ import annotations

@@ -13,16 +13,16 @@ One training step:
 5. bump the policy version and publish it: the engine's transformer IS the trained module (LoRA
    injected in place), so the next rollout samples from the new weights with no copy, and every
    output records the version that produced it (with rollout.merge_lora a rollout merges the
-   adapter into a copy of the adapted weights when it begins: flowrl.trainer.lora_merge).
+   adapter into a copy of the adapted weights when it begins: flowrl.accel.lora_merge).
    Decoupled (rollout.servers / num_replicas), the rollouts run on rollout servers and publishing
-   uploads the weights to them (flowrl.trainer.rollout_backend); with trainer.async_rollout, step
-   k + 1's rollout runs while step k trains (flowrl.trainer.rollout_schedule);
+   uploads the weights to them (flowrl.rollout.backends); with trainer.async_rollout, step
+   k + 1's rollout runs while step k trains (flowrl.rollout.schedule);
 6. metrics to metrics.jsonl/tensorboard; validation (ODE, fixed seeds; with trainer.ema, sampled
    with the moving average of the weights) and checkpoints every k steps.
 
 Over several ranks (`world`, flowrl.distributed; docs/distributed.md) every rank draws the same
 prompts and rolls out its contiguous share of the step's groups, each row with the seed it has in
-one process; rewards, uids and row settings are all-gathered (flowrl.trainer.step_rows), so the
+one process; rewards, uids and row settings are all-gathered (flowrl.distributed.step_rows), so the
 advantages use the statistics of all rows exactly as one process computes them; the update is
 planned over every rank's rows and every rank takes the same optimizer step
 (flowrl.trainer.update). Validation prompts are split over the ranks and gathered. Metrics cover
@@ -42,29 +42,29 @@ import torch
 
 from flowrl import sampler
 from flowrl.console import note
+from flowrl.data.prompts import PromptSampler
 from flowrl.distributed.checks import check_world
 from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.step_rows import gather_step_rows
 from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
-from flowrl.trainer import checkpoint, resume
+from flowrl.models.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.rollout.backends import open_rollout_backend
+from flowrl.rollout.schedule import CollectedRollout, VersionHistory, schedule_for
+from flowrl.run import checkpoint, resume
+from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
+from flowrl.run.export import export_pipeline, save_transformer
+from flowrl.run.health import ZeroSpreadWatch
+from flowrl.run.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
+from flowrl.run.metrics import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
+from flowrl.run.progress import NO_PROGRESS, StepProgress
 from flowrl.trainer.advantages import compute_group_advantages
-from flowrl.trainer.build import build_engine, check_before_loading, resolve_model_path
-from flowrl.trainer.data import PromptSampler
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.export import export_pipeline, save_transformer
-from flowrl.trainer.health import ZeroSpreadWatch
-from flowrl.trainer.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
-from flowrl.trainer.logging import MetricsLogger, grid_captions, plot_reward_curve, read_metrics, save_image_grid
-from flowrl.trainer.lora import apply_trainable, has_lora, save_lora_for_diffusers
-from flowrl.trainer.progress import NO_PROGRESS, StepProgress
-from flowrl.trainer.rollout_backend import open_rollout_backend
-from flowrl.trainer.rollout_schedule import CollectedRollout, VersionHistory, schedule_for
-from flowrl.trainer.step_rows import gather_step_rows
 from flowrl.trainer.update import PolicyUpdater
 from flowrl.waiting import call_abortably
 
 _NON_METADATA = ("sampling_overrides", "raw_prompt")
-# The engine counters gathered over ranks (flowrl.trainer.step_rows).
+# The engine counters gathered over ranks (flowrl.distributed.step_rows).
 _ENGINE_COUNTERS = ("num_rows", "num_forwards", "images_per_second")
 # How long a stopped run waits for reward batches already being scored before it leaves them.
 _STOPPED_SCORING_WAIT_S = 10.0
@@ -85,7 +85,7 @@ class FlowGRPOTrainer:
     """Colocated FlowGRPO training of one model (see the module docstring).
 
     engine / reward: pass prebuilt ones (tests); by default both are built from `cfg`.
-    plan: how the run starts (`flowrl.trainer.resume.plan_run`); by default planned here (on rank
+    plan: how the run starts (`flowrl.run.resume.plan_run`); by default planned here (on rank
     0), before the model loads. world: this process among the run's ranks (None: one process).
     """
 
@@ -315,12 +315,12 @@ class FlowGRPOTrainer:
         """The weights a training rollout runs with: the transformer's whole weights when sharded
         (flowrl.distributed.parallel), with rollout.merge_lora the adapter merged into them, rounded
         with a seed from (rollout.seed, the policy version) that every rank shares
-        (flowrl.trainer.lora_merge); the merge's seconds, the device's included, in `lora_merge_s`."""
+        (flowrl.accel.lora_merge); the merge's seconds, the device's included, in `lora_merge_s`."""
         with self.parallel.rollout_weights():
             if not self.cfg.rollout.merge_lora:
                 yield
                 return
-            from flowrl.trainer.lora_merge import merged_lora
+            from flowrl.accel import merged_lora
 
             if self.cfg.rollout.seed is None:  # fresh randomness, rank 0's on every rank
                 seed = self.world.broadcast(int(np.random.SeedSequence().generate_state(1)[0]))
@@ -480,7 +480,7 @@ class FlowGRPOTrainer:
 
     def save_final(self) -> Path:
         """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
-        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.trainer.export);
+        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.run.export);
         with trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder,
         or the transformer). Returns the pipeline folder. Every rank calls it (sharded weights are
         gathered); rank 0 writes."""
@@ -517,7 +517,7 @@ class FlowGRPOTrainer:
     def fit(self) -> dict:
         """Train until trainer.total_steps (or trainer.epochs) and return a summary.
 
-        SIGINT / SIGTERM stop the run cleanly (flowrl.trainer.interrupts): a step whose update has
+        SIGINT / SIGTERM stop the run cleanly (flowrl.run.interrupts): a step whose update has
         not begun is dropped and rewound, one whose update has begun finishes; the last completed
         step is saved when no checkpoint holds it yet; the engine and reward threads are joined;
         then TrainingInterrupted says which checkpoint a resume starts from.

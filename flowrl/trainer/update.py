@@ -6,7 +6,7 @@
    epoch a sample order (from (seed, step, epoch)) cut into `trainer.updates_per_step`
    mini-batches, one optimizer step each, and each mini-batch into micro-batches of rows that
    can share a forward (the same `TransitionSpec.group_key`); at the process's first update it
-   then settles `trainer.gradient_checkpointing` ("auto" is measured: flowrl.trainer.checkpointing);
+   then settles `trainer.gradient_checkpointing` ("auto" is measured: flowrl.trainer.grad_checkpointing);
 2. gets the PPO denominator: the rollout's log-probs (`algorithm.old_log_prob=rollout`) or the
    current policy's, before any update (`recompute`). The first optimizer step scores its own rows
    with exactly those weights, so its values are its rows' denominators (its ratios are exactly
@@ -33,7 +33,7 @@ weight-0 ones, which change nothing.
 
 Where a scored log-prob takes its VALUE from is chosen once, when the updater is built
 (`Scoring`): the grad pass itself, or, with a compiled model whose values must agree with the
-rollout's, the no-grad graph the rollout ran (flowrl.trainer.policy, `values_from_no_grad`), which
+rollout's, the no-grad graph the rollout ran (flowrl.trainer.logprob, `values_from_no_grad`), which
 costs one more no-grad forward per scored micro-batch. The denominator's recompute runs in the same
 graph as the values it is compared with. Its gradient always comes from the grad pass.
 
@@ -59,15 +59,15 @@ import torch
 
 from flowrl.config.sections import OldLogProbSource
 from flowrl.distributed.parallel import DataParallel
+from flowrl.distributed.trained_rows import TrainedRows, with_padding
 from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
+from flowrl.models.lora import adapter_disabled
 from flowrl.sampler import kl_to_reference
-from flowrl.trainer.checkpointing import CheckpointingChoice, choose_checkpointing
 from flowrl.trainer.early_denominators import EarlyDenominators
-from flowrl.trainer.lora import adapter_disabled
+from flowrl.trainer.grad_checkpointing import CheckpointingChoice, choose_checkpointing
+from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES, score_transitions, takes_values_from_no_grad
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
-from flowrl.trainer.policy import MIXED_PRECISION_DTYPES, score_transitions, takes_values_from_no_grad
-from flowrl.trainer.trained_rows import TrainedRows, with_padding
 
 # Where a grad pass's log-prob values come from: its own graph ("grad_pass"), or a no-grad pass
 # of the same forwards run just before it ("value_pass").
@@ -365,7 +365,7 @@ class PolicyUpdater:
         return torch.stack([torch.randperm(window, generator=gen)[:count].sort().values for _ in range(num_rows)])
 
     def _choose_checkpointing(self, tensors, specs, train_steps) -> CheckpointingChoice:
-        """trainer.gradient_checkpointing for this process (flowrl.trainer.checkpointing); "auto"
+        """trainer.gradient_checkpointing for this process (flowrl.trainer.grad_checkpointing); "auto"
         probes with the (up to) two rows of this rank with the longest prompts, at their first
         trained step (true / false run no probe)."""
         rows = _probe_rows(tensors, specs, count=2)

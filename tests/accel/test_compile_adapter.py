@@ -78,7 +78,7 @@ def test_qwen_layout_is_fixed_by_the_first_call():
 
 def test_importing_the_core_loads_no_compiler():
     code = (
-        "import sys, flowrl.accel, flowrl.engine.engine, flowrl.trainer.trainer, flowrl.trainer.policy, "
+        "import sys, flowrl.accel, flowrl.engine.engine, flowrl.trainer.trainer, flowrl.trainer.logprob, "
         "flowrl.rollout.agent_loop, flowrl.config, flowrl.models\n"
         "loaded = [m for m in sys.modules if m.startswith(('torch._inductor', 'flowrl.accel.'))]\n"
         "assert not loaded, loaded"

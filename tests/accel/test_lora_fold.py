@@ -22,9 +22,9 @@ class _Projections(torch.nn.Module):
 
 
 def _adapted(dtype=torch.float32, bias=True, dropout=0.0, targets=("proj", "other"), options=AccelOptions()):
-    """Linear layers with the trainer's LoRA forward (flowrl.trainer.lora), B made nonzero, on the
+    """Linear layers with the trainer's LoRA forward (flowrl.models.lora), B made nonzero, on the
     folding forward as compile_adapter installs it."""
-    from flowrl.trainer.lora import inject_lora
+    from flowrl.models.lora import inject_lora
 
     torch.manual_seed(0)
     module = _Projections(bias=bias).to(dtype)
@@ -158,7 +158,7 @@ def _adapted_mlp(options=AccelOptions()):
     from diffusers.models.attention import FeedForward
 
     from flowrl.accel.fused_mlp import fuse_gelu_epilogues
-    from flowrl.trainer.lora import inject_lora
+    from flowrl.models.lora import inject_lora
 
     torch.manual_seed(0)
     mlp = FeedForward(24, dim_out=24, mult=2, activation_fn="gelu-approximate")
@@ -199,11 +199,11 @@ def _merged_value(layer):
 
 
 def test_rollout_graphs_on_merged_weights_run_plain_gemms_and_a_new_merge_compiles_nothing():
-    """During a merged training rollout (flowrl.trainer.lora_merge) the projection and the adapted
+    """During a merged training rollout (flowrl.accel.lora_merge) the projection and the adapted
     MLP's GELU epilogue take the merged weight without the low-rank GEMMs;
     the merged weights are graph inputs, so the next merge (new weights) reuses the graph, and
     after the rollout the folded op is back."""
-    from flowrl.trainer.lora_merge import merged_lora
+    from flowrl.accel.lora_merge import merged_lora
 
     module, mlp = _adapted(), _adapted_mlp()
     x = torch.randn(3, 5, 24)

@@ -139,7 +139,7 @@ def test_lora_on_sequence_major_blocks_has_diffusers_values_and_gradients(stock)
     diffusers' blocks (None alike where a parameter does not reach the output: the last block's
     text-stream output projection)."""
     from flowrl.config.sections import LoraConfig
-    from flowrl.trainer.lora import apply_trainable
+    from flowrl.models.lora import apply_trainable
 
     args = _velocity_args(stock, 2, ragged=True)
     results = []
@@ -171,7 +171,7 @@ def test_compiled_lora_rollout_graph_folds_the_low_rank_terms(stock):
     """The tiny Qwen-Image with the trainer's LoRA adapter, compiled (aot_eager on the CPU): its
     no-grad graph runs every adapted projection as the folded op, with the eager model's velocity."""
     from flowrl.config.sections import LoraConfig
-    from flowrl.trainer.lora import apply_trainable
+    from flowrl.models.lora import apply_trainable
 
     adapter = copy.deepcopy(stock)
     torch.manual_seed(1)

@@ -10,7 +10,7 @@ import torch
 from flowrl.accel import compile_adapter, is_compiled
 from flowrl.accel.regional_compile import checkpoint_inside
 from flowrl.bench.models import build_bench_model, make_trainable
-from flowrl.trainer.checkpointing import saved_activation_bytes
+from flowrl.trainer.grad_checkpointing import saved_activation_bytes
 
 
 def _cfg_inputs(adapter) -> tuple:

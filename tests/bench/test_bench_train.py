@@ -170,8 +170,8 @@ def test_peer_log_probs_are_flowrls(recipe, overrides, rows, tmp_path):
     from flowrl.bench.train_flops import trainable
     from flowrl.engine.output import TransitionSpec
     from flowrl.models.base import pad_encodings
-    from flowrl.trainer.build import build_engine, check_before_loading
-    from flowrl.trainer.policy import score_transitions
+    from flowrl.run.checks import build_engine, check_before_loading
+    from flowrl.trainer.logprob import score_transitions
 
     cfg = load_bench_config(str(REPO / "recipes" / recipe), [*TINY, *overrides], str(tmp_path / "run"))
     prepared = check_before_loading(cfg)
@@ -225,7 +225,7 @@ def test_peer_sde_step_is_the_samplers():
 
 def test_phase_flops_follow_the_algorithm():
     from flowrl.bench.train_flops import UnitFlops, phase_flops
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.config import load_train_config
 
     units = UnitFlops(10, 3, 25, 10, 3, rows_per_sample=2, val_rows_per_sample=2)  # both recipes run CFG
     cfg = load_train_config(str(REPO / "recipes" / "qwen_image_ocr_lora.yaml"), ["trainer.prompts_per_step=2"])
@@ -248,9 +248,9 @@ def test_trainable_leaves_the_model_as_it_was():
     """The bench sets the trainer's LoRA up on the bare model to count and to run the peer, then
     hands the trainer the same modules: nothing of the setup may stay behind."""
     from flowrl.bench.train_flops import trainable
+    from flowrl.models.lora import has_lora
     from flowrl.models.registry import load_adapter
-    from flowrl.trainer.cli import load_train_config
-    from flowrl.trainer.lora import has_lora
+    from flowrl.run.config import load_train_config
 
     adapter = load_adapter("random:tiny-sd3", warn=False)
     before = {n: p.detach().clone() for n, p in adapter.transformer.named_parameters()}

@@ -187,7 +187,7 @@ def hooks(record_dir=None, fail=None, rank=0):
 
 def train_one_process(overrides, output: Path, record_dir=None) -> Path:
     """The same run in this process (world size 1); returns its output folder."""
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.config import load_train_config
     from flowrl.trainer.trainer import FlowGRPOTrainer
 
     cfg = load_train_config(None, [*overrides, f"trainer.output_dir={output}"])
@@ -243,7 +243,7 @@ RUN_ONLY_KEYS = ("trainer.output_dir", "distributed.", "trainer.gradient_checkpo
 
 
 def _trained_config(run_info: dict) -> dict:
-    from flowrl.trainer.resume import flatten
+    from flowrl.run.resume import flatten
 
     flat = flatten(run_info.pop("config"))
     return {**run_info, "config": {k: v for k, v in flat.items() if not k.startswith(RUN_ONLY_KEYS)}}

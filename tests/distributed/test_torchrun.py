@@ -23,9 +23,9 @@ from distributed_runs import (
 )
 
 from flowrl.config import config_to_dict
-from flowrl.trainer import resume
-from flowrl.trainer.checkpoint import CheckpointError, verify_checkpoint
-from flowrl.trainer.cli import load_train_config
+from flowrl.run import resume
+from flowrl.run.checkpoint import CheckpointError, verify_checkpoint
+from flowrl.run.config import load_train_config
 
 
 def test_lora_over_two_nodes_equals_one_process(lora_two_nodes, lora_reference):

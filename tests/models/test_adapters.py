@@ -129,8 +129,8 @@ def test_registry_and_config_name_the_same_families():
 def test_true_cfg_scale_on_a_classifier_free_guidance_family_is_refused(tiny_sd3_path, tmp_path):
     """SD3's guidance_scale is CFG already: true_cfg_scale != 1 is an error naming the field and the
     fix, from the engine and, before any model loads, from the trainer's checks."""
-    from flowrl.trainer.build import check_before_loading
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.checks import check_before_loading
+    from flowrl.run.config import load_train_config
 
     engine = DiffusionEngine.from_pretrained(tiny_sd3_path)
     try:

@@ -189,7 +189,7 @@ def test_guidance_errors_name_the_field_and_the_fix(flux_engine):
 
 
 def _train_config(path, output, *overrides):
-    from flowrl.trainer.cli import load_train_config
+    from flowrl.run.config import load_train_config
 
     return load_train_config(
         None,
@@ -245,7 +245,7 @@ def test_three_step_lora_run_and_its_export_loaded_by_flux_pipeline(build_traine
     from diffusers import FluxPipeline
 
     from flowrl.models.flux import FluxAdapter
-    from flowrl.trainer.checkpoint import latest_checkpoint
+    from flowrl.run.checkpoint import latest_checkpoint
 
     targets = ",".join(FluxAdapter.default_lora_targets)  # Flow-GRPO's FLUX targets, every one present
     cfg = _train_config(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.cli import main
-from flowrl.models.tiny import build_tiny_checkpoint, parameter_counts
+from flowrl.models.debug.tiny import build_tiny_checkpoint, parameter_counts
 from flowrl.output_paths import OutputExistsError
 
 

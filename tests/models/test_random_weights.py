@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.models.architectures import (
+from flowrl.models.debug.architectures import (
     ARCHITECTURES,
     FIXED_LENGTH_TEXT,
     FLUX_DEV_TRANSFORMER,
@@ -17,9 +17,9 @@ from flowrl.models.architectures import (
     SD35_MEDIUM_TRANSFORMER,
     Z_IMAGE_TRANSFORMER,
 )
+from flowrl.models.debug.random_weights import build_random_module
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
-from flowrl.models.random_weights import build_random_module
 from flowrl.models.registry import FAMILIES, load_adapter, read_model_family
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.models.z_image import ZImageAdapter

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.tiny import build_tiny_checkpoint, parameter_counts
-from flowrl.models.tiny_tokenizers import (
+from flowrl.models.debug.tiny import build_tiny_checkpoint, parameter_counts
+from flowrl.models.debug.tiny_tokenizers import (
     COMMON_WORDS,
     QWEN_IMAGE_PREFIX_TOKENS,
     QWEN_IMAGE_TEMPLATE,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flowrl.engine import DiffusionEngine, SamplingParams
-from flowrl.trainer.checkpoint import latest_checkpoint
-from flowrl.trainer.cli import load_train_config
+from flowrl.run.checkpoint import latest_checkpoint
+from flowrl.run.config import load_train_config
 
 PROMPT, NEGATIVE = "a photo of a cat", "blurry"
 ODE = SamplingParams(height=64, width=64, num_inference_steps=5, noise_level=0.0, logprobs=False, seed=3)

@@ -16,8 +16,8 @@ from rollout_server_helpers import ADMIN, SAMPLING, serving
 
 from flowrl.config.sections import LoraConfig
 from flowrl.engine import DiffusionEngine
+from flowrl.models.lora import apply_trainable, trainable_state_dict
 from flowrl.server import wire
-from flowrl.trainer.lora import apply_trainable, trainable_state_dict
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "dropout": 0.0}
 PARAMS = SAMPLING.replace(seed=21)
@@ -25,7 +25,7 @@ PARAMS = SAMPLING.replace(seed=21)
 
 def _random_lora(engine: DiffusionEngine, seed: int) -> dict[str, torch.Tensor]:
     """Give the engine's transformer the LoRA (random weights of `seed`); return its state."""
-    from flowrl.trainer.lora import has_lora
+    from flowrl.models.lora import has_lora
 
     transformer = engine.adapter.transformer
     if not has_lora(transformer):

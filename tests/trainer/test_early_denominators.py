@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.trainer.trained_rows import TrainedRows
+from flowrl.distributed.trained_rows import TrainedRows
 
 RECOMPUTE = (
     "algorithm.old_log_prob=recompute",

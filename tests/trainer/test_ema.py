@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowrl.trainer.checkpoint import latest_checkpoint
+from flowrl.run.checkpoint import latest_checkpoint
 from flowrl.trainer.ema import ParameterEMA
 
 

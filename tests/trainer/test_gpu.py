@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 def _tiny_bf16_cuda_cfg(make_cfg, tmp_path_factory, kind: str, *overrides: str, output: str):
     """A config training a tiny random `kind` checkpoint on CUDA in bf16 with bf16 autocast."""
-    from flowrl.models.tiny import build_tiny_checkpoint
+    from flowrl.models.debug.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=0)
     return make_cfg(
@@ -111,7 +111,7 @@ def test_merged_rollouts_on_cuda_bf16_compile_once_and_stay_near_the_trainer(bui
 )
 def test_compiled_training_on_cuda_bf16(build_trainer, make_cfg, tmp_path_factory, kind, old_log_prob):
     """The gap is the trainer's log-prob values against the rollout's: with old_log_prob=rollout
-    from its no-grad graph (flowrl.trainer.policy's value pass), with recompute from its grad graph
+    from its no-grad graph (flowrl.trainer.logprob's value pass), with recompute from its grad graph
     (flowrl.trainer.update.Scoring), in both cases in other batch compositions than the rollout's."""
     cfg = _tiny_bf16_cuda_cfg(
         make_cfg,
@@ -289,9 +289,9 @@ def test_kl_at_the_reference_weights_is_the_compiled_graphs_rounding(
     reference's no-grad forward with the LoRA off, another graph: its value at these weights is
     the graphs' rounding apart. Printed next to what a no-grad pass's step mean would give (the
     value pass the trainer no longer runs for it), both bounded."""
+    from flowrl.models.lora import adapter_disabled
     from flowrl.sampler import kl_to_reference
-    from flowrl.trainer.lora import adapter_disabled
-    from flowrl.trainer.policy import score_transitions
+    from flowrl.trainer.logprob import score_transitions
 
     cfg = _tiny_bf16_cuda_cfg(
         make_cfg,
@@ -334,7 +334,7 @@ def test_the_compiled_merge_rounding_on_cuda_equals_the_cpu_function():
     """rollout.merge_lora's compiled rounding on CUDA (Triton's int32 arithmetic, wrapping products,
     masked shifts) gives the CPU function's noise and bf16 weights, entry for entry: the merge is the
     same on any device, with keys whose sign bit is set among them."""
-    from flowrl.trainer.lora_merge import _compiled_round_merge_hashed, hashed_noise, round_merge_hashed, rounding_keys
+    from flowrl.accel.lora_merge import _compiled_round_merge_hashed, hashed_noise, round_merge_hashed, rounding_keys
 
     n = (1 << 22) + 3  # not a multiple of any block size
     generator = torch.Generator().manual_seed(0)

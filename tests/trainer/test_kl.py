@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowrl.models.base import PromptEncoding
-from flowrl.trainer.lora import adapter_disabled
+from flowrl.models.lora import adapter_disabled
 
 
 def _reference_kl(trainer, tensors, specs) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.models.architectures import ARCHITECTURES
+from flowrl.models.debug.architectures import ARCHITECTURES
 
 
 def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(build_trainer, make_cfg, tmp_path, capsys):
@@ -59,7 +59,7 @@ def test_every_tiny_random_architecture_trains_a_step(build_trainer, make_cfg, n
 
 
 def test_random_name_of_another_family_fails_before_loading(make_cfg):
-    from flowrl.trainer.build import check_model_path
+    from flowrl.run.checks import check_model_path
 
     cfg = make_cfg("model.path=random:tiny-qwen", "model.family=sd3")
     with pytest.raises(ValueError, match="model.family='sd3' but random:tiny-qwen holds a qwen_image pipeline"):

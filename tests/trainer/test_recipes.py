@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.models.architectures import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
-from flowrl.trainer.lora import apply_trainable
+from flowrl.models.debug.architectures import QWEN_IMAGE_TRANSFORMER, SD35_MEDIUM_TRANSFORMER
+from flowrl.models.lora import apply_trainable
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

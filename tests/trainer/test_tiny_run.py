@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from flowrl.config import config_to_dict, load_config
-from flowrl.trainer.cli import load_train_config
+from flowrl.run.config import load_train_config
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.engine.output import TransitionSpec
-from flowrl.trainer.policy import score_transitions
+from flowrl.trainer.logprob import score_transitions
 
 # Per prompt (each repeated over its group of 2). The window is fixed so that rows of different
 # step counts have equally many window steps (rows of a RolloutBatch stack into one tensor); it

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from flowrl.trainer.policy import score_transitions
+from flowrl.trainer.logprob import score_transitions
 
 CLIP = 1e-4
 

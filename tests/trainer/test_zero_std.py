@@ -49,7 +49,7 @@ def test_mostly_zero_spread_groups_warn_once_and_in_the_summary(build_trainer, m
 
 
 def test_zero_spread_warning_threshold():
-    from flowrl.trainer.health import ZeroSpreadWatch
+    from flowrl.run.health import ZeroSpreadWatch
 
     written = []
     watch = ZeroSpreadWatch("ocr", 16, write=written.append)

@@ -1,0 +1,202 @@
+"""Where the trainer's training rollouts run, and how new weights get there.
+
+- `ColocatedRollouts`: the trainer's own engine, whose transformer IS the trained module (the
+  LoRA is injected in place): publishing a version only tags the samples admitted from then on.
+- `DecoupledRollouts`: rollout servers (`flowrl serve`), either started by the user
+  (`rollout.servers`) or started here (`rollout.num_replicas`, on `rollout.replica_devices`, and
+  stopped on exit); requests are balanced over them per group (flowrl.rollout.balancer, with
+  failover). Publishing a version uploads the trainable weights (the LoRA, or the full
+  transformer) to every live replica as one safetensors file with the version and its sha256,
+  then waits until each one serves that version with that checksum: the next rollout request is
+  sent only after every replica has switched.
+
+`open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
+replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
+knows the client and the trainable weights, nothing about the update or the rewards.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from flowrl.models.lora import has_lora, trainable_state_dict
+from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, ReplicaDownError, replica_name
+from flowrl.server import wire
+
+logger = logging.getLogger(__name__)
+
+# Counters summed over replicas; the rates are recomputed from the sums.
+_SUMMED_STATS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_failed", "busy_seconds")
+
+
+def weights_payload(transformer) -> tuple[bytes, str, str]:
+    """(the weight-update body of the trainable weights, their `wire.weights_sha256`, kind "lora"
+    or "full"); a LoRA body carries its settings, so a server without a LoRA yet adds the same one."""
+    state = trainable_state_dict(transformer)
+    lora = None
+    if has_lora(transformer):
+        peft = transformer.peft_config["default"]
+        lora = {
+            "rank": peft.r,
+            "alpha": peft.lora_alpha,
+            "target_modules": sorted(peft.target_modules),
+            "dropout": peft.lora_dropout,
+        }
+    return wire.encode_weights(state, lora=lora), wire.weights_sha256(state), "lora" if lora else "full"
+
+
+class ColocatedRollouts:
+    """Rollouts on the trainer's own engine (module docstring)."""
+
+    is_decoupled = False
+
+    def __init__(self):
+        self.engine = None
+
+    def bind(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def replicas(self):
+        """What the agent loop balances over: the trainer's engine."""
+        return self.engine
+
+    def publish(self, version: int) -> None:
+        self.engine.set_policy_version(version)
+
+    def reset_stats(self) -> None:
+        if hasattr(self.engine, "reset_stats"):
+            self.engine.reset_stats()
+
+    def stats(self) -> dict | None:
+        """The engine's batching counters (None: an engine that keeps none)."""
+        return self.engine.stats() if hasattr(self.engine, "stats") else None
+
+    def close(self) -> None:
+        pass
+
+
+class DecoupledRollouts:
+    """Rollouts on rollout servers (module docstring)."""
+
+    is_decoupled = True
+
+    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None):
+        self.config = rollout_cfg
+        self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
+        self._urls = list(urls or [])
+        self.engine = None
+        self.clients: list = []
+        self.balancer: LeastInFlightBalancer | None = None
+        self.published: tuple[int, str] | None = None  # (version, checksum) every live replica serves
+
+    def bind(self, engine) -> None:
+        """Attach the trainer's engine (its adapter holds the weights to publish); connect."""
+        from flowrl.client import RemoteEngine
+
+        self.engine = engine
+        token = None
+        if self.processes is not None:
+            self._urls = self.processes.wait_ready()
+            token = self.processes.admin_token
+        self.clients = [
+            RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls
+        ]
+        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+
+    @property
+    def replicas(self) -> LeastInFlightBalancer:
+        return self.balancer
+
+    def publish(self, version: int) -> None:
+        """Upload the trainer's trainable weights as `version` to every live replica and wait
+        until each serves it with the same checksum (replicas that fail are dropped)."""
+        payload, checksum, kind = weights_payload(self.engine.adapter.transformer)
+        live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
+        if not live:
+            raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
+
+        def push(index: int) -> None:
+            client = self.clients[index]
+            client.load_weights(payload, version, kind)  # answers once the weights are live
+            info = client.weights_info()
+            live = (int(info["policy_version"]), info["weights_sha256"])
+            if live != (version, checksum):
+                raise RuntimeError(
+                    f"{replica_name(client, index)} serves version {live[0]} with weights_sha256 {live[1]}; "
+                    f"the trainer sent version {version} with {checksum}"
+                )
+
+        with ThreadPoolExecutor(max_workers=len(live)) as pool:
+            futures = {index: pool.submit(push, index) for index in live}
+        for index, future in futures.items():
+            error = future.exception()
+            if error is not None:
+                self.balancer.drop(index, f"the weights of version {version} did not go live: {error}")
+        if not self.balancer.live_replicas:
+            raise NoReplicaLeftError(
+                f"no rollout replica took the weights of version {version}: " + self.balancer.summary()
+            )
+        self.published = (version, checksum)
+
+    def reset_stats(self) -> None:
+        for client in self.balancer.live_replicas:
+            _unless_down(client.reset_stats)
+
+    def stats(self) -> dict:
+        """The replicas' batching counters summed (the rates from the sums); replicas dropped or
+        down are left out (their requests went elsewhere; failover, not metrics, handles them)."""
+        per_replica = [s for s in (_unless_down(c.stats) for c in self.balancer.live_replicas) if s is not None]
+        total = {name: sum(s.get(name, 0) for s in per_replica) for name in _SUMMED_STATS}
+        total["mean_rows_per_forward"] = total["num_rows"] / total["num_forwards"] if total["num_forwards"] else 0.0
+        busy = max((s.get("busy_seconds", 0.0) for s in per_replica), default=0.0)
+        total["images_per_second"] = total["num_samples_finished"] / busy if busy > 0 else 0.0
+        total["num_replicas"] = len(per_replica)
+        return total
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.processes is not None:
+            self.processes.stop()
+
+
+def _unless_down(call):
+    """call(), or None when its replica is down."""
+    try:
+        return call()
+    except ReplicaDownError:
+        return None
+
+
+def open_rollout_backend(cfg, output_dir: str | Path):
+    """The backend the config asks for; started replicas begin loading their model now."""
+    rollout = cfg.rollout
+    if not rollout.is_decoupled:
+        return ColocatedRollouts()
+    if rollout.servers:
+        return DecoupledRollouts(rollout, urls=rollout.servers)
+    from flowrl.client import ReplicaProcesses
+    from flowrl.run.checks import resolve_model_path
+
+    devices = list(rollout.replica_devices) or [cfg.model.resolve_device()] * rollout.num_replicas
+    processes = ReplicaProcesses(
+        resolve_model_path(cfg.model), devices, Path(output_dir) / "replicas", serve_args=replica_serve_args(cfg)
+    )
+    processes.launch()
+    return DecoupledRollouts(rollout, processes=processes)
+
+
+def replica_serve_args(cfg) -> list[str]:
+    """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
+    the model's dtype and text length, the trainer's mixed precision (the engine's autocast), the
+    engine's batch limits and prompt cache (as KEY=VALUE overrides of the server's config)."""
+    from flowrl.run.checks import engine_options
+
+    args = ["--dtype", cfg.model.dtype, f"trainer.mixed_precision={cfg.trainer.mixed_precision}"]
+    args += [f"engine.{name}={value}" for name, value in engine_options(cfg.engine).items()]
+    if cfg.model.max_sequence_length is not None:
+        args.append(f"model.max_sequence_length={cfg.model.max_sequence_length}")
+    return args

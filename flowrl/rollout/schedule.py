@@ -1,0 +1,156 @@
+"""When a training step's rollout runs relative to the updates: chosen once, before the loop.
+
+- `SynchronousSchedule`: step k rolls out with the weights of step k - 1, then trains; the new
+  weights are published (flowrl.rollout.backends) right after the update, before step
+  k + 1's requests.
+- `OneStepAheadSchedule` (`trainer.async_rollout`, decoupled only): while step k trains, step
+  k + 1's rollout already runs on the rollout servers, with the weights step k started from
+  (those of step k - 1). Step k's update is published only when that rollout has returned, so no
+  request ever sees two versions, and every sample of step k + 1 is exactly one update stale:
+  step k + 1 trains from the weights of step k on samples of step k - 1's weights. The PPO ratio
+  is taken against the rollout's own log-prob (the config requires algorithm.old_log_prob=rollout),
+  an importance ratio against the behaviour policy. The first step has no earlier rollout to
+  wait for and is on-policy.
+
+`VersionHistory` turns the policy version each sample records into its staleness: how many
+training steps the weights being trained are ahead of the weights that drew it.
+
+A schedule calls the trainer's `roll_out(step)` (rows -> rollout -> rewards) and knows nothing of
+its insides.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from flowrl.waiting import run_in_thread
+
+
+@dataclass
+class CollectedRollout:
+    """One step's rollout as the update takes it: this rank's batch, the step's rows of every rank
+    with their rewards and engine counters (flowrl.distributed.step_rows.StepRows), and the seconds
+    spent rolling out, then scoring the update's recompute while the rewards were still being
+    computed (flowrl.trainer.early_denominators), then waiting for the rewards."""
+
+    rollout: object
+    rows: object
+    rollout_s: float
+    reward_wait_s: float
+    early_recompute_s: float = 0.0
+
+
+def schedule_for(trainer):
+    """The trainer's schedule: one step ahead with trainer.async_rollout, else synchronous."""
+    if trainer.cfg.trainer.async_rollout:
+        return OneStepAheadSchedule(trainer.rollout_backend, trainer._roll_out, trainer.has_step, trainer.data_state)
+    return SynchronousSchedule(trainer.rollout_backend, trainer._roll_out)
+
+
+class VersionHistory:
+    """The last training step whose weights had each policy version."""
+
+    def __init__(self, step: int, version: int):
+        self._step_of_version = {version: step}
+
+    def record(self, step: int, version: int) -> None:
+        self._step_of_version[version] = step
+
+    def staleness(self, versions, current_step: int) -> np.ndarray:
+        """Per sample: current_step minus the step whose weights drew it (0: on-policy). A version
+        from before a resume is counted as drawn by the restored weights."""
+        oldest = min(self._step_of_version.values())
+        return np.array([current_step - self._step_of_version.get(int(v), oldest) for v in versions], dtype=np.int64)
+
+
+class SynchronousSchedule:
+    """Roll out, train, publish (module docstring)."""
+
+    is_async = False
+
+    def __init__(self, backend, roll_out: Callable[[int], object]):
+        self.backend = backend
+        self.roll_out = roll_out
+
+    def collect(self, step: int):
+        return self.roll_out(step)
+
+    def after_update(self, version: int) -> None:
+        self.backend.publish(version)
+
+    def saved_data_state(self) -> dict | None:
+        """The data position a checkpoint must save when it is not the trainer's current one."""
+        return None
+
+    def finish(self) -> None:
+        """After the last step: every update is published already."""
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepAheadSchedule:
+    """Step k + 1's rollout runs while step k trains (module docstring).
+
+    has_step(step): whether the run will train `step` (no rollout is started past the last one).
+    data_state(): the trainer's data position, saved before each early rollout draws its rows."""
+
+    is_async = True
+
+    def __init__(
+        self,
+        backend,
+        roll_out: Callable[[int], object],
+        has_step: Callable[[int], bool],
+        data_state: Callable[[], dict],
+    ):
+        self.backend = backend
+        self.roll_out = roll_out
+        self.has_step = has_step
+        self.data_state = data_state
+        self._pending: tuple[int, Future] | None = None
+        self._unpublished: int | None = None
+        self._saved_state: dict | None = None
+        self.last_wait_s = 0.0
+
+    def collect(self, step: int):
+        # 1. this step's rollout: started during the previous step's update, or run now
+        if self._pending is not None:
+            pending_step, future = self._pending
+            assert pending_step == step, f"the early rollout is of step {pending_step}, not {step}"
+            self._pending, self._saved_state = None, None
+            result = future.result()
+        else:
+            result = self.roll_out(step)
+        # 2. the replicas are idle: the previous update goes live before the next request
+        if self._unpublished is not None:
+            self.backend.publish(self._unpublished)
+            self._unpublished = None
+        # 3. the next step's rollout starts now, on those weights, while this step trains
+        if self.has_step(step + 1):
+            self._saved_state = self.data_state()
+            self._pending = (step + 1, run_in_thread(self.roll_out, step + 1))
+        return result
+
+    def after_update(self, version: int) -> None:
+        self._unpublished = version  # published once the early rollout has returned
+
+    def saved_data_state(self) -> dict | None:
+        """While an early rollout is out, a checkpoint saves the data position from before it drew
+        its rows: a resumed run draws and rolls them out again (on-policy, with the saved weights)."""
+        return self._saved_state
+
+    def finish(self) -> None:
+        """After the last step (no rollout pending): the last update goes live, so servers that
+        outlive the run serve the final weights."""
+        if self._pending is None and self._unpublished is not None:
+            self.backend.publish(self._unpublished)
+            self._unpublished = None
+
+    def close(self) -> None:
+        """Leave a pending early rollout behind (the backend's close ends its requests)."""
+        self._pending = None

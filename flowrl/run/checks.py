@@ -1,0 +1,200 @@
+"""Everything the trainer checks and builds before training, cheapest and most error-prone first.
+
+`check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
+a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the
+model family cannot honour, a GPU device on a machine without one, a schedule with no step to
+train, an output folder that cannot be written) before any model is loaded, so mistakes cost
+seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is
+unset; `model.path=random:NAME` is a published architecture with random weights
+(flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into
+the rollout engine as the trainer runs it, with `engine_options`, the config's engine settings
+that every engine flowrl opens takes (the trainer's, flowrl eval/generate's, flowrl serve's).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowrl.data.prompts import load_prompt_rows
+
+TINY_MODEL_DIRNAME = "tiny-sd3"
+
+
+def tiny_model_cache_dir() -> Path:
+    """Where the embedded tiny SD3 checkpoint lives: $FLOWRL_CACHE/tiny-sd3, else ./outputs/tiny-sd3."""
+    return Path(os.environ.get("FLOWRL_CACHE", "outputs")) / TINY_MODEL_DIRNAME
+
+
+def check_model_path(model_cfg) -> Path | str | None:
+    """The model folder, or `random:NAME` as it is (None: the embedded tiny model); ValueError
+    when it is unusable."""
+    from flowrl.models.debug.random_weights import is_random_path
+    from flowrl.models.registry import read_model_family
+
+    if model_cfg.path is None:
+        if model_cfg.family not in ("auto", "sd3"):
+            raise ValueError(
+                f"model.family={model_cfg.family!r} but model.path is unset, which means the embedded tiny "
+                "SD3 model; set model.path to a local diffusers folder of that family, or model.family=auto"
+            )
+        return None
+    path = model_cfg.path if is_random_path(model_cfg.path) else Path(model_cfg.path)
+    if not is_random_path(path) and not path.exists():
+        raise ValueError(
+            f"model.path={model_cfg.path!r} does not exist; pass a local diffusers folder (written by "
+            "save_pretrained or `flowrl make-tiny --kind sd3 OUT`), random:NAME for random weights at a "
+            "published architecture, or leave model.path unset for the tiny model"
+        )
+    family = read_model_family(path)  # raises for a folder that is not a supported pipeline, or an unknown NAME
+    if model_cfg.family not in ("auto", family):
+        raise ValueError(
+            f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
+        )
+    return path
+
+
+def resolve_model_path(model_cfg) -> Path | str:
+    """model.path (a folder or `random:NAME`), or the embedded tiny SD3 model (built offline on
+    first use)."""
+    path = check_model_path(model_cfg)
+    if path is not None:
+        return path
+    from flowrl.models.debug.tiny import build_tiny_checkpoint
+    from flowrl.output_paths import OutputExistsError
+
+    folder = tiny_model_cache_dir()
+    try:
+        return build_tiny_checkpoint("sd3", folder, seed=0)
+    except OutputExistsError:
+        raise ValueError(
+            f"the embedded tiny model's folder {folder} holds files flowrl did not write; move them away, or set "
+            "FLOWRL_CACHE to another folder (the tiny model is built in $FLOWRL_CACHE/tiny-sd3)"
+        ) from None
+
+
+def engine_options(engine_cfg) -> dict:
+    """The DiffusionEngine settings of the config's `engine` section that every engine flowrl opens
+    takes (compiling is each caller's own: the trainer compiles after LoRA injection)."""
+    return dict(
+        max_batch_rows=engine_cfg.max_batch_rows,
+        decode_chunk_size=engine_cfg.decode_chunk_size,
+        prompt_cache_mb=engine_cfg.prompt_cache_mb,
+    )
+
+
+def build_engine(cfg, device: str | None = None):
+    """The rollout engine over `cfg.model` on `device` (None: model.device), with the engine
+    settings the trainer runs (`engine_options`)."""
+    from flowrl.engine.engine import DiffusionEngine
+
+    return DiffusionEngine.from_pretrained(
+        resolve_model_path(cfg.model),
+        device=device or cfg.model.resolve_device(),
+        dtype=cfg.model.torch_dtype,
+        **engine_options(cfg.engine),
+        **cfg.model.adapter_options(),
+    )
+
+
+def check_device(model_cfg) -> None:
+    """A `cuda` device must exist on this machine."""
+    if not model_cfg.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"model.device={model_cfg.device!r} but no CUDA GPU is visible (torch.cuda.is_available() is "
+            "False); use model.device=cpu or auto, or run where a GPU is visible"
+        )
+    count = torch.cuda.device_count()
+    index = int(model_cfg.device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(
+            f"model.device={model_cfg.device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}"
+        )
+
+
+def check_output_dir(output_dir: str) -> None:
+    """trainer.output_dir exists (created here) and accepts a file."""
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"trainer.output_dir={output_dir!r} is not writable ({error.strerror or error}); "
+            "choose a folder you can write to"
+        ) from None
+
+
+@dataclass
+class Prepared:
+    """What the cheap checks produced: prompt rows, validation rows and the reward."""
+
+    train_rows: list[dict]
+    val_rows: list[dict]
+    reward: object
+
+
+def check_before_loading(cfg, reward=None) -> Prepared:
+    """Validate the config and everything that needs no model; see the module docstring."""
+    cfg.validate()
+    if cfg.rollout.n < 2:  # also in config.validate; repeated so a hand-built config cannot skip it
+        raise ValueError(
+            f"rollout.n={cfg.rollout.n} gives groups of one sample, whose advantage is always 0; use rollout.n >= 2"
+        )
+    if cfg.algorithm.kl_beta > 0 and not cfg.trainer.lora.enabled:
+        raise ValueError(
+            f"algorithm.kl_beta={cfg.algorithm.kl_beta} needs a reference model, which is the LoRA-disabled "
+            "transformer; set trainer.lora.enabled=true or algorithm.kl_beta=0"
+        )
+    if not cfg.rollout.sampling.logprobs and cfg.algorithm.old_log_prob == "rollout":
+        raise ValueError(
+            "rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
+            "rollout log-prob to use; set logprobs=true or old_log_prob=recompute"
+        )
+    if cfg.rollout.sampling.noise_level <= 0:
+        raise ValueError(
+            f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
+            "stochastic (SDE) rollouts; use e.g. 0.7"
+        )
+    if cfg.rollout.sampling.num_inference_steps < 2:
+        raise ValueError(
+            f"rollout.sampling.num_inference_steps={cfg.rollout.sampling.num_inference_steps} leaves no "
+            "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
+        )
+    check_device(cfg.model)
+    check_output_dir(cfg.trainer.output_dir)
+    data = cfg.data
+    train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
+    if data.val_path is not None:
+        val_rows = load_prompt_rows(data.val_path, data.prompt_field, None, "data.val_path")
+    else:
+        val_rows = train_rows
+    val_rows = val_rows[: cfg.trainer.num_val_images]
+    if reward is None:
+        from flowrl.rewards import build_reward_from_config
+
+        reward = build_reward_from_config(cfg.reward)
+    check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
+    return Prepared(train_rows, val_rows, reward)
+
+
+def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:
+    """rollout.sampling and rollout.val_sampling against the guidance rule of the model's family
+    (flowrl.models.base.check_guidance: e.g. true_cfg_scale on a classifier-free-guidance model),
+    before the model loads. model_path None is the embedded tiny SD3 model."""
+    from flowrl.models.base import check_guidance
+    from flowrl.models.registry import FAMILIES, read_model_family
+
+    family = "sd3" if model_path is None else read_model_family(model_path)
+    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    for name in ("sampling", "val_sampling"):
+        try:
+            check_guidance(kind, getattr(rollout_cfg, name))
+        except ValueError as error:
+            raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None

@@ -1,0 +1,156 @@
+"""Trained weights outside the trainer: final/ is a pipeline folder diffusers loads, and
+`flowrl generate` with --lora / --checkpoint / --run (and --ema) reproduces the run's validation
+images exactly (same seeds, same sampling path)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from flowrl.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _generate(tmp_path: Path, name: str, *flags: str) -> np.ndarray:
+    """Images (N, 3, H, W) uint8 that `flowrl generate ... --out tmp/name` wrote, in prompt order."""
+    out = tmp_path / name
+    assert main(["generate", *flags, "--out", str(out)]) == 0
+    paths = sorted(out.glob("p*_s*.png"))
+    return np.stack([np.asarray(Image.open(p)).transpose(2, 0, 1) for p in paths])
+
+
+def _prompt_flags(run) -> list[str]:
+    return [flag for prompt in run.val_prompts for flag in ("--prompt", prompt)]
+
+
+def test_generate_lora_equals_the_runs_validation_images(tiny_lora_run, tmp_path):
+    run = tiny_lora_run
+    prompts = _prompt_flags(run)
+    base = _generate(
+        tmp_path, "base", "--model", str(run.model), "--config", str(REPO / "recipes" / "tiny_cpu.yaml"), *prompts
+    )
+    lora = _generate(tmp_path, "lora", "--model", str(run.model), "--lora", str(run.dir / "final" / "lora"), *prompts)
+    assert np.array_equal(base, run.validation_images[0].numpy())  # step 0: before any update
+    assert np.array_equal(lora, run.validation_images[2].numpy())
+    assert not np.array_equal(lora, base)
+
+
+def test_generate_checkpoint_and_run_reproduce_validation(tiny_lora_run, tmp_path):
+    run = tiny_lora_run
+    prompts = _prompt_flags(run)
+    final_step = run.validation_images[2].numpy()
+    checkpoint = _generate(tmp_path, "ckpt", "--checkpoint", str(run.dir / "checkpoints" / "step_000002"), *prompts)
+    newest = _generate(tmp_path, "run", "--run", str(run.dir), *prompts)  # the model comes from the run's config
+    assert np.array_equal(checkpoint, final_step) and np.array_equal(newest, final_step)
+    stats = json.loads((tmp_path / "run" / "stats.json").read_text())
+    assert stats["weights"]["label"] == "step_000002"  # final/ holds step 2 too: the checkpoint is used
+
+
+def test_generate_ema_reads_ema_safetensors(tiny_lora_run, tmp_path, capsys):
+    run = tiny_lora_run
+    step = tmp_path / "step_000002"
+    shutil.copytree(run.dir / "checkpoints" / "step_000002", step)
+    prompts = _prompt_flags(run)
+    assert main(["generate", "--checkpoint", str(step), "--ema", *prompts, "--out", str(tmp_path / "x")]) == 2
+    assert "ema.safetensors" in capsys.readouterr().err
+    # An EMA file whose LoRA update is zero samples the base model.
+    weights = load_file(str(step / "trainable.safetensors"))
+    save_file(
+        {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in weights.items()}, str(step / "ema.safetensors")
+    )
+    ema = _generate(tmp_path, "ema", "--checkpoint", str(step), "--ema", *prompts)
+    assert np.array_equal(ema, run.validation_images[0].numpy())
+
+
+def test_final_is_a_pipeline_folder_that_diffusers_loads(tiny_lora_run):
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.eval.weights import WeightLoader, lora_source
+    from flowrl.models.registry import load_adapter
+
+    final = tiny_lora_run.dir / "final"
+    info = json.loads((final / "flowrl_run.json").read_text())
+    assert info["step"] == 2 and info["trained"] == "lora"
+    assert (final / "vae").is_symlink() and (final / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    trained = StableDiffusion3Pipeline.from_pretrained(str(final))
+    base = StableDiffusion3Pipeline.from_pretrained(str(tiny_lora_run.model))
+    # The fused transformer computes what the base plus the trained LoRA computes (flowrl's loader).
+    adapter = load_adapter(tiny_lora_run.model)
+    loader = WeightLoader(adapter)
+    loader.load(lora_source(final / "lora"))
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(2, 16, 8, 8, generator=generator),
+        "timestep": torch.tensor([300.0, 700.0]),
+        "encoder_hidden_states": torch.randn(2, 333, 64, generator=generator),
+        "pooled_projections": torch.randn(2, 64, generator=generator),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        fused, lora, plain = (m(**inputs)[0] for m in (trained.transformer, adapter.transformer, base.transformer))
+    torch.testing.assert_close(fused, lora, atol=1e-5, rtol=1e-5)
+    assert (fused - plain).abs().max() > 1e-4
+    # And the pipeline's own output reflects the training.
+    images = [
+        np.asarray(
+            p(
+                "a cat",
+                num_inference_steps=2,
+                height=64,
+                width=64,
+                generator=torch.Generator().manual_seed(1),
+                output_type="np",
+            ).images
+        )
+        for p in (trained, base)
+    ]
+    assert not np.array_equal(*images)
+
+
+def test_final_copies_components_where_symlinks_fail(tiny_sd3_path, tmp_path, monkeypatch):
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.models.registry import load_adapter
+    from flowrl.run.export import export_pipeline
+
+    def no_symlinks(self, target, target_is_directory=False):
+        raise OSError("symlinks not supported here")
+
+    monkeypatch.setattr(Path, "symlink_to", no_symlinks)
+    adapter = load_adapter(tiny_sd3_path)
+    with torch.no_grad():
+        adapter.transformer.proj_out.weight.add_(0.5)  # "trained" full weights
+    final = export_pipeline(adapter, tmp_path / "final", step=1, config=None)
+    assert (final / "vae").is_dir() and not (final / "vae").is_symlink()
+    loaded = StableDiffusion3Pipeline.from_pretrained(str(final))
+    torch.testing.assert_close(loaded.transformer.proj_out.weight, adapter.transformer.proj_out.weight)
+    assert json.loads((final / "flowrl_run.json").read_text())["trained"] == "full"
+
+
+def test_weights_that_do_not_fit_the_model_name_the_fix(tiny_lora_run, tiny_sd3_path, tmp_path, capsys):
+    step = tmp_path / "step_000001"
+    shutil.copytree(tiny_lora_run.dir / "checkpoints" / "step_000001", step)
+    weights = load_file(str(step / "trainable.safetensors"))
+    weights["transformer_blocks.9.attn.to_q.lora_A.default.weight"] = torch.zeros(8, 32)
+    save_file(weights, str(step / "trainable.safetensors"))
+    flags = [
+        "--model",
+        str(tiny_sd3_path),
+        "--checkpoint",
+        str(step),
+        "--prompt",
+        "a cat",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(["generate", *flags]) == 2
+    err = capsys.readouterr().err
+    (error,) = [line for line in err.splitlines() if line.startswith("flowrl generate: error:")]
+    assert "Traceback" not in err and "does not match" in error and "--model" in error
