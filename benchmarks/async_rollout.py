@@ -29,7 +29,7 @@ MODES = ("colocated", "sync", "async")
 
 def run_mode(mode: str, args, out_dir: str) -> dict:
     from flowrl.run.config import load_train_config
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     overrides = [
         f"trainer.output_dir={out_dir}/{mode}",
@@ -47,7 +47,7 @@ def run_mode(mode: str, args, out_dir: str) -> dict:
             overrides.append(f"rollout.replica_devices=[{args.replica_devices}]")
     if mode == "async":
         overrides.append("trainer.async_rollout=true")
-    trainer = FlowGRPOTrainer(load_train_config(None, overrides))
+    trainer = Trainer(load_train_config(None, overrides))
     steps = []
     try:
         for _ in range(args.steps):

@@ -53,14 +53,14 @@ def tiny_z_image_path(tmp_path_factory):
 
 @pytest.fixture
 def build_trainer():
-    """build_trainer(cfg, **kwargs) -> a FlowGRPOTrainer, closed after the test (reward workers
+    """build_trainer(cfg, **kwargs) -> a Trainer, closed after the test (reward workers
     joined, engine shut down) whether or not it trained."""
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     built = []
 
     def build(cfg, **kwargs):
-        built.append(FlowGRPOTrainer(cfg, **kwargs))
+        built.append(Trainer(cfg, **kwargs))
         return built[-1]
 
     yield build
@@ -308,7 +308,7 @@ def train_tiny_lora_run(model_path, out, *overrides):
     from types import SimpleNamespace
 
     from flowrl.run.config import load_train_config
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     cfg = load_train_config(
         None,
@@ -327,7 +327,7 @@ def train_tiny_lora_run(model_path, out, *overrides):
             *overrides,
         ],
     )
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     validation_images = {}
     generate_sequences = trainer.agent_loop.generate_sequences
 

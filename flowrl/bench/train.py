@@ -8,7 +8,7 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
 3. With the trainer's LoRA in place on the still-eager model: the FLOPs of one representative call
    of each kind (flowrl.bench.train_flops), then the peer's loop (flowrl.bench.peer): a warm-up
    step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
-4. The real FlowGRPOTrainer on the same engine: one warm-up step (it compiles), then K timed steps,
+4. The real Trainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
 5. One more rollout of a step's prompts with nothing around it (no reward, no trainer step), to
    set the step's rollout phase against.
@@ -185,7 +185,7 @@ def _rollout_alone(trainer, cfg, device) -> float:
     from flowrl.rollout.batch import RolloutBatch
 
     rows = PromptSampler(trainer.prompts.rows, cfg.trainer.prompts_per_step, shuffle=False, seed=0).next_rows()
-    trainer.prepare_step_rows(rows, trainer.step)
+    trainer.samples.prepare_rows(rows, trainer.step)
     batch = RolloutBatch.from_rows(rows).repeat(cfg.rollout.n)
     rows_generated = trainer.agent_loop.rows_generated
     try:
@@ -301,7 +301,7 @@ def _settings(args, cfg, adapter) -> dict:
 def _measure(args, cfg, recipe_cfg, prepared) -> int:
     from flowrl.config import config_to_dict
     from flowrl.run.checks import build_engine
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     device = torch.device(cfg.model.resolve_device())
     engine = build_engine(cfg)
@@ -325,7 +325,7 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
             report.data["peer"] = {"error": f"{type(exc).__name__}: {exc}"}
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the peer's optimizer states and cached blocks, back before flowrl's run
-    trainer = FlowGRPOTrainer(cfg, engine=engine, reward=prepared.reward)
+    trainer = Trainer(cfg, engine=engine, reward=prepared.reward)
     try:
         warmup = _flowrl_step(trainer, units, cfg)  # compiles: what a run's first step costs
         shown = ", ".join(f"{p} {s:.2f}" for p, s in warmup["seconds"].items())
@@ -342,9 +342,7 @@ def _measure(args, cfg, recipe_cfg, prepared) -> int:
         report.data["flowrl"]["rollout_alone_seconds"] = _rollout_alone(trainer, cfg, device)
         report.save()
     finally:
-        trainer.scorer.close()
-        trainer.logger.close()
-        engine.shutdown()
+        trainer.close()
     untrained = sum(not s["rows_trained"] for s in steps + report.data.get("peer", {}).get("steps", []))
     _record_steps(report, steps, peak["sustained_flops"])
     peer = report.data.get("peer", {})

@@ -68,9 +68,9 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
             if plan.finished:
                 say(f"flowrl train: {plan.finished}")
                 return 0
-            from flowrl.trainer.trainer import FlowGRPOTrainer
+            from flowrl.trainer.trainer import Trainer
 
-            trainer = FlowGRPOTrainer(cfg, plan=plan, world=world)
+            trainer = Trainer(cfg, plan=plan, world=world)
     except ValueError as error:
         where = f" (rank {world.rank})" if world.is_distributed else ""
         print(f"flowrl train{where}: error: {error}", file=sys.stderr)

@@ -5,7 +5,7 @@ A step's prompts are cut into contiguous shares, one per rank in rank order (`Wo
 prompt's group of rollout.n rows never spans ranks and global row g is the row a one-process run
 has at g. `gather_step_rows` all-gathers what is small (rewards and their components, uids, each
 row's TransitionSpec.group_key and policy version, the engine's batching counters); the tensors
-stay on their rank. `StepRows.metrics` are the step's rollout metrics over all rows and
+stay on their rank. `StepRows.metrics` are the step's reward and rollout metrics over all rows and
 `StepRows.trained` says which rank holds which trained row.
 
 This module knows RolloutBatch's non-tensor columns and the World; nothing of models or engines.
@@ -44,20 +44,15 @@ class StepRows:
         """The global rows this rank holds, in order (its rollout's rows 0, 1, ...)."""
         return np.flatnonzero(self.owner == self.rank)
 
-    def metrics(self, adv, keep: np.ndarray, policy_version: int) -> dict:
-        """The step's reward, advantage and rollout metrics over every rank's rows. adv: the
-        flowrl.trainer.advantages.Advantages of these rows; keep: the rows trained;
-        policy_version: the trainer's (the lag is measured from it)."""
+    def metrics(self, policy_version: int) -> dict:
+        """The step's reward and rollout metrics over every rank's rows. policy_version: the
+        trainer's (the lag is measured from it)."""
         finite = self.rewards[np.isfinite(self.rewards)]
         versions = self.policy_versions
         metrics = {
             "reward/mean": float(finite.mean()) if finite.size else float("nan"),
             "reward/std": float(finite.std()) if finite.size else float("nan"),
             "reward/nan_ratio": float(1.0 - finite.size / max(len(self.rewards), 1)),
-            "adv/zero_std_ratio": adv.zero_std_ratio,
-            "adv/mean_group_std": adv.mean_group_std,
-            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
-            "adv/num_rows_trained": int(keep.sum()),
             "rollout/policy_version": int(versions.min()),
             "rollout/policy_lag": int(policy_version - versions.min()),
         }

@@ -10,6 +10,7 @@ This module knows torch.distributed and nothing of models, trainers or launchers
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -97,6 +98,12 @@ class World:
     def barrier(self) -> None:
         if self.is_distributed:
             dist.barrier()
+
+    def device_idle_time(self) -> float:
+        """time.perf_counter() once this rank's device has finished the work queued on it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _reduce(self, values: Sequence[float], op) -> list[float]:
         values = [float(v) for v in values]

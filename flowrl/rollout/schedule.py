@@ -15,14 +15,14 @@
 `VersionHistory` turns the policy version each sample records into its staleness: how many
 training steps the weights being trained are ahead of the weights that drew it.
 
-A schedule calls the trainer's `roll_out(step)` (rows -> rollout -> rewards) and knows nothing of
-its insides.
+A schedule calls the trainer's `roll_out(step)` (the step's rows rolled out, each sample handed to
+the reward scorer as it finishes) and knows nothing of its insides; the trainer waits for the
+rewards itself.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,25 +30,11 @@ import numpy as np
 from flowrl.waiting import run_in_thread
 
 
-@dataclass
-class CollectedRollout:
-    """One step's rollout as the update takes it: this rank's batch, the step's rows of every rank
-    with their rewards and engine counters (flowrl.distributed.step_rows.StepRows), and the seconds
-    spent rolling out, then scoring the update's recompute while the rewards were still being
-    computed (flowrl.trainer.early_denominators), then waiting for the rewards."""
-
-    rollout: object
-    rows: object
-    rollout_s: float
-    reward_wait_s: float
-    early_recompute_s: float = 0.0
-
-
-def schedule_for(trainer):
-    """The trainer's schedule: one step ahead with trainer.async_rollout, else synchronous."""
-    if trainer.cfg.trainer.async_rollout:
-        return OneStepAheadSchedule(trainer.rollout_backend, trainer._roll_out, trainer.has_step, trainer.data_state)
-    return SynchronousSchedule(trainer.rollout_backend, trainer._roll_out)
+def schedule_for(is_async: bool, backend, roll_out, has_step, data_state):
+    """One step ahead (trainer.async_rollout), else synchronous (see the classes)."""
+    if is_async:
+        return OneStepAheadSchedule(backend, roll_out, has_step, data_state)
+    return SynchronousSchedule(backend, roll_out)
 
 
 class VersionHistory:

@@ -15,7 +15,7 @@ handlers while a run trains:
 `StepRewind` captures what a step changes before its update (the data position, the rollout row
 count, the global RNGs), so that a step dropped by a signal leaves no trace and a checkpoint saved
 then equals one saved right after the previous step. `TrainingInterrupted` is what
-`FlowGRPOTrainer.fit` raises after it has stopped cleanly; it says where the run can be resumed
+`Trainer.fit` raises after it has stopped cleanly; it says where the run can be resumed
 from. The exit code convention is the shell's: 128 + signal number (130 for SIGINT, 143 for SIGTERM).
 
 It knows signals and the pre-update state of a step, nothing about what a step computes.

@@ -10,7 +10,7 @@ what `trainer.output_dir` holds:
   so one folder never mixes the metrics, checkpoints and weights of two runs;
 - a run stopped by Ctrl-C / SIGTERM keeps a checkpoint of its last completed step (resumed as
   above); one stopped before any step completed removes the files it wrote, so its folder is a
-  fresh start again (flowrl.trainer.trainer.FlowGRPOTrainer.fit);
+  fresh start again (flowrl.trainer.trainer.Trainer.fit);
 - do nothing when the run is already finished (its checkpoint is at `trainer.total_steps` or its
   epochs are done, or `final/` is written and metrics.jsonl reached `total_steps`).
 """

@@ -24,6 +24,11 @@ no-grad pass's values do not. Where the denominator is
 recomputed by the trainer, flowrl.trainer.update scores it with the grad graph instead and needs
 no value pass (`Scoring`).
 
+Where each log-prob takes its value from is chosen once, when the updater is built (`Scoring`):
+the grad pass itself, or, with a compiled model whose values must agree with the rollout's, the
+no-grad graph the rollout ran. The denominator's recompute runs in the same graph as the values it
+is compared with. Its gradient always comes from the grad pass.
+
 This module knows the adapter interface and the sampler, nothing about the optimizer or the
 rollout engine.
 """
@@ -33,11 +38,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from flowrl import sampler
-from flowrl.config.sections import MixedPrecision
+from flowrl.config.sections import MixedPrecision, OldLogProbSource
 from flowrl.engine.output import TransitionSpec
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
 
@@ -187,6 +193,48 @@ def takes_values_from_no_grad(adapter: FlowModelAdapter) -> bool:
     return is_compiled(adapter) and not any(
         isinstance(module, torch.nn.Dropout) and module.p > 0 for module in adapter.transformer.modules()
     )
+
+
+# Where a grad pass's log-prob values come from: its own graph ("grad_pass"), or a no-grad pass
+# of the same forwards run just before it ("value_pass").
+ValueSource = Literal["grad_pass", "value_pass"]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the update scores: where every grad pass takes its log-prob values from, and whether
+    the old-log-prob recompute runs with grad (so that it runs the grad graph those values come
+    from) or without."""
+
+    values: ValueSource
+    recompute_with_grad: bool = False
+
+    @classmethod
+    def choose(cls, adapter: FlowModelAdapter, old_log_prob: OldLogProbSource) -> "Scoring":
+        if not takes_values_from_no_grad(adapter):
+            # One graph (an eager model, or one with dropout): its own values; the recompute runs
+            # the same computation without grad, keeping no activations.
+            return cls("grad_pass")
+        if old_log_prob == "recompute":
+            # Compiled, and the ratio compares the grad graph with itself (the recompute runs it
+            # too, with grad, and drops the graph), so no value pass runs at all. The rollout-vs-
+            # trainer gap then measures the grad graph. A KL term compares the step's mean with the
+            # reference's, a no-grad forward with the LoRA switched off: another graph whichever
+            # graph the step's mean comes from, so the value pass would not make the two agree.
+            return cls("grad_pass", recompute_with_grad=True)
+        # The rollout's log-probs are the denominator: every value comes from the rollout's graph.
+        return cls("value_pass")
+
+    @contextlib.contextmanager
+    def recompute_mode(self, transformer: torch.nn.Module):
+        """The module mode of the graph the recompute runs in: that of the grad passes (train) when
+        it runs with grad; eval again afterwards."""
+        if self.recompute_with_grad:
+            transformer.train()
+        try:
+            yield
+        finally:
+            transformer.eval()
 
 
 def score_transitions(

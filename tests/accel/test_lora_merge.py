@@ -248,7 +248,7 @@ def test_a_float32_run_on_merged_rollouts_trains_as_the_run_on_the_adapter(build
         steps = [trainer.train_step() for _ in range(2)]
         trainer.validate()
         assert not any(hasattr(m, MERGED_WEIGHT) for m in layers)
-        runs[merge] = (steps, merged_during, [p.detach().clone() for p in trainer.updater.params])
+        runs[merge] = (steps, merged_during, [p.detach().clone() for p in trainer.algorithm.updater.params])
     (plain, none_merged, plain_weights), (merged, all_merged, merged_weights) = runs[False], runs[True]
     assert none_merged == [(False, 0), (False, 0), (True, 0)] and len(layers) > 0
     assert all_merged == [(False, len(layers)), (False, len(layers)), (True, 0)]

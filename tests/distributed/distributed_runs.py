@@ -175,23 +175,23 @@ def hooks(record_dir=None, fail=None, rank=0):
     from rank_entry import install_hooks
 
     from flowrl.rollout.agent_loop import AgentLoop
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
-    saved = AgentLoop.generate_sequences, FlowGRPOTrainer.train_step
+    saved = AgentLoop.generate_sequences, Trainer.train_step
     install_hooks(record_dir and str(record_dir), fail, rank)
     try:
         yield
     finally:
-        AgentLoop.generate_sequences, FlowGRPOTrainer.train_step = saved
+        AgentLoop.generate_sequences, Trainer.train_step = saved
 
 
 def train_one_process(overrides, output: Path, record_dir=None) -> Path:
     """The same run in this process (world size 1); returns its output folder."""
     from flowrl.run.config import load_train_config
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     cfg = load_train_config(None, [*overrides, f"trainer.output_dir={output}"])
-    with one_thread(), hooks(record_dir), FlowGRPOTrainer(cfg) as trainer:
+    with one_thread(), hooks(record_dir), Trainer(cfg) as trainer:
         trainer.fit()
     return output
 

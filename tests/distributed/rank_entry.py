@@ -23,7 +23,7 @@ import torch
 
 def install_hooks(record_dir: str | None = None, fail: str | None = None, rank: int = 0) -> None:
     from flowrl.rollout.agent_loop import AgentLoop
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     if record_dir:
         generate = AgentLoop.generate_sequences
@@ -47,7 +47,7 @@ def install_hooks(record_dir: str | None = None, fail: str | None = None, rank: 
         AgentLoop.generate_sequences = recorded
     if fail and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         fail_rank, fail_step, mode = fail.split(":")
-        train_step = FlowGRPOTrainer.train_step
+        train_step = Trainer.train_step
 
         def failing(self):
             if rank == int(fail_rank) and self.step + 1 == int(fail_step):
@@ -59,7 +59,7 @@ def install_hooks(record_dir: str | None = None, fail: str | None = None, rank: 
                 raise RuntimeError(f"injected failure on rank {rank} at step {fail_step} (time {time.time():.3f})")
             return train_step(self)
 
-        FlowGRPOTrainer.train_step = failing
+        Trainer.train_step = failing
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def test_true_cfg_rollout_log_probs_match_the_trainers_recompute(build_trainer, 
     specs = TransitionSpec.from_columns(out.non_tensor_batch)
     assert [spec.true_cfg_scale for spec in specs] == [2.0] * 6
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(6), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, torch.ones(6), step=1)
     # CPU float32: the same function on the same inputs, only the batch composition differs.
     assert metrics["actor/logprob_gap_max"] < 1e-6
     assert metrics["actor/grad_norm"] > 0.0

@@ -227,7 +227,7 @@ def test_rollout_log_probs_match_the_trainer_to_float32_rounding(build_trainer, 
     assert ("negative_prompt_embeds" in tensors) == (guidance > 1)
     specs = TransitionSpec.from_columns(out.non_tensor_batch)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(6), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, torch.ones(6), step=1)
     assert metrics["actor/logprob_gap_max"] < 1e-6
     assert metrics["actor/grad_norm"] > 0.0
 

@@ -77,7 +77,9 @@ def test_two_replicas_serve_the_trainers_weights_and_match_the_colocated_run(
         assert remote["rollout/staleness_max"] == 0 and remote["rollout/policy_lag"] == 0
         for key in COMPARED:
             assert remote[key] == pytest.approx(local[key], rel=1e-4, abs=1e-6), key
-    for (name, a), b in zip(trainable_state_dict(decoupled.adapter.transformer).items(), colocated.updater.params):
+    for (name, a), b in zip(
+        trainable_state_dict(decoupled.adapter.transformer).items(), colocated.algorithm.updater.params
+    ):
         torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=0, msg=name)
     decoupled.rollout_backend.close()
 
@@ -91,14 +93,14 @@ def test_async_training_is_one_update_stale_and_off_policy(
     trainer = build_trainer(cfg)
     syncs = record_syncs(trainer)
     seen = []
-    roll_out = trainer._roll_out
+    roll_out = trainer.samples.roll_out
 
     def recording(step):
         result = roll_out(step)
-        seen.append((step, sorted(set(result.rollout.non_tensor_batch["policy_version"]))))
+        seen.append((step, sorted(set(result.batch.non_tensor_batch["policy_version"]))))
         return result
 
-    trainer._roll_out = trainer.rollouts.roll_out = recording
+    trainer.rollouts.roll_out = recording
     metrics = [trainer.train_step(), trainer.train_step()]
     # A checkpoint now (step 3's rollout is out) saves the data position after step 2's rows.
     state = json.loads((trainer.save() / "state.json").read_text())["trainer"]
@@ -129,14 +131,14 @@ def test_async_stop_finishes_the_step_and_saves_the_data_position_before_the_ear
     urls = rollout_servers(tiny_sd3_path, count=1, admin_token=TOKEN)
     cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=4", output="stop")
     trainer = build_trainer(cfg)
-    update = trainer.updater.update
+    update = trainer.algorithm.updater.update
 
-    def signalled_in_step_2(*args, **kwargs):
-        if args[4] == 2:  # the step; what the SIGTERM handler does, with nothing abortable now
-            trainer._signals._handle(signal.SIGTERM, None)
-        return update(*args, **kwargs)
+    def signalled_in_step_2(batch):
+        if trainer.step == 1:  # step 2's update; what the SIGTERM handler does, with nothing abortable now
+            trainer.signals._handle(signal.SIGTERM, None)
+        return update(batch)
 
-    trainer.updater.update = signalled_in_step_2
+    trainer.algorithm.updater.update = signalled_in_step_2
     with pytest.raises(TrainingInterrupted) as stopped:
         trainer.fit()
     assert stopped.value.step == 2 and stopped.value.saved_now
@@ -176,14 +178,14 @@ def test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit(build_
 
     balancer.submit_batched = killing
     sizes = []
-    roll_out = trainer._roll_out
+    rewards = trainer.samples.rewards
 
-    def recording(step):
-        result = roll_out(step)
-        sizes.append((len(result.rollout), int(np.isfinite(result.rows.rewards).sum())))
-        return result
+    def recording(sampled, step):
+        scored = rewards(sampled, step)
+        sizes.append((len(sampled.batch), int(np.isfinite(scored.rows.rewards).sum())))
+        return scored
 
-    trainer._roll_out = trainer.rollouts.roll_out = recording
+    trainer.samples.rewards = recording
     summary = trainer.fit()
     assert summary["steps"] == 2 and sizes == [(8, 8), (8, 8)]  # every sample of both steps
     assert balancer.is_dropped == [True, False] and balancer.num_resent >= 1

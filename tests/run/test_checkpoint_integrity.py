@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from flowrl.config import config_to_dict
 from flowrl.run.checkpoint import MANIFEST, CheckpointError, checkpoint_dir, verify_checkpoint
 from flowrl.run.resume import plan_run
-from flowrl.trainer.trainer import FlowGRPOTrainer
+from flowrl.trainer.trainer import Trainer
 
 SMALL = (
     "rollout.n=2",
@@ -37,7 +37,7 @@ def trained_run(tiny_run_config, tmp_path_factory):
     def build(*overrides, output="run"):
         return tiny_run_config(root / output, "trainer.save_every=1", *SMALL, *overrides)
 
-    with FlowGRPOTrainer(build("trainer.total_steps=3")) as trainer:
+    with Trainer(build("trainer.total_steps=3")) as trainer:
         trainer.fit()
     return build, root / "run"
 

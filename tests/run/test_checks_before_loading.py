@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.trainer.trainer import FlowGRPOTrainer
+from flowrl.trainer.trainer import Trainer
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ CASES = [
 @pytest.mark.parametrize("overrides, message", CASES)
 def test_fails_before_loading(make_cfg, no_model_loading, no_gpu, overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
-        FlowGRPOTrainer(make_cfg(*overrides))
+        Trainer(make_cfg(*overrides))
     assert "\n" not in str(error.value)
 
 
@@ -43,7 +43,7 @@ def test_unwritable_output_dir(make_cfg, no_model_loading, tmp_path):
     cfg = make_cfg()
     cfg.trainer.output_dir = _blocked_dir(tmp_path)
     with pytest.raises(ValueError, match=r"trainer.output_dir=.*is not writable"):
-        FlowGRPOTrainer(cfg)
+        Trainer(cfg)
 
 
 @pytest.mark.parametrize("overrides, message", CASES[:3])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.run.checkpoint import latest_checkpoint
-from flowrl.trainer.trainer import FlowGRPOTrainer
+from flowrl.trainer.trainer import Trainer
 
 SMALL = (
     "rollout.n=2",
@@ -125,7 +125,7 @@ def one_step_run(tiny_run_config, tmp_path_factory):
     """A 1-step run of SMALL with its checkpoint, trained once: the tests that resume from it
     copy it to their own folder (`copy_to`)."""
     out = tmp_path_factory.mktemp("one_step") / "run"
-    with FlowGRPOTrainer(tiny_run_config(out, *SMALL, "trainer.total_steps=1", "trainer.save_every=1")) as trainer:
+    with Trainer(tiny_run_config(out, *SMALL, "trainer.total_steps=1", "trainer.save_every=1")) as trainer:
         trainer.fit()
 
     def copy_to(tmp_path):
@@ -145,9 +145,9 @@ def test_resume_applies_changeable_keys_and_reports_them(build_trainer, make_cfg
     assert len(report) == 1, out
     for fragment in ("trainer.lr: 0.01 -> 0.003", "trainer.total_steps: 1 -> 2", "trainer.betas:", "new values apply"):
         assert fragment in report[0], report[0]
-    groups = trainer.updater.optimizer.param_groups
+    groups = trainer.algorithm.updater.optimizer.param_groups
     assert all(g["lr"] == 0.003 and tuple(g["betas"]) == (0.8, 0.95) for g in groups)
-    assert trainer.updater.optimizer.state  # the Adam moments were restored, not reset
+    assert trainer.algorithm.updater.optimizer.state  # the Adam moments were restored, not reset
     trainer.fit()
     state = json.loads((latest_checkpoint(cfg.trainer.output_dir) / "state.json").read_text())
     assert all(g["lr"] == 0.003 for g in state["optimizer"]["param_groups"])

@@ -36,11 +36,11 @@ def _train_cli(tiny_sd3_path, output_dir, *overrides) -> int:
 @pytest.fixture(scope="module")
 def trained_run(tiny_run_config, tmp_path_factory):
     """A finished 2-step run (validation, tensorboard, checkpoints), trained once for the module."""
-    from flowrl.trainer.trainer import FlowGRPOTrainer
+    from flowrl.trainer.trainer import Trainer
 
     folder = tmp_path_factory.mktemp("finished") / "run"
     overrides = ("trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2", "logging.tensorboard=true")
-    with FlowGRPOTrainer(tiny_run_config(folder, *TINY, *overrides)) as trainer:
+    with Trainer(tiny_run_config(folder, *TINY, *overrides)) as trainer:
         trainer.fit()
     return folder
 

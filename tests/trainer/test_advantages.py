@@ -74,13 +74,13 @@ def test_shuffled_advantage_control_permutes_the_trained_rows_advantages(build_t
             "rollout.n=4", "trainer.prompts_per_step=2", f"algorithm.shuffle_advantages={shuffle}", output=output
         )
         trainer = build_trainer(cfg)
-        original = trainer.updater.update
+        original = trainer.algorithm.updater.prepare
 
         def capture(tensors, specs, advantages, *args, **kwargs):
             seen[output] = advantages.clone()
             return original(tensors, specs, advantages, *args, **kwargs)
 
-        monkeypatch.setattr(trainer.updater, "update", capture)
+        monkeypatch.setattr(trainer.algorithm.updater, "prepare", capture)
         trainer.train_step()
         return seen[output].numpy()
 

@@ -23,12 +23,12 @@ def _two_updates(trainer, tensors, specs, trained, early_keep_going=None) -> Sim
     """Update step 1 as usual (it settles gradient checkpointing), then step 2 over `trained`,
     with the recompute scored early first when early_keep_going is given; counts the recompute
     forwards the update itself ran."""
-    updater = trainer.updater
+    updater = trainer.algorithm.updater
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    updater.update(tensors, specs, advantages, torch.ones(6), step=1)
+    updater.prepare_and_update(tensors, specs, advantages, torch.ones(6), step=1)
     all_rows = TrainedRows.of_one_process(specs, torch.ones(6))
     if early_keep_going is not None:
-        updater.score_denominators_early(tensors, specs, 2, all_rows, early_keep_going)
+        updater.score_early(tensors, specs, 2, all_rows, early_keep_going)
     run = SimpleNamespace(recomputed_in_update=0)
     original = updater._score_denominator
 
@@ -37,7 +37,7 @@ def _two_updates(trainer, tensors, specs, trained, early_keep_going=None) -> Sim
         return original(*args)
 
     updater._score_denominator = counted
-    run.metrics = updater.update(tensors, specs, advantages, torch.ones(6), step=2, trained=trained)
+    run.metrics = updater.prepare_and_update(tensors, specs, advantages, torch.ones(6), step=2, trained=trained)
     run.records = [(r.rows.tolist(), r.loss, r.clipfrac, r.grad_norm) for r in updater.records]
     run.weights = [p.detach().clone() for p in updater.params]
     return run
@@ -100,7 +100,7 @@ def test_rollout_denominators_score_nothing_early(build_trainer, make_cfg):
     trainer = build_trainer(make_cfg(*RECOMPUTE[1:], "algorithm.old_log_prob=rollout"))
     trainer.train_step()
     second = trainer.train_step()
-    assert not trainer.updater.scores_denominators_early
+    assert not trainer.algorithm.updater.scores_early
     assert "timing/old_log_prob_early_s" not in second and "actor/old_log_prob_early_share" not in second
 
 

@@ -64,7 +64,7 @@ def test_validation_samples_with_the_average_and_checkpoints_save_it(build_train
     trainer.train_step()
     trainer.train_step()
     ema, params = trainer.ema, dict(trainer.adapter.transformer.named_parameters())
-    assert trainer.updater.ema is ema and ema.num_updates == 2
+    assert trainer.algorithm.updater.ema is ema and ema.num_updates == 2
     trained = {name: params[name].detach().clone() for name in ema.averages}
     assert any(not torch.equal(ema.averages[n], trained[n]) for n in trained)
     seen = {}

@@ -207,7 +207,7 @@ def test_auto_checkpointing_on_cuda_measures_the_compiled_update_and_trains_as_t
         ]
         grad_norms[setting] = record["actor/grad_norm"]
         if setting == "auto":
-            choice = trainer.updater.checkpointing
+            choice = trainer.algorithm.updater.checkpointing
             assert choice.measured and not choice.enabled and choice.sample_bytes > 0, choice
             print(choice.describe())
     assert any(update.norm() > 0 for update in updates["false"].values())  # the step trained
@@ -265,13 +265,13 @@ def test_the_update_waits_for_the_device_once_per_optimizer_step(
     syncs = {}
     counts = []
     for micro_batch_size in (4, 1, 4, 1):  # the first pass at each size compiles its graphs
-        trainer.updater.trainer.micro_batch_size = micro_batch_size
+        trainer.algorithm.updater.trainer.micro_batch_size = micro_batch_size
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                trainer.updater.update(tensors, specs, advantages, torch.ones(num_rows), step=1)
+                trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, torch.ones(num_rows), step=1)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs[micro_batch_size] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
@@ -306,10 +306,10 @@ def test_kl_at_the_reference_weights_is_the_compiled_graphs_rounding(
     )
     trainer = build_trainer(cfg)
     adapter, transformer = trainer.adapter, trainer.adapter.transformer
-    assert trainer.updater.scoring.values == "grad_pass"
+    assert trainer.algorithm.updater.scoring.values == "grad_pass"
     assert all(float(p.abs().max()) == 0.0 for n, p in transformer.named_parameters() if "lora_B" in n)
     tensors, specs = take_rollout(trainer)
-    dtype = trainer.updater.autocast_dtype
+    dtype = trainer.algorithm.updater.autocast_dtype
     floors = {}
     for k in range(tensors["sigmas"].shape[1]):
         step_index = torch.full((len(specs),), k, dtype=torch.long)

@@ -166,7 +166,7 @@ def test_auto_trains_exactly_as_the_fixed_setting_it_chose(build_trainer, make_c
     expected = free_bytes == 0
     fixed = build_trainer(make_cfg(*run, f"trainer.gradient_checkpointing={str(expected).lower()}", output="fixed"))
     fixed.fit()
-    assert auto.updater.checkpointing.measured and auto.updater.checkpointing.enabled is expected
+    assert auto.algorithm.updater.checkpointing.measured and auto.algorithm.updater.checkpointing.enabled is expected
     assert checkpointing_enabled(auto.adapter.transformer) is expected
     weights, reference = _trained_weights(auto), _trained_weights(fixed)
     assert weights.keys() == reference.keys()

@@ -69,6 +69,8 @@ def test_kl_equals_the_reference_form_on_a_perturbed_lora(build_trainer, make_cf
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
     expected = _reference_kl(trainer, tensors, specs)
     # One optimizer step per training step: every pair is scored before the weights change.
-    metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1
+    )
     assert expected > 0
     assert metrics["actor/kl"] == pytest.approx(expected, rel=1e-4)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flowrl.accel
+from flowrl.trainer.logprob import takes_values_from_no_grad
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
@@ -23,7 +24,7 @@ def test_rollout_log_probs_match_trainer_recompute(build_trainer, make_cfg, take
     if guidance > 1:
         assert "negative_prompt_embeds" in tensors
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(6), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, torch.ones(6), step=1)
     # CPU float32: the same function on the same inputs, only the batch composition differs.
     assert metrics["actor/logprob_gap_max"] < 1e-5
     # First update on fresh rollouts with a recomputed denominator: ratio exactly 1, no clipping.
@@ -44,7 +45,9 @@ def test_rollout_denominator_gap_and_updates_change_the_policy(build_trainer, ma
     )
     trainer = build_trainer(cfg)
     tensors, specs = take_rollout(trainer)
-    metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4), step=1
+    )
     assert metrics["actor/logprob_gap_max"] < 1e-5  # measured before the first optimizer step
     assert metrics["actor/num_optimizer_steps"] == 2
     # The second micro-batch is scored after one update: its ratio moved, and the tiny clip caught it.
@@ -64,13 +67,13 @@ def test_kl_reference_is_the_lora_disabled_model(build_trainer, make_cfg, take_r
     tensors, specs = take_rollout(trainer)
     adv = torch.tensor([1.0, -1.0])
     # LoRA B starts at zero: the policy IS the reference, so the KL is exactly 0.
-    first = trainer.updater.update(tensors, specs, adv, torch.ones(2), step=1)
+    first = trainer.algorithm.updater.prepare_and_update(tensors, specs, adv, torch.ones(2), step=1)
     assert first["actor/kl"] == 0.0
     with torch.no_grad():
         for name, p in trainer.adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.add_(0.05 * torch.randn_like(p))
-    second = trainer.updater.update(tensors, specs, adv, torch.ones(2), step=2)
+    second = trainer.algorithm.updater.prepare_and_update(tensors, specs, adv, torch.ones(2), step=2)
     assert second["actor/kl"] > 0.0 and np.isfinite(second["actor/kl"])
 
 
@@ -94,7 +97,7 @@ def test_values_from_no_grad_are_the_no_grad_values_with_the_grad_gradients(
 
     trainer = build_trainer(make_cfg("rollout.n=2", "trainer.prompts_per_step=1", "trainer.lora.enabled=true"))
     tensors, specs = take_rollout(trainer)
-    adapter, params = trainer.adapter, trainer.updater.params
+    adapter, params = trainer.adapter, trainer.algorithm.updater.params
     with torch.no_grad():  # LoRA B starts at 0: move it so the LoRA weights get gradients of every kind
         for p in params:
             p.add_(0.05 * torch.randn_like(p))
@@ -132,14 +135,16 @@ def _unchanged_weights_update(trainer, tensors, specs, num_rows: int) -> dict:
     """An update whose optimizer steps leave the weights as they are (learning rate 0; zero
     advantages too): every ratio of it must be exactly 1, whatever step it is in. A KL term's
     gradient need not be zero at these weights (its reference is another graph)."""
-    trainer.updater.optimizer.param_groups[0]["lr"] = 0.0
-    return trainer.updater.update(tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1)
+    trainer.algorithm.updater.optimizer.param_groups[0]["lr"] = 0.0
+    return trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.zeros(num_rows), torch.ones(num_rows), step=1
+    )
 
 
 def _pretend_compiled(monkeypatch, compiled: bool) -> None:
     """engine.compile=true without compiling: the trainer then sees a model that `compiled` says
     is compiled (or not)."""
-    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor", rounding="eager": [])
+    monkeypatch.setattr(flowrl.accel, "compile_adapter", lambda adapter, backend="inductor": [])
     monkeypatch.setattr(flowrl.accel, "is_compiled", lambda adapter: compiled)
 
 
@@ -179,16 +184,19 @@ def test_compiled_trainer_scores_the_denominator_in_the_graph_of_its_values(
     so with unchanged weights their ratios are exactly 1 (a recompute in the other graph moves
     them, and a tiny clip range catches it)."""
     from flowrl.models.sd3 import SD3Adapter
-    from flowrl.trainer.update import Scoring
+    from flowrl.trainer.logprob import Scoring
 
     trainer = _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, True, kl_beta)
-    assert trainer.updater.values_from_no_grad
+    assert (
+        trainer.algorithm.updater.scoring.values == "value_pass"
+        or trainer.algorithm.updater.scoring.recompute_with_grad
+    )
     if scoring is not None:
-        trainer.updater.scoring = Scoring(*scoring)
+        trainer.algorithm.updater.scoring = Scoring(*scoring)
     tensors, specs = take_rollout(trainer)
     _grad_graph_rounds_differently(monkeypatch, SD3Adapter)
     metrics = _unchanged_weights_update(trainer, tensors, specs, 4)
-    records = trainer.updater.records
+    records = trainer.algorithm.updater.records
     assert len(records) == 2 and records[0].clipfrac == 0.0  # the first step's own values
     if scoring is None:
         assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/ratio_max"] == 1.0
@@ -207,7 +215,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     values: without grad for one graph (eager), with grad for a compiled model, with a KL term
     or without (grad-pass values, no value pass; the KL's reference is a no-grad forward)."""
     from flowrl.models.sd3 import SD3Adapter
-    from flowrl.trainer.update import Scoring
+    from flowrl.trainer.logprob import Scoring
 
     trainer = _two_step_recompute_trainer(build_trainer, make_cfg, monkeypatch, compiled, kl_beta, "trainer.lr=0.05")
     expected = {
@@ -215,7 +223,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
         (True, 0.0): Scoring("grad_pass", recompute_with_grad=True),
         (True, 0.1): Scoring("grad_pass", recompute_with_grad=True),
     }[compiled, kl_beta]
-    assert trainer.updater.scoring == expected
+    assert trainer.algorithm.updater.scoring == expected
     with torch.no_grad():  # a policy away from the reference, so the KL has a gradient
         for name, p in trainer.adapter.transformer.named_parameters():
             if "lora_B" in name:
@@ -229,7 +237,9 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
         return velocity(self, *args, **kwargs)
 
     monkeypatch.setattr(SD3Adapter, "velocity", counted)
-    metrics = trainer.updater.update(tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1
+    )
     window = tensors["sigmas"].shape[1]  # one micro-batch per optimizer step, every window step trained
     recompute, grad_passes = window, 2 * window
     value_passes = grad_passes if expected.values == "value_pass" else 0
@@ -237,7 +247,7 @@ def test_the_recompute_scores_only_the_rows_after_the_first_optimizer_step(
     with_grad_recompute = recompute if expected.recompute_with_grad else 0
     assert calls[True] == grad_passes + with_grad_recompute
     assert calls[False] == recompute - with_grad_recompute + value_passes + references
-    first, second = trainer.updater.records
+    first, second = trainer.algorithm.updater.records
     assert first.clipfrac == 0.0 and second.clipfrac > 0.0  # the second step's ratios moved with the weights
     assert metrics["actor/grad_norm"] > 0.0 and metrics["actor/logprob_gap_max"] < 1e-5
 
@@ -279,7 +289,7 @@ def test_lora_dropout_keeps_the_grad_pass_values(build_trainer, make_cfg, monkey
             "engine.compile=true",
         )
     )
-    assert trainer.updater.values_from_no_grad is (dropout == 0.0)
+    assert takes_values_from_no_grad(trainer.adapter) is (dropout == 0.0)
     if dropout:
         transformer = trainer.adapter.transformer
         transformer.train()
@@ -338,9 +348,8 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
 def test_scoring_is_chosen_once_from_the_settings(
     build_trainer, make_cfg, monkeypatch, values_from_no_grad, old_log_prob, kl_beta, expected
 ):
-    from flowrl.trainer.update import Scoring
+    from flowrl.trainer.logprob import Scoring
 
-    assert Scoring.choose(values_from_no_grad, old_log_prob) == Scoring(*expected)
     _pretend_compiled(monkeypatch, values_from_no_grad)
     trainer = build_trainer(
         make_cfg(
@@ -352,4 +361,4 @@ def test_scoring_is_chosen_once_from_the_settings(
             f"engine.compile={str(values_from_no_grad).lower()}",
         )
     )
-    assert trainer.updater.scoring == Scoring(*expected)  # the trainer's choice, from its config
+    assert trainer.algorithm.updater.scoring == Scoring(*expected)  # the trainer's choice, from its config

@@ -52,7 +52,9 @@ def test_per_row_overrides_are_rescored_as_they_were_sampled(build_trainer, make
     stored = tensors["all_log_probs"][rows, 0]
     assert (right - stored).abs().max() < 1e-5
     assert (wrong - stored).abs().min() > 1e-3
-    metrics = trainer.updater.update(tensors, specs, torch.linspace(-1.0, 1.0, 8), torch.ones(8), step=1)
+    metrics = trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.linspace(-1.0, 1.0, 8), torch.ones(8), step=1
+    )
     assert metrics["actor/logprob_gap_max"] < 1e-5  # CPU float32
     if old_log_prob == "recompute":  # on-policy first update: exactly 1, nothing clipped
         assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/ratio_max"] == 1.0
@@ -62,7 +64,7 @@ def test_per_row_overrides_are_rescored_as_they_were_sampled(build_trainer, make
 def test_rows_of_different_step_types_are_scored_in_separate_micro_batches(build_trainer, make_cfg, take_rollout):
     trainer = _trainer(build_trainer, make_cfg, "recompute")
     tensors, specs = take_rollout(trainer, OVERRIDES)
-    plan = trainer.updater.plan(tensors, specs, step=1)
+    plan = trainer.algorithm.updater.plan(tensors, specs, step=1)
     [micro_batches] = plan.optimizer_steps  # one optimizer step, 8 rows, micro-batches of up to 8
     assert sorted(len(rows) for rows in micro_batches) == [2, 6]
     for rows in micro_batches:

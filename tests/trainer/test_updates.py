@@ -34,7 +34,7 @@ def _objective(log_prob, old, advantages):
 def _capture_optimizer_steps(trainer, monkeypatch, on_step):
     """Call on_step(index) right before each optimizer step of the updater (the gradients are
     those of the mini-batch just scored, the weights those it was scored with)."""
-    updater = trainer.updater
+    updater = trainer.algorithm.updater
     original = updater._optimizer_step
     calls = []
 
@@ -61,7 +61,7 @@ def test_two_updates_per_batch_clip_in_the_second_and_optimize_its_mini_batch_me
     )
     tensors, specs = take_rollout(trainer)
     advantages = torch.linspace(-1.5, 1.5, 8)
-    plan = trainer.updater.plan(tensors, specs, step=1)
+    plan = trainer.algorithm.updater.plan(tensors, specs, step=1)
     mini_batches = [torch.cat(step) for step in plan.optimizer_steps]
     assert [len(rows) for rows in mini_batches] == [4, 4]
     assert sorted(torch.cat(mini_batches).tolist()) == list(range(8))
@@ -76,8 +76,8 @@ def test_two_updates_per_batch_clip_in_the_second_and_optimize_its_mini_batch_me
         direct[index] = (float(objective.mean()), float(((ratio - 1).abs() > CLIP).float().mean()))
 
     _capture_optimizer_steps(trainer, monkeypatch, on_step)
-    metrics = trainer.updater.update(tensors, specs, advantages, torch.ones(8), step=1)
-    first, second = trainer.updater.records
+    metrics = trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, torch.ones(8), step=1)
+    first, second = trainer.algorithm.updater.records
     assert metrics["actor/num_optimizer_steps"] == 2
     assert first.clipfrac == 0.0 and direct[0][1] == 0.0  # on-policy: ratio exactly 1
     assert second.clipfrac > 0.0  # one update later the ratios moved past the clip range
@@ -102,10 +102,10 @@ def test_uneven_micro_batches_give_the_single_pass_mean_over_valid_pairs(
     tensors, specs = take_rollout(trainer)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     weights = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])  # row 2 excluded
-    plan = trainer.updater.plan(tensors, specs, step=1)
+    plan = trainer.algorithm.updater.plan(tensors, specs, step=1)
     [micro_batches] = plan.optimizer_steps
     assert sorted(len(rows) for rows in micro_batches) == [2, 4]
-    params = trainer.updater.params
+    params = trainer.algorithm.updater.params
     grads = {}
 
     def on_step(index):
@@ -114,7 +114,7 @@ def test_uneven_micro_batches_give_the_single_pass_mean_over_valid_pairs(
     _capture_optimizer_steps(trainer, monkeypatch, on_step)
     old = _log_probs(trainer, tensors, specs, torch.arange(6), plan.train_steps)
     first_weights = [p.detach().clone() for p in params]
-    trainer.updater.update(tensors, specs, advantages, weights, step=1)
+    trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, weights, step=1)
     # The update moved the weights: take them back and compute the single pass at the first weights.
     # (Ratios are 1 up to batch-shape rounding, far inside the clip range, so no pair is clipped.)
     with torch.no_grad():
@@ -145,19 +145,19 @@ def _update_with(build_trainer, make_cfg, take_rollout, monkeypatch, *overrides)
     )
     tensors, specs = take_rollout(trainer)
     run = SimpleNamespace(trainer=trainer, forwards=[], grads=[], window=tensors["sigmas"].shape[1])
-    original = trainer.updater._score_with_grad
+    original = trainer.algorithm.updater.score_with_grad
 
-    def counted(tensors_, specs_, rows, step_index, source):
-        run.forwards.append(len(rows))
-        return original(tensors_, specs_, rows, step_index, source)
+    def counted(tensors_, forward, values):
+        run.forwards.append(len(forward.rows))
+        return original(tensors_, forward, values)
 
-    monkeypatch.setattr(trainer.updater, "_score_with_grad", counted)
+    monkeypatch.setattr(trainer.algorithm.updater, "score_with_grad", counted)
     _capture_optimizer_steps(
-        trainer, monkeypatch, lambda index: run.grads.append([p.grad.clone() for p in trainer.updater.params])
+        trainer, monkeypatch, lambda index: run.grads.append([p.grad.clone() for p in trainer.algorithm.updater.params])
     )
-    plan = trainer.updater.plan(tensors, specs, step=1)
+    plan = trainer.algorithm.updater.plan(tensors, specs, step=1)
     run.sizes = [len(rows) for micro_batches in plan.optimizer_steps for rows in micro_batches]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     weights = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    run.metrics = trainer.updater.update(tensors, specs, advantages, weights, step=1)
+    run.metrics = trainer.algorithm.updater.prepare_and_update(tensors, specs, advantages, weights, step=1)
     return run

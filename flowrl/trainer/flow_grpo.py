@@ -1,0 +1,131 @@
+"""FlowGRPO (arXiv 2505.05470; FLOWGRPO.md): SDE rollouts with per-step log-probs, group-relative
+advantages, and the clipped PPO loss over the stored transitions.
+
+- Rollouts: one SDE window per training step (`rollout.sampling.sde_window_size`), drawn from
+  (trainer.seed, step) and shared by every row of the step; with `rollout.merge_lora` the rollout
+  samples with the adapter merged into its weights (flowrl.accel.merged_lora).
+- Advantages: (r - group mean) / (std + eps), clamped (flowrl.trainer.advantages); rows with no
+  valid reward are not trained, nor, with `algorithm.zero_std_policy=drop`, groups without spread;
+  `algorithm.shuffle_advantages` permutes them over the trained rows (the control run).
+- Update: flowrl.trainer.update (the old log-prob phase, then the optimizer steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from flowrl import sampler
+from flowrl.engine.output import TransitionSpec
+from flowrl.trainer.advantages import compute_group_advantages
+from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
+from flowrl.trainer.plan import seeded_generator
+from flowrl.trainer.update import PolicyUpdater
+
+
+def update_inputs(rollout) -> tuple[dict, list[TransitionSpec]]:
+    """A rollout batch as the updater takes it: its stored tensors (the images left out) and the
+    settings each row was drawn with."""
+    tensors = {k: v for k, v in rollout.batch.items() if k != "images"}
+    return tensors, TransitionSpec.from_columns(rollout.non_tensor_batch)
+
+
+class FlowGRPO(Algorithm):
+    name = "flow_grpo"
+
+    def __init__(self, setup: AlgorithmSetup):
+        super().__init__(setup)
+        cfg = setup.cfg
+        self.algorithm, self.rollout, self.seed = cfg.algorithm, cfg.rollout, cfg.trainer.seed
+        self.compiled = cfg.engine.compile
+        self.updater = PolicyUpdater(
+            setup.adapter, setup.params, cfg.algorithm, cfg.trainer, ema=setup.ema, parallel=setup.parallel
+        )
+        self.autocast_dtype = self.updater.autocast_dtype
+        self.lora_merge_s = 0.0  # the last training rollout's merge (rollout.merge_lora)
+
+    @property
+    def optimizer(self):
+        return self.updater.optimizer
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        return self.updater.num_optimizer_steps
+
+    @num_optimizer_steps.setter
+    def num_optimizer_steps(self, value: int) -> None:
+        self.updater.num_optimizer_steps = value
+
+    # -- rollouts --------------------------------------------------------------------------------
+    def sampling_overrides(self, step: int) -> dict | None:
+        """The step's shared SDE window: explicit, drawn from (trainer.seed, step), or the engine's
+        default (no override)."""
+        s = self.rollout.sampling
+        if s.sde_window is not None or s.sde_window_size is None:
+            return None if s.sde_window is None else {"sde_window": tuple(s.sde_window)}
+        window = sampler.draw_sde_window(
+            s.num_inference_steps, s.sde_window_size, s.sde_window_range, seeded_generator(self.seed, step, 7)
+        )
+        return {"sde_window": window}
+
+    @contextlib.contextmanager
+    def rollout_weights(self, policy_version: int):
+        """With rollout.merge_lora, the adapter merged into the weights, rounded with a seed from
+        (rollout.seed, the policy version) that every rank shares; the merge's seconds, the
+        device's included, in `lora_merge_s`."""
+        if not self.rollout.merge_lora:
+            yield
+            return
+        from flowrl.accel import merged_lora
+
+        world = self.setup.parallel.world
+        if self.rollout.seed is None:  # fresh randomness, rank 0's on every rank
+            seed = world.broadcast(int(np.random.SeedSequence().generate_state(1)[0]))
+        else:
+            seed = int(np.random.SeedSequence([self.rollout.seed, policy_version]).generate_state(1)[0])
+        t0 = world.device_idle_time()
+        with merged_lora(self.setup.adapter.transformer, seed, compiled=self.compiled):
+            self.lora_merge_s = world.device_idle_time() - t0
+            yield
+
+    # -- rewards -> advantages ------------------------------------------------------------------
+    def advantages(self, rows, step: int) -> StepWeights:
+        algo = self.algorithm
+        adv = compute_group_advantages(
+            rows.rewards, rows.uids, algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold
+        )
+        keep = adv.is_valid.copy()
+        if algo.zero_std_policy == "drop":
+            keep &= ~adv.is_zero_std
+        if algo.shuffle_advantages:  # the control run: the same advantages, on other rows
+            permutation = np.random.default_rng([self.seed, step, 11]).permutation(int(keep.sum()))
+            adv.values[keep] = adv.values[keep][permutation]
+        metrics = {
+            "adv/zero_std_ratio": adv.zero_std_ratio,
+            "adv/mean_group_std": adv.mean_group_std,
+            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
+            "adv/num_rows_trained": int(keep.sum()),
+        }
+        return StepWeights(adv.values, keep, metrics)
+
+    # -- the update ------------------------------------------------------------------------------
+    @property
+    def scores_early(self) -> bool:
+        return self.updater.scores_early
+
+    def score_early(self, rollout, rows, step: int, keep_going) -> None:
+        """While the rewards are still being scored, the recompute as planned with every row trained
+        (flowrl.trainer.early_denominators; with algorithm.old_log_prob=recompute, after the first
+        update)."""
+        every_row = rows.trained(np.ones(len(rows.owner), dtype=bool))
+        self.updater.score_early(*update_inputs(rollout), step, every_row, keep_going)
+
+    def prepare(self, rollout, rows, weights: StepWeights, step: int):
+        tensors, specs = update_inputs(rollout)
+        advantages = torch.from_numpy(weights.values[rows.mine])
+        return self.updater.prepare(tensors, specs, advantages, step, trained=rows.trained(weights.keep))
+
+    def update(self, batch) -> dict:
+        return self.updater.update(batch)
