@@ -20,8 +20,8 @@ Cancelling every future of a request (or the coroutine of an async call) closes 
 which cancels it on the server. As with the engine's `shutdown()`, `close()` fails the requests in
 flight with `EngineClosedError` and refuses new ones with it.
 
-Weight updates (`load_weights`, `weights_info`) need the server's admin token: `admin_token`,
-or the FLOWRL_ADMIN_TOKEN environment variable.
+Weight updates (`push_weights`, `load_weights`, `weights_info`) need the server's admin token:
+`admin_token`, or the FLOWRL_ADMIN_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -156,6 +156,18 @@ class RemoteEngine(EngineAPI):
         `version`. The server verifies them (checksum, names, shapes, dtypes), lets the samples in
         flight finish, and answers once they are live (policy_version, weights_sha256, ...)."""
         return self._call(self._load_weights(body, version, kind))
+
+    def push_weights(self, upload, version: int) -> None:
+        """Upload a flowrl.client.weights.WeightsUpload as policy `version` and check that the server
+        then serves that version with the upload's checksum (a RuntimeError naming both if not)."""
+        self.load_weights(upload.body, version, upload.kind)  # answers once the weights are live
+        info = self.weights_info()
+        live = (int(info["policy_version"]), info["weights_sha256"])
+        if live != (version, upload.sha256):
+            raise RuntimeError(
+                f"rollout server {self.url} serves version {live[0]} with weights_sha256 {live[1]}; "
+                f"the trainer sent version {version} with {upload.sha256}"
+            )
 
     def weights_info(self) -> dict:
         """The live weights as the server reports them: policy_version, kind, weights_sha256."""

@@ -192,6 +192,20 @@ def adapter_disabled(transformer: torch.nn.Module):
         transformer.enable_adapters()
 
 
+def lora_settings(transformer: torch.nn.Module) -> dict | None:
+    """The injected adapter's settings {rank, alpha, target_modules, dropout} (None without LoRA):
+    what a server without the adapter needs to add the same one."""
+    if not has_lora(transformer):
+        return None
+    peft = transformer.peft_config["default"]
+    return {
+        "rank": peft.r,
+        "alpha": peft.lora_alpha,
+        "target_modules": sorted(peft.target_modules),
+        "dropout": peft.lora_dropout,
+    }
+
+
 def trainable_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name -> tensor of every parameter that trains (LoRA weights, or the full model)."""
     return {name: p.detach() for name, p in transformer.named_parameters() if p.requires_grad}

@@ -6,9 +6,9 @@
   (`rollout.servers`) or started here (`rollout.num_replicas`, on `rollout.replica_devices`, and
   stopped on exit); requests are balanced over them per group (flowrl.rollout.balancer, with
   failover). Publishing a version uploads the trainable weights (the LoRA, or the full
-  transformer) to every live replica as one safetensors file with the version and its sha256,
-  then waits until each one serves that version with that checksum: the next rollout request is
-  sent only after every replica has switched.
+  transformer) to every live replica through the client (flowrl.client.weights: encoded once,
+  checked by checksum on arrival): the next rollout request is sent only after every replica
+  serves that version with that checksum.
 
 `open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
 replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
@@ -21,30 +21,15 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flowrl.models.lora import has_lora, trainable_state_dict
-from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError, ReplicaDownError, replica_name
-from flowrl.server import wire
+from flowrl.client.errors import ReplicaDownError
+from flowrl.client.weights import WeightsUpload
+from flowrl.models.lora import lora_settings, trainable_state_dict
+from flowrl.rollout.balancer import LeastInFlightBalancer, NoReplicaLeftError
 
 logger = logging.getLogger(__name__)
 
 # Counters summed over replicas; the rates are recomputed from the sums.
 _SUMMED_STATS = ("num_forwards", "num_rows", "num_samples_finished", "num_samples_failed", "busy_seconds")
-
-
-def weights_payload(transformer) -> tuple[bytes, str, str]:
-    """(the weight-update body of the trainable weights, their `wire.weights_sha256`, kind "lora"
-    or "full"); a LoRA body carries its settings, so a server without a LoRA yet adds the same one."""
-    state = trainable_state_dict(transformer)
-    lora = None
-    if has_lora(transformer):
-        peft = transformer.peft_config["default"]
-        lora = {
-            "rank": peft.r,
-            "alpha": peft.lora_alpha,
-            "target_modules": sorted(peft.target_modules),
-            "dropout": peft.lora_dropout,
-        }
-    return wire.encode_weights(state, lora=lora), wire.weights_sha256(state), "lora" if lora else "full"
 
 
 class ColocatedRollouts:
@@ -113,24 +98,13 @@ class DecoupledRollouts:
     def publish(self, version: int) -> None:
         """Upload the trainer's trainable weights as `version` to every live replica and wait
         until each serves it with the same checksum (replicas that fail are dropped)."""
-        payload, checksum, kind = weights_payload(self.engine.adapter.transformer)
+        transformer = self.engine.adapter.transformer
+        upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
         live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
         if not live:
             raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
-
-        def push(index: int) -> None:
-            client = self.clients[index]
-            client.load_weights(payload, version, kind)  # answers once the weights are live
-            info = client.weights_info()
-            live = (int(info["policy_version"]), info["weights_sha256"])
-            if live != (version, checksum):
-                raise RuntimeError(
-                    f"{replica_name(client, index)} serves version {live[0]} with weights_sha256 {live[1]}; "
-                    f"the trainer sent version {version} with {checksum}"
-                )
-
         with ThreadPoolExecutor(max_workers=len(live)) as pool:
-            futures = {index: pool.submit(push, index) for index in live}
+            futures = {index: pool.submit(self.clients[index].push_weights, upload, version) for index in live}
         for index, future in futures.items():
             error = future.exception()
             if error is not None:
@@ -139,7 +113,7 @@ class DecoupledRollouts:
             raise NoReplicaLeftError(
                 f"no rollout replica took the weights of version {version}: " + self.balancer.summary()
             )
-        self.published = (version, checksum)
+        self.published = (version, upload.sha256)
 
     def reset_stats(self) -> None:
         for client in self.balancer.live_replicas:

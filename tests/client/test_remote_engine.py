@@ -192,3 +192,21 @@ def test_bad_arguments():
         RemoteEngine("127.0.0.1:8000")
     with pytest.raises(ValueError, match="max_attempts"):
         RemoteEngine("http://127.0.0.1:1", max_attempts=0)
+
+
+def test_an_upload_is_encoded_once_and_its_checksum_is_the_tensors():
+    """flowrl.client.weights: the body decodes to the same tensors (LoRA settings in its metadata),
+    and the checksum is that of the tensors, whatever their memory layout."""
+    import torch
+
+    from flowrl.client.weights import WeightsUpload
+    from flowrl.server import wire
+
+    state = {"a.lora_A.weight": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    lora = {"rank": 2, "alpha": 4.0, "target_modules": ["to_q"], "dropout": 0.0}
+    upload = WeightsUpload.of(state, lora)
+    assert upload.kind == "lora" and WeightsUpload.of(state).kind == "full"
+    assert upload.sha256 == wire.weights_sha256(
+        {"b": torch.ones(3), "a.lora_A.weight": state["a.lora_A.weight"].t().t()}
+    )
+    assert upload.sha256 != WeightsUpload.of({**state, "b": torch.zeros(3)}).sha256
