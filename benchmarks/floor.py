@@ -45,11 +45,11 @@ import torch
 from timing import sustained_seconds
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable
 from flowrl.bench.report import JsonReport, environment, format_table, quiet_libraries, resolve_device_dtype
 from flowrl.bench.rollout import PROMPT
 from flowrl.cli.bench import add_common_arguments, add_compile_arguments, positive_int
+from flowrl.run import flops as flop_count
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from flowrl.bench.flops import attention_flops
+from flowrl.run.flops import attention_flops
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowrl.bench.flops import synchronize
+from flowrl.run.flops import synchronize
 
 
 def sustained_seconds(fn: Callable, device: torch.device, seconds: float) -> dict:

@@ -254,7 +254,7 @@ def test_code_that_maps_a_choice_list_covers_exactly_its_choices():
     from typing import get_args
 
     from flowrl.config.sections import MixedPrecision
-    from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
+    from flowrl.models.base import MIXED_PRECISION_DTYPES
 
     assert tuple(MIXED_PRECISION_DTYPES) == get_args(MixedPrecision)
 

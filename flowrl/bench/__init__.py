@@ -2,6 +2,6 @@
 `flowrl bench logprob` (rollout-vs-trainer log-prob gap, training-step speed).
 
 Models are random weights at published architectures (`flowrl.bench.models`) or a local
-checkpoint; FLOPs and the matmul peak come from `flowrl.bench.flops`. Nothing here is imported by
+checkpoint; FLOPs and the matmul peak come from `flowrl.run.flops`. Nothing here is imported by
 the rest of the package.
 """

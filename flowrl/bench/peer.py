@@ -24,7 +24,7 @@ the reward object, the advantage function and the EMA class, and two pieces that
 the references' own, a favour to the peer: the LoRA layers' forward (flowrl.models.lora: the
 low-rank product in the activations' dtype; peft's own copies every adapted projection's input to
 float32 first) and the decode (flowrl's VAE path, on Qwen-Image 0.39 x the stock decode's
-FLOPs). The caller sets up the trainable parameters (`flowrl.bench.train_flops.trainable`).
+FLOPs). The caller sets up the trainable parameters (`flowrl.run.step_flops.trainable`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flowrl.bench.flops import synchronize
+from flowrl.models.base import MIXED_PRECISION_DTYPES
 from flowrl.models.lora import adapter_disabled
 from flowrl.rewards.async_scoring import scoring_workers
+from flowrl.run.flops import synchronize
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
 
 _NOT_METADATA = ("raw_prompt", "sampling_overrides", "uid")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.bench.flops import synchronize
+from flowrl.run.flops import synchronize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

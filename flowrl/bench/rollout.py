@@ -23,7 +23,6 @@ import traceback
 
 import torch
 
-from flowrl.bench import flops as flop_count
 from flowrl.bench.models import build_bench_model, make_trainable, pipeline_prompt_kwargs
 from flowrl.bench.report import (
     JsonReport,
@@ -36,6 +35,7 @@ from flowrl.bench.report import (
     resolve_device_dtype,
     time_runs,
 )
+from flowrl.run import flops as flop_count
 from flowrl.sampling_params import SamplingParams
 
 EAGER_MODES = ("pipeline-serial", "pipeline-batched", "engine-batched", "engine-concurrent")

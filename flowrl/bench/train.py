@@ -6,7 +6,7 @@ measured phase by phase, against its FLOP limits and against a peer's loop in th
    temporary one, without tensorboard or progress bar. Every cheap check runs before the model loads.
 2. The sustained matmul peak is measured; the model is loaded into the engine as the trainer loads it.
 3. With the trainer's LoRA in place on the still-eager model: the FLOPs of one representative call
-   of each kind (flowrl.bench.train_flops), then the peer's loop (flowrl.bench.peer): a warm-up
+   of each kind (flowrl.run.step_flops), then the peer's loop (flowrl.bench.peer): a warm-up
    step on one pipeline call, then --peer-steps timed steps. The LoRA is removed afterwards.
 4. The real Trainer on the same engine: one warm-up step (it compiles), then K timed steps,
    each followed by validation whenever trainer.val_every says so, as `fit` does.
@@ -31,7 +31,6 @@ import traceback
 
 import torch
 
-from flowrl.bench import flops as flop_count
 from flowrl.bench.report import (
     JsonReport,
     environment,
@@ -41,13 +40,9 @@ from flowrl.bench.report import (
     reset_peak_memory,
     synchronize,
 )
-from flowrl.bench.train_flops import (
-    count_unit_flops,
-    phase_flops,
-    trainable,
-    trained_steps_per_sample,
-    window_size,
-)
+from flowrl.run import flops as flop_count
+from flowrl.run.step_flops import count_unit_flops, trainable, trained_steps_per_sample, window_size
+from flowrl.trainer.flow_grpo import phase_flops
 
 # phase -> the trainer's metric holding its seconds
 PHASE_METRICS = {

@@ -170,9 +170,9 @@ def open_engine(setup: Setup, sources: list[WeightSource]):
 
     from flowrl.engine.engine import DiffusionEngine
     from flowrl.eval.weights import WeightLoader
+    from flowrl.models.base import MIXED_PRECISION_DTYPES
     from flowrl.models.registry import load_adapter
     from flowrl.run.checks import engine_options
-    from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
 
     adapter = load_adapter(
         setup.model_path, device=setup.device, dtype=getattr(torch, setup.dtype), **setup.cfg.model.adapter_options()

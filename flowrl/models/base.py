@@ -39,6 +39,16 @@ from typing import Literal
 
 import torch
 
+from flowrl.config.sections import MixedPrecision
+
+# trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward and of the rollout
+# engine's (DiffusionEngine.set_mixed_precision), so that both sides compute alike.
+MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
+    "no": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
 # How SamplingParams.guidance_scale acts on a family (see the module docstring).
 GuidanceKind = Literal["cfg", "distilled"]
 

@@ -94,6 +94,11 @@ class Algorithm(ABC):
     def update(self, batch) -> dict:
         """The update phase; returns its metrics (the same on every rank)."""
 
+    @abstractmethod
+    def phase_flops(self, units, rows_trained: int, val_images: int = 0) -> dict[str, float]:
+        """FLOPs of each phase of a step that trained `rows_trained` rows (and validated
+        `val_images` images), from the run's units (flowrl.run.step_flops.UnitFlops)."""
+
     @property
     @abstractmethod
     def optimizer(self):

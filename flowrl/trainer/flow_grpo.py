@@ -13,12 +13,14 @@ advantages, and the clipped PPO loss over the stored transitions.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
 
 from flowrl import sampler
 from flowrl.engine.output import TransitionSpec
+from flowrl.run.step_flops import UnitFlops, trained_steps_per_sample
 from flowrl.trainer.advantages import compute_group_advantages
 from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
 from flowrl.trainer.plan import seeded_generator
@@ -129,3 +131,43 @@ class FlowGRPO(Algorithm):
 
     def update(self, batch) -> dict:
         return self.updater.update(batch)
+
+    def phase_flops(self, units: UnitFlops, rows_trained: int, val_images: int = 0) -> dict[str, float]:
+        return phase_flops(units, self.setup.cfg, rows_trained, val_images)
+
+
+def recomputed_rows(rows_trained: int, cfg) -> int:
+    """The samples algorithm.old_log_prob=recompute scores before the update: all but those of the
+    first optimizer step (the first of `trainer.updates_per_step` near-equal mini-batches, the
+    larger when they differ), which score their denominators themselves; 0 with `rollout`."""
+    if cfg.algorithm.old_log_prob != "recompute" or rows_trained == 0:
+        return 0
+    return rows_trained - math.ceil(rows_trained / cfg.trainer.updates_per_step)
+
+
+def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
+    """FLOPs of each phase of one FlowGRPO step of `cfg` that trained `rows_trained` samples, with
+    a validation of `val_images` images (0: none): the rollout's forwards and decodes (with
+    rollout.merge_lora, on merged weights, plus the merge), the recompute's forwards (the rows of
+    the optimizer steps after the first, whose own forwards give the first one's denominators), the
+    update's forward + backward and the KL reference's forward, validation's forwards and decodes
+    (flowrl.run.step_flops counts the units). Phases without device work count 0."""
+    s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
+    samples = cfg.trainer.prompts_per_step * cfg.rollout.n
+    trained = rows_trained * trained_steps_per_sample(cfg)
+    forward_sample = units.rows_per_sample * units.forward_per_row
+    rollout_sample = s.num_inference_steps * units.rows_per_sample * units.rollout_forward_per_row
+    flops = {
+        "rollout": samples * (rollout_sample + units.decode_per_image) + units.merge_per_rollout,
+        "reward_wait": 0.0,
+        "old_log_prob": recomputed_rows(rows_trained, cfg) * trained_steps_per_sample(cfg) * forward_sample,
+        "update": trained
+        * cfg.trainer.update_epochs
+        * (units.train_per_sample_step + (forward_sample if algo.kl_beta > 0 else 0)),
+        "weight_sync": 0.0,
+    }
+    if val_images:
+        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
+        per_image += units.val_decode_per_image
+        flops["validation"] = val_images * per_image
+    return {name: float(value) for name, value in flops.items()}

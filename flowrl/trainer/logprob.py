@@ -43,17 +43,9 @@ from typing import Literal
 import torch
 
 from flowrl import sampler
-from flowrl.config.sections import MixedPrecision, OldLogProbSource
+from flowrl.config.sections import OldLogProbSource
 from flowrl.engine.output import TransitionSpec
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
-
-# trainer.mixed_precision -> the torch.autocast dtype of the trainer's forward (and, colocated,
-# of the rollout engine's: DiffusionEngine.set_mixed_precision).
-MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
-    "no": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
 
 
 def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:

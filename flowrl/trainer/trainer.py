@@ -45,8 +45,10 @@ from flowrl.rollout.schedule import VersionHistory, schedule_for
 from flowrl.run import checkpoint, resume
 from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
 from flowrl.run.export import export_pipeline, save_transformer
+from flowrl.run.flops import measure_matmul_peak
 from flowrl.run.metrics import MetricsLogger, grid_captions, read_metrics, save_image_grid
 from flowrl.run.progress import NO_PROGRESS
+from flowrl.run.step_flops import StepPerf, UnitFlops, count_unit_flops
 from flowrl.run.timing import PhaseTimer
 from flowrl.trainer.algorithm import AlgorithmSetup, build_algorithm
 from flowrl.trainer.ema import ParameterEMA
@@ -95,11 +97,13 @@ class Trainer:
         self.adapter = engine.adapter
         # `model.path=random:NAME`: the architecture's name, said in every step's metrics and the summary.
         self.random_weights = getattr(self.adapter, "random_weights", None)
-        params = self._make_trainable()
+        params, units = self._make_trainable(prepared.train_rows[0]["raw_prompt"])
         named = {n: p for n, p in self.adapter.transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
         self.ema = ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every) if tcfg.ema.enabled else None
         self.algorithm = build_algorithm(AlgorithmSetup(self.adapter, params, cfg, self.parallel, self.ema))
+        # Each phase's FLOPs, throughput and MFU in every step's metrics (perf/*).
+        self.perf = StepPerf(units, self._matmul_peak(), self.algorithm.phase_flops)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.algorithm.autocast_dtype)
         self.rollout_backend.bind(self.engine)
@@ -142,13 +146,17 @@ class Trainer:
         # Counts the transformer forwards of the update phase (the bar's "update N fwd").
         self.adapter.transformer.register_forward_pre_hook(lambda *_: self._count_update_forward())
 
-    def _make_trainable(self) -> list[torch.nn.Parameter]:
+    def _make_trainable(self, prompt: str) -> tuple[list[torch.nn.Parameter], UnitFlops]:
         """Inject the LoRA (from trainer.seed: runs repeat exactly) or train the whole transformer,
-        checkpointing and sharding as configured, compile; returns the trainable parameters."""
+        count the FLOPs of each kind of call on that eager, unsharded model (flowrl.run.step_flops),
+        checkpoint, shard and compile as configured; returns the trainable parameters and the
+        FLOP units."""
         tcfg, transformer = self.cfg.trainer, self.adapter.transformer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(tcfg.seed)
             params = apply_trainable(transformer, tcfg.lora)
+        with torch.random.fork_rng(devices=[self.world.device] if self.world.device.type == "cuda" else []):
+            units = count_unit_flops(self.adapter, self.cfg, prompt)
         if tcfg.gradient_checkpointing is not False:  # "auto" too: the update turns it off where memory allows
             transformer.enable_gradient_checkpointing()
         # Over ranks: replicated LoRA, or the full transformer sharded in place (new parameter objects).
@@ -166,7 +174,16 @@ class Trainer:
                 f"engine.compile: {len(self.engine.compiled_modules)} modules compile on first use; the first "
                 "rollout, validation and update take longer (minutes on a GPU)"
             )
-        return params
+        return params, units
+
+    def _matmul_peak(self) -> float | None:
+        """The device's sustained matmul FLOP/s in the model's dtype, measured once (a GPU only:
+        on a CPU no MFU is reported, only the achieved rate)."""
+        if self.world.device.type != "cuda":
+            return None
+        peak = measure_matmul_peak(self.world.device, self.adapter.dtype, sustain_seconds=1.0)["sustained_flops"]
+        self._print(f"matmul peak {peak / 1e12:.0f} TFLOP/s ({self.adapter.dtype}): perf/*_mfu are against it")
+        return peak
 
     def _print(self, line: str) -> None:
         if self.world.is_main:
@@ -200,6 +217,7 @@ class Trainer:
         if trains and first_update and self.world.is_main:
             self._note_first_update()
         metrics.update(self._step_timings(timer, sampled, scored))
+        metrics.update(self.perf.metrics(metrics, samples=self.cfg.trainer.prompts_per_step * self.cfg.rollout.n))
         if self.random_weights:
             metrics["model/random_weights"] = 1.0
         return self._max_over_ranks(metrics)
@@ -291,13 +309,14 @@ class Trainer:
             )
             if self.cfg.logging.log_images:
                 self.logger.log_image(self.step, "val/images", grid)
-        return self._max_over_ranks(
-            {
-                "val/reward_mean": float(np.nanmean(scores)),
-                "val/reward_std": float(np.nanstd(scores)),
-                "timing/val_s": time.perf_counter() - t0,
-            }
-        )
+        seconds = time.perf_counter() - t0
+        metrics = {
+            "val/reward_mean": float(np.nanmean(scores)),
+            "val/reward_std": float(np.nanstd(scores)),
+            "timing/val_s": seconds,
+            **self.perf.validation_metrics(len(scores), seconds),
+        }
+        return self._max_over_ranks(metrics)
 
     def _evaluation_weights(self):
         """The weights validation samples with: the moving average with trainer.ema (put back

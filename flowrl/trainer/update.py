@@ -42,11 +42,12 @@ from flowrl.distributed.parallel import DataParallel
 from flowrl.distributed.trained_rows import TrainedRows
 from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
+from flowrl.models.base import MIXED_PRECISION_DTYPES
 from flowrl.models.lora import adapter_disabled
 from flowrl.sampler import kl_to_reference
 from flowrl.trainer.early_denominators import EarlyDenominators
 from flowrl.trainer.grad_checkpointing import CheckpointingChoice, choose_checkpointing
-from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES, Scoring, score_transitions
+from flowrl.trainer.logprob import Scoring, score_transitions
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.plan import Forward, Plan, plan_update
 

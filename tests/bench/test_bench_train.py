@@ -167,10 +167,10 @@ def test_peer_log_probs_are_flowrls(recipe, overrides, rows, tmp_path):
     guidance rule (CFG rows, FLUX's guidance embedding and true CFG) as the engine applies it."""
     from flowrl.bench.peer import PeerLoop
     from flowrl.bench.train import load_bench_config
-    from flowrl.bench.train_flops import trainable
     from flowrl.engine.output import TransitionSpec
     from flowrl.models.base import pad_encodings
     from flowrl.run.checks import build_engine, check_before_loading
+    from flowrl.run.step_flops import trainable
     from flowrl.trainer.logprob import score_transitions
 
     cfg = load_bench_config(str(REPO / "recipes" / recipe), [*TINY, *overrides], str(tmp_path / "run"))
@@ -224,8 +224,9 @@ def test_peer_sde_step_is_the_samplers():
 
 
 def test_phase_flops_follow_the_algorithm():
-    from flowrl.bench.train_flops import UnitFlops, phase_flops
     from flowrl.run.config import load_train_config
+    from flowrl.run.step_flops import UnitFlops
+    from flowrl.trainer.flow_grpo import phase_flops
 
     units = UnitFlops(10, 3, 25, 10, 3, rows_per_sample=2, val_rows_per_sample=2)  # both recipes run CFG
     cfg = load_train_config(str(REPO / "recipes" / "qwen_image_ocr_lora.yaml"), ["trainer.prompts_per_step=2"])
@@ -247,10 +248,10 @@ def test_phase_flops_follow_the_algorithm():
 def test_trainable_leaves_the_model_as_it_was():
     """The bench sets the trainer's LoRA up on the bare model to count and to run the peer, then
     hands the trainer the same modules: nothing of the setup may stay behind."""
-    from flowrl.bench.train_flops import trainable
     from flowrl.models.lora import has_lora
     from flowrl.models.registry import load_adapter
     from flowrl.run.config import load_train_config
+    from flowrl.run.step_flops import trainable
 
     adapter = load_adapter("random:tiny-sd3", warn=False)
     before = {n: p.detach().clone() for n, p in adapter.transformer.named_parameters()}

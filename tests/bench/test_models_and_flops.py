@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.bench import flops
 from flowrl.bench.models import build_bench_model
+from flowrl.run import flops
 
 
 def test_random_prompts_are_fixed_per_text_and_shaped_like_the_encoders():
@@ -51,7 +51,7 @@ def test_counting_flops_leaves_compiled_modules_compiled():
     from torch.profiler import ProfilerActivity, profile
 
     from flowrl.accel.regional_compile import compile_in_place
-    from flowrl.bench.flops import count_flops
+    from flowrl.run.flops import count_flops
 
     class Block(torch.nn.Module):  # a forward outside torch's files, which dynamo never traces
         def __init__(self):

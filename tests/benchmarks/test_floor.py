@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowrl.bench.flops import transformer_flops_per_row
 from flowrl.bench.models import build_bench_model, make_trainable
+from flowrl.run.flops import transformer_flops_per_row
 
 
 @pytest.mark.parametrize("model, guidance", [("tiny-qwen", 1.0), ("tiny-sd3", 3.0)])

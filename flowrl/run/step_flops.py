@@ -1,7 +1,8 @@
-"""What each phase of a training step computes, in FLOPs, and the trainer's trainable setup on a
-bare model (while counting, and for the peer's loop).
+"""What a training step computes, in FLOPs, and how fast its phases ran against the device's peak:
+the per-phase throughput and MFU every training run logs (`perf/*`, as torchtitan logs MFU), and the
+trainer's trainable setup on a bare model (while counting, and for the benchmark's peer loop).
 
-FLOPs are counted once per configuration with torch.utils.flop_counter (flowrl.bench.flops), on
+FLOPs are counted once per configuration with torch.utils.flop_counter (flowrl.run.flops), on
 one representative call of each kind, on the eager model with the trainer's LoRA in place and
 before anything is compiled (a compiled model's custom ops have no FLOP formulas):
 - `forward_per_row`: one transformer row at the training size (a sample has `rows_per_sample` of
@@ -14,27 +15,26 @@ before anything is compiled (a compiled model's custom ops have no FLOP formulas
   gradient checkpointing's recomputed forward;
 - the forward and decode at the validation size.
 
-A phase's FLOPs (`phase_flops`) are the work the recipe's algorithm needs: the rollout's forwards
-and decodes (with rollout.merge_lora, on merged weights, plus the merge), the recompute's forwards
-(algorithm.old_log_prob=recompute: the rows of the optimizer steps after the first, whose own
-forwards give the first one's denominators), the update's forward + backward and the KL
-reference's forward, validation's forwards and decodes. What an implementation adds is left out
-(gradient checkpointing's recomputed forward, the compiled trainer's value pass), so a phase's
-limit (its FLOPs at the measured matmul peak) is the same for flowrl and the peer, and each one's
-MFU says how close it comes to it.
+A phase's FLOPs are the work the algorithm needs (each algorithm counts its own phases from these
+units: `Algorithm.phase_flops`). What an implementation adds is left out (gradient checkpointing's
+recomputed forward, the compiled trainer's value pass), so a phase's limit (its FLOPs at the
+device's matmul peak) is the same for any implementation of the algorithm, and its MFU says how
+close one comes to it. `StepPerf` turns a step's timings into `perf/<phase>_tflops` (the achieved
+rate, in teraFLOPs a second), `perf/<phase>_mfu` (against the matmul peak measured when the run starts, on a GPU) and
+the step's images per second and MFU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from flowrl.bench.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
+from flowrl.models.base import MIXED_PRECISION_DTYPES
 from flowrl.models.lora import apply_trainable, has_lora
-from flowrl.trainer.logprob import MIXED_PRECISION_DTYPES
+from flowrl.run.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
 
 
 def window_size(params) -> int:
@@ -141,35 +141,41 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     return UnitFlops(forward, decode, train, val_forward, val_decode, rows, val_rows, *merged)
 
 
-def recomputed_rows(rows_trained: int, cfg) -> int:
-    """The samples algorithm.old_log_prob=recompute scores before the update: all but those of the
-    first optimizer step (the first of `trainer.updates_per_step` near-equal mini-batches, the
-    larger when they differ), which score their denominators themselves; 0 with `rollout`."""
-    if cfg.algorithm.old_log_prob != "recompute" or rows_trained == 0:
-        return 0
-    return rows_trained - math.ceil(rows_trained / cfg.trainer.updates_per_step)
+# The phases a step's metrics time (timing/<phase>_s) whose FLOPs an algorithm counts.
+TIMED_PHASES = ("rollout", "old_log_prob", "update", "validation")
 
 
-def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
-    """FLOPs of each phase of one step of `cfg` (module docstring) that trained `rows_trained`
-    samples, with a validation of `val_images` images (0: none). Phases without device work
-    count 0."""
-    s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
-    samples = cfg.trainer.prompts_per_step * cfg.rollout.n
-    trained = rows_trained * trained_steps_per_sample(cfg)
-    forward_sample = units.rows_per_sample * units.forward_per_row
-    rollout_sample = s.num_inference_steps * units.rows_per_sample * units.rollout_forward_per_row
-    flops = {
-        "rollout": samples * (rollout_sample + units.decode_per_image) + units.merge_per_rollout,
-        "reward_wait": 0.0,
-        "old_log_prob": recomputed_rows(rows_trained, cfg) * trained_steps_per_sample(cfg) * forward_sample,
-        "update": trained
-        * cfg.trainer.update_epochs
-        * (units.train_per_sample_step + (forward_sample if algo.kl_beta > 0 else 0)),
-        "weight_sync": 0.0,
-    }
-    if val_images:
-        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
-        per_image += units.val_decode_per_image
-        flops["validation"] = val_images * per_image
-    return {name: float(value) for name, value in flops.items()}
+class StepPerf:
+    """A run's FLOP units and the device's matmul peak (None where not measured: on a CPU), and the
+    algorithm's count of a step's phase FLOPs: `phase_flops(units, rows_trained, val_images)`."""
+
+    def __init__(self, units: UnitFlops, peak_flops: float | None, phase_flops: Callable[..., dict]):
+        self.units, self.peak_flops, self.phase_flops = units, peak_flops, phase_flops
+
+    def metrics(self, metrics: dict, samples: int) -> dict:
+        """perf/* of a step from its metrics (timing/<phase>_s, adv/num_rows_trained) and its
+        number of samples."""
+        flops = self.phase_flops(self.units, int(metrics.get("adv/num_rows_trained", 0)), 0)
+        perf = self._phases(flops, metrics)
+        step_s = metrics.get("timing/step_s")
+        if step_s:
+            perf["perf/images_per_second"] = samples / step_s
+            perf["perf/step_tflops"] = sum(flops.values()) / step_s / 1e12
+            if self.peak_flops:
+                perf["perf/mfu"] = sum(flops.values()) / step_s / self.peak_flops
+        return perf
+
+    def validation_metrics(self, images: int, seconds: float) -> dict:
+        """perf/validation_* of a validation of `images` images that took `seconds`."""
+        flops = {"validation": self.phase_flops(self.units, 0, images).get("validation", 0.0)}
+        return self._phases(flops, {"timing/validation_s": seconds})
+
+    def _phases(self, flops: dict, metrics: dict) -> dict:
+        perf = {}
+        for phase in TIMED_PHASES:
+            seconds, count = metrics.get(f"timing/{phase}_s"), flops.get(phase, 0.0)
+            if count and seconds:
+                perf[f"perf/{phase}_tflops"] = count / seconds / 1e12
+                if self.peak_flops:
+                    perf[f"perf/{phase}_mfu"] = count / seconds / self.peak_flops
+        return perf
