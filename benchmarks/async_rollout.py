@@ -13,7 +13,7 @@ slowed by other work on the machine do not decide the comparison:
     python benchmarks/async_rollout.py --steps 30 --replicas 1 --device cuda:0 --replica-devices cuda:1 \
         rollout.sampling.height=256 rollout.sampling.width=256
 
-Extra KEY=VALUE arguments override the embedded tiny run's config (flowrl.cli.train).
+Extra KEY=VALUE arguments override the embedded tiny run's config (flowrl.run.config).
 """
 
 from __future__ import annotations

@@ -275,6 +275,11 @@ class RolloutBatch:
             self.non_tensor_batch[name] = _as_object_array(column)
         return self
 
+    def row_metadata(self, row: int) -> dict:
+        """What a reward sees of row `row`: its non-tensor columns, but for the sampling overrides
+        and the prompt (which the reward takes on its own)."""
+        return {k: v[row] for k, v in self.non_tensor_batch.items() if k not in ("sampling_overrides", "raw_prompt")}
+
     def _check_new_field(self, name: str, length: int) -> None:
         has_fields = bool(self.batch or self.non_tensor_batch)
         if has_fields and length != len(self):

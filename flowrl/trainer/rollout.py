@@ -25,14 +25,8 @@ from flowrl.distributed.step_rows import StepRows, gather_step_rows
 from flowrl.rollout.batch import RolloutBatch
 from flowrl.run.progress import NO_PROGRESS
 
-_NON_METADATA = ("sampling_overrides", "raw_prompt")
 # The engine counters gathered over ranks (flowrl.distributed.step_rows).
 _ENGINE_COUNTERS = ("num_rows", "num_forwards", "images_per_second")
-
-
-def row_metadata(batch, row: int) -> dict:
-    """What a reward sees of a row: its columns, but for the sampling overrides and the prompt."""
-    return {k: v[row] for k, v in batch.non_tensor_batch.items() if k not in _NON_METADATA}
 
 
 @dataclass
@@ -92,7 +86,7 @@ class StepSamples:
         progress = self.progress
 
         def submit(row: int, output) -> None:
-            self.scorer.submit(row, output.image, output.prompt, row_metadata(batch, row))
+            self.scorer.submit(row, output.image, output.prompt, batch.row_metadata(row))
             progress.advance()
 
         progress.phase("rollout", len(batch))

@@ -28,7 +28,6 @@ flowrl.run.loop's `fit`; this module holds the step, validation, and saving and 
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,21 +38,20 @@ from flowrl.data.prompts import PromptSampler
 from flowrl.distributed.checks import check_world
 from flowrl.distributed.parallel import DataParallel
 from flowrl.distributed.world import World
-from flowrl.models.lora import apply_trainable, has_lora, save_lora_for_diffusers
+from flowrl.models.lora import apply_trainable
 from flowrl.rollout.backends import open_rollout_backend
 from flowrl.rollout.schedule import VersionHistory, schedule_for
-from flowrl.run import checkpoint, resume
+from flowrl.rollout.validation import validate
+from flowrl.run import resume, state
 from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
-from flowrl.run.export import export_pipeline, save_transformer
 from flowrl.run.flops import measure_matmul_peak
-from flowrl.run.metrics import MetricsLogger, grid_captions, read_metrics, save_image_grid
+from flowrl.run.metrics import MetricsLogger, read_metrics
 from flowrl.run.progress import NO_PROGRESS
 from flowrl.run.step_flops import StepPerf, UnitFlops, count_unit_flops
 from flowrl.run.timing import PhaseTimer
 from flowrl.trainer.algorithm import AlgorithmSetup, build_algorithm
 from flowrl.trainer.ema import ParameterEMA
-from flowrl.trainer.rollout import StepSamples, row_metadata
-from flowrl.waiting import call_abortably
+from flowrl.trainer.rollout import StepSamples
 
 # How long a stopped run waits for reward batches already being scored before it leaves them.
 _STOPPED_SCORING_WAIT_S = 10.0
@@ -115,7 +113,7 @@ class Trainer:
         self.step = 0
         self.policy_version = 0
         if self.plan.checkpoint is not None:
-            self._restore(self.plan.checkpoint)
+            state.restore(self, self.plan.checkpoint, say=self._print)
         self.versions = VersionHistory(self.step, self.policy_version)
         self.logger = None  # rank 0 alone writes metrics
         if self.world.is_main:
@@ -265,82 +263,40 @@ class Trainer:
         names = sorted(k for k in metrics if k.startswith(("timing/", "memory/")))
         return {**metrics, **dict(zip(names, self.world.max([metrics[k] for k in names])))}
 
-    # --- validation -------------------------------------------------------------------------------
+    # --- validation and state: flowrl.rollout.validation, flowrl.run.state -------------------------
     def validate(self) -> dict:
-        """ODE samples of the validation prompts with fixed seeds (with trainer.ema, from the moving
-        average of the weights); a captioned grid PNG. Each rank samples and scores its share of
-        the prompts; rank 0 writes the grid of all of them."""
-        from flowrl.rollout.batch import RolloutBatch
-
+        """ODE samples of the validation prompts with fixed seeds, scored and drawn (with trainer.ema,
+        from the moving average of the weights); every rank samples its share."""
         if not self.val_rows:  # trainer.num_val_images=0
             return {}
-        t0 = time.perf_counter()
-        first, mine = self.world.share(self.val_rows)
-        self.progress.phase("validation", len(mine))
-        images, scores, prompts, targets = None, [], [], []
-        # A stop signal ends the wait for the samples inside the weights' swap, whose exit restores
-        # the weights. Every rank enters rollout_weights (a collective when sharded).
-        with self._evaluation_weights(), self.parallel.rollout_weights():
-            if mine:
-                batch = RolloutBatch.from_rows([dict(row) for row in mine])
-                out = self.val_agent_loop.generate_sequences(
-                    batch,
-                    validation=True,
-                    on_sample_done=lambda row, output: self.progress.advance(),
-                    row_offset=first,
-                    stop_check=self._stop_check(),
-                )
-                images = out.batch["images"]
-                prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
-                targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
-        if mine:
-            metadata = [row_metadata(out, i) for i in range(len(out))]
-            scored = call_abortably(self.reward.score_or_nan, images, prompts, metadata, stop_check=self._stop_check())
-            scores = list(scored[0])
-        shares = [share for share in self.world.gather((images, scores, prompts, targets)) if share[0] is not None]
-        scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
-        if self.world.is_main:
-            prompts = [p for share in shares for p in share[2]]
-            targets = [t for share in shares for t in share[3]]
-            grid = save_image_grid(
-                torch.cat([share[0] for share in shares]),
-                grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
-                self.output_dir / "val" / f"step_{self.step:06d}.png",
-            )
-            if self.cfg.logging.log_images:
-                self.logger.log_image(self.step, "val/images", grid)
-        seconds = time.perf_counter() - t0
-        metrics = {
-            "val/reward_mean": float(np.nanmean(scores)),
-            "val/reward_std": float(np.nanstd(scores)),
-            "timing/val_s": seconds,
-            **self.perf.validation_metrics(len(scores), seconds),
-        }
+        metrics, grid, images = validate(
+            self.val_agent_loop,
+            self.val_rows,
+            self.reward,
+            self.world,
+            self._validation_weights(),
+            self.output_dir / "val" / f"step_{self.step:06d}.png",
+            self.progress,
+            self._stop_check(),
+        )
+        if grid is not None and self.cfg.logging.log_images:
+            self.logger.log_image(self.step, "val/images", grid)
+        metrics.update(self.perf.validation_metrics(images, metrics["timing/val_s"]))
         return self._max_over_ranks(metrics)
 
-    def _evaluation_weights(self):
-        """The weights validation samples with: the moving average with trainer.ema (put back
-        after), else the trained weights as they are."""
-        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _validation_weights(self):
+        """The moving average of the weights with trainer.ema (put back after), else the trained
+        weights; gathered when sharded (every rank enters: a collective)."""
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            with self.parallel.rollout_weights():
+                yield
 
-    # --- checkpoints ------------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {
-            "policy_version": self.policy_version,
-            **self.data_state(saved=True),
-            "num_optimizer_steps": self.algorithm.num_optimizer_steps,
-        }
-        return checkpoint.save_checkpoint(
-            self.output_dir,
-            self.step,
-            self.adapter,
-            self.algorithm.optimizer,
-            self.param_names,
-            state,
-            self.config_dict,
-            ema=self.ema,
-            parallel=self.parallel,
-        )
+        return state.save(self)
+
+    def save_final(self) -> Path:
+        return state.save_final(self)
 
     def data_state(self, saved: bool = False) -> dict:
         """The data position: the prompt sampler's and the rollout rows' count. saved=True: the one
@@ -353,64 +309,6 @@ class Trainer:
         """Whether fit() trains step `step` (the data position as it is now)."""
         epochs = self.cfg.trainer.epochs
         return step <= self.cfg.trainer.total_steps and (epochs is None or self.prompts.epochs_done < epochs)
-
-    def _restore(self, path: Path) -> None:
-        """Continue from the checkpoint `plan_run` verified; this config's optimizer
-        hyper-parameters replace the saved ones (resume.RESUME_RULES lets them change)."""
-        optimizer = self.algorithm.optimizer
-        restored = checkpoint.load_checkpoint(
-            path,
-            self.adapter.transformer,
-            optimizer,
-            self.param_names,
-            verify=False,
-            ema=self.ema,
-            parallel=self.parallel,
-        )
-        tcfg = self.cfg.trainer
-        for group in optimizer.param_groups:
-            group.update(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
-        if self.ema is not None and not restored["ema_restored"]:
-            self.ema.reset()  # from the restored weights
-            self._print(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
-        state = restored["trainer"]
-        self.step = restored["step"]
-        self.prompts.load_state_dict(state["data"])
-        self.agent_loop.rows_generated = state["rows_generated"]
-        self.algorithm.num_optimizer_steps = state["num_optimizer_steps"]
-        self.policy_version = state["policy_version"]
-        self.engine.set_policy_version(self.policy_version)
-        self._print(f"resumed from {path} at step {self.step}")
-
-    def save_final(self) -> Path:
-        """`<output_dir>/final/`: the trained model as a pipeline folder the family's diffusers
-        pipeline loads with `from_pretrained` (plus `lora/` for LoRA runs; flowrl.run.export); with
-        trainer.ema, the moving average's weights under `final/ema/` (a diffusers LoRA folder, or
-        the transformer). Returns the pipeline folder. Every rank calls it (sharded weights are
-        gathered); rank 0 writes."""
-        final = self.output_dir / "final"
-        state = self.parallel.gathered_state_dict(self.adapter.transformer)
-        if self.world.is_main:
-            export_pipeline(self.adapter, final, self.step, self.config_dict, transformer_state=state)
-        self.world.barrier()
-        if self.ema is not None:
-            with self.ema.applied():
-                self._save_weights(self.output_dir / "final" / "ema")
-        return final
-
-    def _save_weights(self, folder: Path) -> Path:
-        """The trained weights alone: a diffusers LoRA folder, or the transformer (gathered from
-        every rank when sharded), written by rank 0."""
-        transformer = self.adapter.transformer
-        lora = has_lora(transformer)
-        state = None if lora else self.parallel.gathered_state_dict(transformer)
-        if self.world.is_main:  # LoRA weights are the same on every rank
-            if lora:
-                save_lora_for_diffusers(self.adapter, folder / "lora")
-            else:
-                save_transformer(transformer, folder / "transformer", state)
-        self.world.barrier()
-        return folder / ("lora" if lora else "transformer")
 
     # --- what the run loop (flowrl.run.loop) calls -------------------------------------------------
     def fit(self) -> dict:

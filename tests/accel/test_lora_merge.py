@@ -292,6 +292,7 @@ def test_the_trainer_compiles_the_merge_exactly_when_it_compiles_the_engine(
         output=f"merge-compiled-{compile_engine}",
     )
     trainer = build_trainer(cfg)
+    calls.clear()  # the merges that counted a merged rollout's FLOPs (flowrl.run.step_flops), with seed 0
     with trainer.rollout_weights():
         pass
     assert calls == [(int(np.random.SeedSequence([3, trainer.policy_version]).generate_state(1)[0]), compile_engine)]
@@ -309,6 +310,7 @@ def test_without_a_rollout_seed_every_rank_merges_with_rank_zeros_fresh_seed(bui
         output="merge-fresh-seed",
     )
     trainer = build_trainer(cfg)
+    calls.clear()  # the FLOP count's merges
 
     def rank_zeros(world, value):
         broadcast.append(value)

@@ -34,7 +34,12 @@ TINY = [
 QWEN = ["model.path=random:tiny-qwen", "rollout.sampling.num_inference_steps=6", "trainer.micro_batch_size=2"]
 SD35 = ["model.path=random:tiny-sd3", "rollout.sampling.num_inference_steps=3", "trainer.num_val_images=2"]
 FLUX = ["model.path=random:tiny-flux", "rollout.sampling.num_inference_steps=3", "rollout.sampling.guidance_scale=3.5"]
-Z_IMAGE = ["model.path=random:tiny-z-image", "rollout.sampling.num_inference_steps=6", "trainer.micro_batch_size=2"]
+Z_IMAGE = [
+    "model.path=random:tiny-z-image",
+    "rollout.sampling.num_inference_steps=6",
+    "trainer.micro_batch_size=2",
+    "rollout.merge_lora=false",
+]
 
 
 def _bench(tmp_path, recipe: str, overrides: list[str], *flags: str) -> tuple[int, dict]:

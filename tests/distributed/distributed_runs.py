@@ -202,7 +202,7 @@ def metrics(output: Path) -> list[dict]:
 
 # Metrics that measure when things happened, not what was trained: they differ between two runs
 # of the same training (the early share: how much of the recompute ran before the rewards were in).
-TIMING_METRICS = ("timing/", "rollout/images_per_second", "actor/old_log_prob_early_share")
+TIMING_METRICS = ("timing/", "perf/", "rollout/images_per_second", "actor/old_log_prob_early_share")
 
 
 def trained_metrics(record: dict) -> dict:

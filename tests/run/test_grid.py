@@ -8,8 +8,8 @@ import json
 import numpy as np
 from PIL import Image, ImageDraw
 
+from flowrl.rollout import validation as validation_module
 from flowrl.run.metrics import _fit_line, grid_captions, save_image_grid
-from flowrl.trainer import trainer as trainer_module
 
 
 def test_captions_hold_prompt_target_and_reward():
@@ -37,7 +37,7 @@ def test_validation_grid_shows_the_rows_target_text(build_trainer, make_cfg, tmp
     data = tmp_path / "val.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     seen = []
-    monkeypatch.setattr(trainer_module, "grid_captions", lambda *a: seen.append(grid_captions(*a)) or seen[-1])
+    monkeypatch.setattr(validation_module, "grid_captions", lambda *a: seen.append(grid_captions(*a)) or seen[-1])
     cfg = make_cfg(f"data.train_path={data}", "trainer.num_val_images=2", "rollout.n=2", "trainer.prompts_per_step=2")
     result = build_trainer(cfg).validate()
     assert (tmp_path / "run" / "val" / "step_000000.png").is_file() and "val/reward_mean" in result

@@ -1,0 +1,67 @@
+"""A validation pass: the validation prompts sampled with fixed seeds (rollout.val_sampling: ODE),
+scored, and drawn as a captioned grid.
+
+`validate(...)` samples this rank's share of the prompts through an agent loop (the trainer's own
+engine, whatever backend its training rollouts use), scores them with the reward, gathers every
+rank's share, and on rank 0 writes `val/step_XXXXXX.png` (each image captioned with its prompt, its
+target text when the row has `ground_truth`, and its score). Which weights it samples with is the
+caller's context (`weights`: e.g. the moving average of trainer.ema, and a sharded model's
+gathered weights); a stop signal ends the wait for the samples inside that context, whose exit
+restores the weights. It knows the agent loop, the reward and the world; nothing of training.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowrl.rollout.batch import RolloutBatch
+from flowrl.run.metrics import grid_captions, save_image_grid
+from flowrl.waiting import call_abortably
+
+
+def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | None, progress, stop_check=None):
+    """Sample, score and draw the validation `rows` (module docstring). weights: the context the
+    samples are drawn in (every rank enters it: a collective when sharded); grid: where rank 0
+    writes the grid PNG; progress: the run's bar (flowrl.run.progress). Returns (metrics over every
+    rank's rows, the grid image on rank 0 or None, the number of images)."""
+    t0 = time.perf_counter()
+    first, mine = world.share(rows)
+    progress.phase("validation", len(mine))
+    images, scores, prompts, targets = None, [], [], []
+    with weights:
+        if mine:
+            batch = RolloutBatch.from_rows([dict(row) for row in mine])
+            out = agent_loop.generate_sequences(
+                batch,
+                validation=True,
+                on_sample_done=lambda row, output: progress.advance(),
+                row_offset=first,
+                stop_check=stop_check,
+            )
+            images = out.batch["images"]
+            prompts = [str(p) for p in out.non_tensor_batch["raw_prompt"]]
+            targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
+    if mine:
+        metadata = [out.row_metadata(i) for i in range(len(out))]
+        scores = list(call_abortably(reward.score_or_nan, images, prompts, metadata, stop_check=stop_check)[0])
+    shares = [share for share in world.gather((images, scores, prompts, targets)) if share[0] is not None]
+    scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
+    image = None
+    if world.is_main:
+        prompts = [p for share in shares for p in share[2]]
+        targets = [t for share in shares for t in share[3]]
+        image = save_image_grid(
+            torch.cat([share[0] for share in shares]),
+            grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
+            grid,
+        )
+    metrics = {
+        "val/reward_mean": float(np.nanmean(scores)),
+        "val/reward_std": float(np.nanstd(scores)),
+        "timing/val_s": time.perf_counter() - t0,
+    }
+    return metrics, image, len(scores)

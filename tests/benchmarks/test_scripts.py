@@ -1,0 +1,25 @@
+"""The scripts users run from benchmarks/ still run on the CPU with tiny models (floor.py has its
+own tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_vs_serial_reports_every_way_of_sampling():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/engine_vs_serial.py", "--kind", "sd3", "-n", "4", "--steps", "2", "--size", "64"],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for line in ("engine generate_batched", "engine concurrent singles", "serial B=1", "speed-up batched vs serial"):
+        assert line in result.stdout, result.stdout
