@@ -4,7 +4,7 @@ A diffusers FluxSingleTransformerBlock runs attention and an MLP side by side on
 tokens, concatenates the attention output (width D) and the GELU'd MLP activation (width 4D) into
 one (tokens, 5D) tensor and projects it back with `proj_out`. Compiled, the concatenation is a
 kernel that reads both branches and writes the 5D-wide tensor (with the GELU folded into it), the
-largest kernel of a profiled rollout after the GEMMs and attention (docs/performance.md). The same
+largest kernel of a profiled rollout after the GEMMs and attention (benchmarks/results/). The same
 projection is a sum of two GEMMs over the halves of `proj_out`'s weight:
 
     proj_out(cat(a, m)) = a @ W[:, :D]^T + m @ W[:, D:]^T + b

@@ -19,7 +19,7 @@ Attention gradients: a single-stream block concatenates its attention output wit
 so the gradient reaching its attention is a strided slice, while the double-stream blocks' is
 contiguous, at the same shapes. cuDNN's attention backward reuses the plan it built for a shape
 whatever that gradient's strides, and a plan built on the strided one read out of bounds on the
-contiguous one: an eager training step ended with an illegal memory access (docs/performance.md
+contiguous one: an eager training step ended with an illegal memory access (benchmarks/results/
 says where it was seen). The adapter hands each single-stream block's attention gradient on
 contiguous (`contiguous_gradient`), in the layout of the attention's output; the forward is the
 same tensor.

@@ -1,4 +1,4 @@
-"""CLI smoke tests of `flowrl bench rollout` and `flowrl bench logprob` on the tiny models (CPU),
+"""CLI smoke tests of `flowrl bench rollout` on the tiny models (CPU),
 through the real entry point, checking the properties the reports promise."""
 
 from __future__ import annotations
