@@ -61,8 +61,8 @@ class SamplingParams:
     """Explicit [start, end) step indices that are stochastic; null lets sde_window_size choose."""
     sde_window_size: int | None = None
     """With sde_window null: the window's length, its start drawn uniformly from sde_window_range
-    (default: every start that fits) once per engine call, from a generator seeded by `seed`. Both
-    null: every step but the last is stochastic."""
+    (default: every start that fits) for each sample, from a generator seeded by the sample's seed
+    (sample j of a batched call: seed + j). Both null: every step but the last is stochastic."""
     sde_window_range: tuple[int, int] | None = None
     """[lo, hi): where a drawn window may lie (null: every step but the last)."""
     seed: int | None = None

@@ -101,7 +101,11 @@ class PeerLoop:
         self.optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         self.autocast_dtype = MIXED_PRECISION_DTYPES[tcfg.mixed_precision]
         named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
-        self.ema = ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every) if tcfg.ema.enabled else None
+        self.ema = (
+            ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every, tcfg.ema.moves_per_update)
+            if tcfg.ema.enabled
+            else None
+        )
         self.pool = ThreadPoolExecutor(scoring_workers(cfg.reward.num_workers))
         self.num_optimizer_steps = 0
         self.calls = 0

@@ -227,6 +227,11 @@ class RolloutConfig:
     """SamplingParams of training rollouts (SDE, log-probs on); its fields are listed below."""
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
     """SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs)."""
+    sde_window_draw: Literal["step", "row"] = "step"
+    """How a drawn SDE window (sampling.sde_window_size) falls on a training step's rows: `step`, one
+    window per training step, drawn from (trainer.seed, step) and shared by every row (flow_grpo
+    draws one per process and step); `row`, each row its own, drawn from the row's seed
+    (verl-omni)."""
     merge_lora: bool = False
     """Training rollouts compute each adapted projection with the merged weight W + s B A,
     stochastically rounded to the model's dtype and made once per rollout (with engine.compile, in
@@ -257,6 +262,7 @@ class RolloutConfig:
 
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
+        check_choices(self, "rollout")
         self._validate_replicas()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
@@ -334,6 +340,11 @@ class AlgorithmConfig:
     forwards; the rest are re-scored)."""
     train_timestep_fraction: float = 1.0
     """Fraction of each sample's SDE-window steps that are trained (a random subset per sample)."""
+    behaviour_weight_cap: float = 5.0
+    """Decoupled PPO (AReaL, arXiv 2505.24298; verl's rollout correction) for samples drawn by older
+    weights than the update starts from (trainer.async_rollout): their clipped objective, centred on
+    the update's starting weights, is weighted by min(pi_start / pi_behaviour, this cap), the
+    behaviour policy's log-prob being the rollout's. Samples of the current weights weigh 1."""
     shuffle_advantages: bool = False
     """The control run of a learning comparison: the step's advantages are permuted over its
     trained rows (seeded from trainer.seed and the step), so the update keeps their distribution
@@ -348,6 +359,7 @@ class AlgorithmConfig:
         _check_min("algorithm.zero_std_threshold", self.zero_std_threshold, 0.0)
         if not 0.0 < self.train_timestep_fraction <= 1.0:
             _fail("algorithm.train_timestep_fraction", self.train_timestep_fraction, "must be in (0, 1]")
+        _check_min("algorithm.behaviour_weight_cap", self.behaviour_weight_cap, 1.0)
         return self
 
 
@@ -394,15 +406,24 @@ class EmaConfig:
     """Keep the average: validation samples with it, checkpoints save it (`ema.safetensors`), resume
     restores it, and the end of the run also writes `final/ema/`."""
     decay: float = 0.9
-    """After every `update_every`-th optimizer step t: ema += (1 - d) (weights - ema), with
-    d = min(decay, (1 + t) / (10 + t)) (a warm-up: early averages follow the weights faster)."""
+    """After optimizer step t, when (t + 1) is a multiple of `update_every`: ema += (1 - d)
+    (weights - ema), `moves_per_update` times, with d = min(decay, (1 + t) / (10 + t)) (a warm-up:
+    early averages follow the weights faster); Flow-GRPO's EMA and loop (flowrl.trainer.ema)."""
     update_every: int = 8
     """Optimizer steps between two moves of the average."""
+    moves_per_update: int = 1
+    """How many times the average moves at each moving optimizer step. Flow-GRPO's loop moves it
+    once per training micro-batch of that optimizer step on each process, so its horizon depends on
+    how its run was cut: set this to the reference run's micro-batches per optimizer step per
+    process to keep its horizon (2 in its SD3.5-M OCR config, 6 in its FLUX PickScore config). With
+    decay 0.9 every 8 steps, the average lags a steadily moving weight by about 75 optimizer steps
+    with 1, 38 with 2 and 13 with 6."""
 
     def validate(self) -> "EmaConfig":
         if not 0.0 <= self.decay < 1.0:
             _fail("trainer.ema.decay", self.decay, "must be in [0, 1), e.g. 0.9")
         _check_min("trainer.ema.update_every", self.update_every, 1)
+        _check_min("trainer.ema.moves_per_update", self.moves_per_update, 1)
         return self
 
 
@@ -467,8 +488,10 @@ class TrainerConfig:
     async_rollout: bool = False
     """One-step-ahead training (decoupled only, docs/training.md): step k+1's rollouts run on the
     rollout servers, with the weights step k started from, while step k trains. Every sample is
-    then one weight update stale (from the second step on); the PPO ratio is taken against its own
-    rollout log-prob (algorithm.old_log_prob=rollout)."""
+    then one update stale (from the second step on: its optimizer steps, rollout/staleness_*), and
+    the update is decoupled PPO: the clip centred on the weights the update starts from
+    (algorithm.old_log_prob=recompute), each stale sample weighted by its truncated importance
+    weight against the rollout's log-prob (algorithm.behaviour_weight_cap)."""
 
     def validate(self) -> "TrainerConfig":
         check_choices(self, "trainer")
@@ -696,21 +719,41 @@ class FlowRLConfig:
         if self.rollout.merge_lora:
             self._check_merge_lora()
         if self.trainer.async_rollout:
-            if not self.rollout.is_decoupled:
-                _fail(
-                    "trainer.async_rollout",
-                    True,
-                    "it overlaps rollouts on rollout servers with training; set rollout.servers or "
-                    "rollout.num_replicas, or trainer.async_rollout=false",
-                )
-            if self.algorithm.old_log_prob != "rollout":
-                _fail(
-                    "algorithm.old_log_prob",
-                    self.algorithm.old_log_prob,
-                    "with trainer.async_rollout the samples come from the previous weights, and the PPO "
-                    "ratio must be taken against the policy that drew them; set algorithm.old_log_prob=rollout",
-                )
+            self._check_async_rollout()
+        if self.rollout.is_decoupled and self.engine.compile and self.algorithm.old_log_prob == "rollout":
+            _fail(
+                "algorithm.old_log_prob",
+                "rollout",
+                "rollout servers sample with their own graph and engine.compile=true trains with another, so the "
+                "PPO ratio would compare two graphs (whose rounding alone moves it past the clip range); set "
+                "algorithm.old_log_prob=recompute (the trainer scores both sides) or engine.compile=false",
+            )
         return self
+
+    def _check_async_rollout(self) -> None:
+        """trainer.async_rollout's needs (TrainerConfig's docstring)."""
+        if not self.rollout.is_decoupled:
+            _fail(
+                "trainer.async_rollout",
+                True,
+                "it overlaps rollouts on rollout servers with training; set rollout.servers or "
+                "rollout.num_replicas, or trainer.async_rollout=false",
+            )
+        if self.algorithm.old_log_prob != "recompute":
+            _fail(
+                "algorithm.old_log_prob",
+                self.algorithm.old_log_prob,
+                "with trainer.async_rollout the samples come from older weights: the clip is centred on the "
+                "weights the update starts from (decoupled PPO), whose log-probs the trainer recomputes; set "
+                "algorithm.old_log_prob=recompute",
+            )
+        if not self.rollout.sampling.logprobs:
+            _fail(
+                "rollout.sampling.logprobs",
+                False,
+                "with trainer.async_rollout the rollout's own log-probs weigh each stale sample (decoupled PPO's "
+                "behaviour weight); set rollout.sampling.logprobs=true",
+            )
 
     def _check_merge_lora(self) -> None:
         """rollout.merge_lora's needs (RolloutConfig's docstring)."""

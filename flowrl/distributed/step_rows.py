@@ -68,6 +68,19 @@ class StepRows:
         metrics["rollout/num_batched_groups"] = sum(e["num_batched_groups"] for e in self.engine)
         return metrics
 
+    def staleness(self, start_version: int, optimizer_steps: int) -> dict:
+        """How many optimizer steps the weights of each optimizer step of the update are ahead of
+        the weights that drew each row (policy versions count optimizer steps): the mean and the
+        largest over every (row, optimizer step) pair of the update, which starts from
+        `start_version` and takes `optimizer_steps` steps (0: no update, the lag at its start).
+        0 on-policy at the first optimizer step; the k-th step after it is k steps ahead."""
+        lag = start_version - self.policy_versions.astype(np.float64)
+        later = max(optimizer_steps - 1, 0)  # the last optimizer step is this many after the first
+        return {
+            "rollout/staleness_mean": float(lag.mean() + later / 2),
+            "rollout/staleness_max": int(lag.max() + later),
+        }
+
     def trained(self, keep: np.ndarray) -> TrainedRows:
         """The rows `keep` marks, as the update trains them (each weighing 1)."""
         rows = np.flatnonzero(keep)

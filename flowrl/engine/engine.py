@@ -148,7 +148,7 @@ class DiffusionEngine(EngineAPI):
     def submit_batched(
         self, prompt: str, num_outputs_per_prompt: int, sampling_params: SamplingParams | None = None
     ) -> list[Future]:
-        """Queue N samples of `prompt` (one SDE window drawn for all of them); return futures."""
+        """Queue N samples of `prompt` (sample j with seed + j and its window); return futures."""
         check_num_outputs_per_prompt(num_outputs_per_prompt)
         params = self._validated(prompt, sampling_params, num_outputs_per_prompt)
         samples = self._request(prompt, num_outputs_per_prompt, params)
@@ -222,23 +222,28 @@ class DiffusionEngine(EngineAPI):
         return params
 
     def _request(self, prompt: str, num_samples: int, params: SamplingParams) -> list[SampleState]:
-        """The samples of one request: seeds seed + j, one SDE window for all of them."""
+        """The samples of one request: seeds seed + j, each with the SDE window of its own seed (so
+        sample j is the sample a single request with seed + j draws)."""
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
-        window = self._choose_window(params, base_seed)
         num_rows = self.adapter.rows_per_sample(params)
         return [
             SampleState(
-                prompt=prompt, params=params, seed=base_seed + j, sde_window=window, future=Future(), num_rows=num_rows
+                prompt=prompt,
+                params=params,
+                seed=base_seed + j,
+                sde_window=self._choose_window(params, base_seed + j),
+                future=Future(),
+                num_rows=num_rows,
             )
             for j in range(num_samples)
         ]
 
     @staticmethod
-    def _choose_window(params: SamplingParams, base_seed: int) -> tuple[int, int]:
+    def _choose_window(params: SamplingParams, seed: int) -> tuple[int, int]:
         if params.sde_window is not None:
             return tuple(params.sde_window)
         if params.sde_window_size is not None:
-            gen = torch.Generator().manual_seed(base_seed)
+            gen = torch.Generator().manual_seed(seed)
             return sampler.draw_sde_window(
                 params.num_inference_steps, params.sde_window_size, params.sde_window_range, gen
             )

@@ -7,13 +7,9 @@
   k + 1's rollout already runs on the rollout servers, with the weights step k started from
   (those of step k - 1). Step k's update is published only when that rollout has returned, so no
   request ever sees two versions, and every sample of step k + 1 is exactly one update stale:
-  step k + 1 trains from the weights of step k on samples of step k - 1's weights. The PPO ratio
-  is taken against the rollout's own log-prob (the config requires algorithm.old_log_prob=rollout),
-  an importance ratio against the behaviour policy. The first step has no earlier rollout to
-  wait for and is on-policy.
-
-`VersionHistory` turns the policy version each sample records into its staleness: how many
-training steps the weights being trained are ahead of the weights that drew it.
+  step k + 1 trains from the weights of step k on samples of step k - 1's weights, with
+  decoupled PPO (flowrl.trainer.update). The first step has no earlier rollout to wait for and is
+  on-policy.
 
 A schedule calls the trainer's `roll_out(step)` (the step's rows rolled out, each sample handed to
 the reward scorer as it finishes) and knows nothing of its insides; the trainer waits for the
@@ -25,8 +21,6 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Callable
 
-import numpy as np
-
 from flowrl.waiting import run_in_thread
 
 
@@ -35,22 +29,6 @@ def schedule_for(is_async: bool, backend, roll_out, has_step, data_state):
     if is_async:
         return OneStepAheadSchedule(backend, roll_out, has_step, data_state)
     return SynchronousSchedule(backend, roll_out)
-
-
-class VersionHistory:
-    """The last training step whose weights had each policy version."""
-
-    def __init__(self, step: int, version: int):
-        self._step_of_version = {version: step}
-
-    def record(self, step: int, version: int) -> None:
-        self._step_of_version[version] = step
-
-    def staleness(self, versions, current_step: int) -> np.ndarray:
-        """Per sample: current_step minus the step whose weights drew it (0: on-policy). A version
-        from before a resume is counted as drawn by the restored weights."""
-        oldest = min(self._step_of_version.values())
-        return np.array([current_step - self._step_of_version.get(int(v), oldest) for v in versions], dtype=np.int64)
 
 
 class SynchronousSchedule:

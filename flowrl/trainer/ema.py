@@ -1,10 +1,15 @@
 """An exponential moving average of the trained parameters (`trainer.ema`), as Flow-GRPO keeps one
 for evaluation and checkpoints.
 
-`ParameterEMA(named_parameters, decay, update_every)`:
-- `step(num_optimizer_steps)` after each optimizer step: every `update_every`-th one moves the
-  average toward the weights, ema += (1 - d) * (weights - ema), d = min(decay, (1 + t) / (10 + t))
-  with t the optimizer steps taken (the warm-up lets early averages follow the weights faster);
+`ParameterEMA(named_parameters, decay, update_every, moves_per_update)`:
+- `step(t)` after optimizer step t (the optimizer steps taken so far): when (t + 1) is a multiple
+  of `update_every`, the average moves `moves_per_update` times toward the weights,
+  ema += (1 - d) * (weights - ema), d = min(decay, (1 + t) / (10 + t)) (the warm-up lets early
+  averages follow the weights faster). This is Flow-GRPO's loop (scripts/train_sd3.py with
+  flow_grpo/ema.py): it calls its EMA after every training micro-batch with the optimizer-step
+  count, which moves when (count + 1) % interval == 0, so at such a count it moves once per
+  micro-batch of that optimizer step on its process (`moves_per_update`; 2 in its SD3.5-M OCR
+  config, 6 in its FLUX PickScore config) with the same weights and decay;
 - `applied()`: a context in which the parameters hold the average (in place, so an engine sharing
   the modules samples with it), the trained values restored exactly afterwards;
 - `state_dict()` / `load_state_dict()`: the averages by parameter name (the names of
@@ -22,12 +27,22 @@ import torch
 
 
 class ParameterEMA:
-    def __init__(self, named_parameters: dict[str, torch.nn.Parameter], decay: float, update_every: int):
-        if not 0.0 <= decay < 1.0 or update_every < 1:
-            raise ValueError(f"trainer.ema: decay={decay} must be in [0, 1) and update_every={update_every} >= 1")
+    def __init__(
+        self,
+        named_parameters: dict[str, torch.nn.Parameter],
+        decay: float,
+        update_every: int,
+        moves_per_update: int = 1,
+    ):
+        if not 0.0 <= decay < 1.0 or update_every < 1 or moves_per_update < 1:
+            raise ValueError(
+                f"trainer.ema: decay={decay} must be in [0, 1), update_every={update_every} >= 1 and "
+                f"moves_per_update={moves_per_update} >= 1"
+            )
         self.parameters = dict(named_parameters)
         self.decay = decay
         self.update_every = update_every
+        self.moves_per_update = moves_per_update
         self.num_updates = 0
         self.averages: dict[str, torch.Tensor] = {}
         self.reset()
@@ -44,10 +59,12 @@ class ParameterEMA:
     @torch.no_grad()
     def step(self, num_optimizer_steps: int) -> bool:
         """Call after each optimizer step with the number taken so far; returns whether the
-        average moved (every `update_every`-th step)."""
-        if num_optimizer_steps % self.update_every:
+        average moved (module docstring)."""
+        if (num_optimizer_steps + 1) % self.update_every:
             return False
-        weight = 1.0 - self.current_decay(num_optimizer_steps)
+        # `moves_per_update` moves toward the same weights with weight w each: one move of
+        # 1 - (1 - w)^moves, as the reference's repeated calls leave it (up to rounding).
+        weight = 1.0 - self.current_decay(num_optimizer_steps) ** self.moves_per_update
         for name, param in self.parameters.items():
             average = self.averages[name]
             average.add_(param.detach().float() - average, alpha=weight)
@@ -75,7 +92,12 @@ class ParameterEMA:
 
     def meta(self) -> dict:
         """The JSON-ready settings and counter of the average (state_dict's second half)."""
-        return {"decay": self.decay, "update_every": self.update_every, "num_updates": self.num_updates}
+        return {
+            "decay": self.decay,
+            "update_every": self.update_every,
+            "moves_per_update": self.moves_per_update,
+            "num_updates": self.num_updates,
+        }
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore averages written by `state_dict`; names and shapes must match the parameters."""

@@ -1,13 +1,15 @@
 """FlowGRPO (arXiv 2505.05470; FLOWGRPO.md): SDE rollouts with per-step log-probs, group-relative
 advantages, and the clipped PPO loss over the stored transitions.
 
-- Rollouts: one SDE window per training step (`rollout.sampling.sde_window_size`), drawn from
-  (trainer.seed, step) and shared by every row of the step; with `rollout.merge_lora` the rollout
-  samples with the adapter merged into its weights (flowrl.accel.merged_lora).
+- Rollouts: an SDE window (`rollout.sampling.sde_window_size`) drawn once per training step from
+  (trainer.seed, step) and shared by every row, or one per row from its seed
+  (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
+  into its weights (flowrl.accel.merged_lora).
 - Advantages: (r - group mean) / (std + eps), clamped (flowrl.trainer.advantages); rows with no
   valid reward are not trained, nor, with `algorithm.zero_std_policy=drop`, groups without spread;
   `algorithm.shuffle_advantages` permutes them over the trained rows (the control run).
-- Update: flowrl.trainer.update (the old log-prob phase, then the optimizer steps).
+- Update: flowrl.trainer.update (the old log-prob phase, then the optimizer steps); rows drawn by
+  older weights (trainer.async_rollout) train with decoupled PPO.
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ class FlowGRPO(Algorithm):
 
     # -- rollouts --------------------------------------------------------------------------------
     def sampling_overrides(self, step: int) -> dict | None:
-        """The step's shared SDE window: explicit, drawn from (trainer.seed, step), or the engine's
-        default (no override)."""
+        """The step's SDE window: explicit, one drawn from (trainer.seed, step) for every row
+        (rollout.sde_window_draw=step), or left to the engine, which draws each row's from its own
+        seed (`row`) or uses its default (no window size)."""
         s = self.rollout.sampling
-        if s.sde_window is not None or s.sde_window_size is None:
+        if s.sde_window is not None or s.sde_window_size is None or self.rollout.sde_window_draw == "row":
             return None if s.sde_window is None else {"sde_window": tuple(s.sde_window)}
         window = sampler.draw_sde_window(
             s.num_inference_steps, s.sde_window_size, s.sde_window_range, seeded_generator(self.seed, step, 7)
@@ -127,7 +130,14 @@ class FlowGRPO(Algorithm):
     def prepare(self, rollout, rows, weights: StepWeights, step: int):
         tensors, specs = update_inputs(rollout)
         advantages = torch.from_numpy(weights.values[rows.mine])
-        return self.updater.prepare(tensors, specs, advantages, step, trained=rows.trained(weights.keep))
+        return self.updater.prepare(
+            tensors,
+            specs,
+            advantages,
+            step,
+            trained=rows.trained(weights.keep),
+            policy_versions=rows.policy_versions[rows.mine],
+        )
 
     def update(self, batch) -> dict:
         return self.updater.update(batch)

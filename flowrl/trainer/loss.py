@@ -3,6 +3,12 @@
 For one trained denoising step of a micro-batch of samples:
     ratio = exp(log_prob - old_log_prob)
     loss  = mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))   (+ kl_beta * mean KL)
+With samples drawn by older weights than the update starts from (decoupled PPO: AReaL, arXiv
+2505.24298, eq. 5; truncated as verl's rollout correction), `old_log_prob` is the proximal policy's
+(the weights the update starts from) and each pair's term is weighted by the behaviour weight
+    w = min(exp(old_log_prob - behaviour_log_prob), cap)   (detached)
+so the clip is centred on the proximal policy and the behaviour policy enters only through w
+(a fresh row passes its old_log_prob as its behaviour log-prob: w = 1 exactly).
 Rows with weight 0 (NaN rewards, dropped zero-std groups) are excluded from the means. The loss
 that is optimized divides the weighted sums by `normalizer` when given: the weight of every
 (row, step) pair of the whole optimizer step, so that a micro-batch's loss is its exact share of
@@ -29,7 +35,9 @@ class PolicyLossOutput:
     when one is given). The metrics are detached 0-d tensors on the loss's device, means over this
     call's counted rows (with none: the on-policy values, ratio 1 and the rest 0): reading them
     waits for the device, so a loop of forwards reads them once, after the loop. num_rows: the
-    counted rows, a host int (from host weights: no device read)."""
+    counted rows, a host int (from host weights: no device read). behaviour_weight /
+    behaviour_capped: with a behaviour log-prob, the mean weight and the share of rows the cap
+    truncated (else None)."""
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
@@ -39,6 +47,8 @@ class PolicyLossOutput:
     approx_kl: torch.Tensor
     kl: torch.Tensor
     num_rows: int
+    behaviour_weight: torch.Tensor | None = None
+    behaviour_capped: torch.Tensor | None = None
 
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -54,12 +64,16 @@ def clipped_policy_loss(
     kl_beta: float = 0.0,
     weights: torch.Tensor | None = None,
     normalizer: float | None = None,
+    behaviour_log_prob: torch.Tensor | None = None,
+    behaviour_weight_cap: float = 5.0,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss of one trained step; every tensor is (B,).
 
     kl: per-row KL to the reference (None when kl_beta is 0). weights: 1 for rows that count,
     0 for excluded rows (None: all count). normalizer: what the loss's weighted sums divide by
-    (module docstring); None: this call's own weight, a plain weighted mean. Nothing here waits
+    (module docstring); None: this call's own weight, a plain weighted mean. behaviour_log_prob:
+    the log-probs of the policy that drew each row, for decoupled PPO (module docstring; None: the
+    rows were drawn by the old_log_prob policy, plain PPO). Nothing here waits
     for the device when `weights` is a host tensor (or None): host inputs are copied to the
     log-prob's device without blocking.
     """
@@ -76,6 +90,11 @@ def clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     surrogate = torch.maximum(unclipped, clipped)
+    behaviour_weight = None
+    if behaviour_log_prob is not None:
+        behaviour_log_prob = host_to_device(behaviour_log_prob.detach(), device, torch.float32)
+        behaviour_weight = torch.exp(old_log_prob - behaviour_log_prob).clamp(max=behaviour_weight_cap)
+        surrogate = surrogate * behaviour_weight
     objective = surrogate if kl is None else surrogate + kl_beta * kl.float()
     scale = weights.sum().clamp_min(1.0) if normalizer is None else max(float(normalizer), 1e-12)
     loss = (objective * weights).sum() / scale
@@ -98,4 +117,8 @@ def clipped_policy_loss(
             approx_kl=0.5 * (delta**2 * share).sum(),
             kl=torch.zeros((), device=device) if kl is None else _weighted_mean(kl.float(), weights).detach(),
             num_rows=num_rows,
+            behaviour_weight=None if behaviour_weight is None else (behaviour_weight * share).sum(),
+            behaviour_capped=None
+            if behaviour_weight is None
+            else ((behaviour_weight >= behaviour_weight_cap).float() * share).sum(),
         )

@@ -40,7 +40,7 @@ from flowrl.distributed.parallel import DataParallel
 from flowrl.distributed.world import World
 from flowrl.models.lora import apply_trainable
 from flowrl.rollout.backends import open_rollout_backend
-from flowrl.rollout.schedule import VersionHistory, schedule_for
+from flowrl.rollout.schedule import schedule_for
 from flowrl.rollout.validation import validate
 from flowrl.run import resume, state
 from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
@@ -98,7 +98,11 @@ class Trainer:
         params, units = self._make_trainable(prepared.train_rows[0]["raw_prompt"])
         named = {n: p for n, p in self.adapter.transformer.named_parameters() if p.requires_grad}
         self.param_names = list(named)
-        self.ema = ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every) if tcfg.ema.enabled else None
+        self.ema = (
+            ParameterEMA(named, tcfg.ema.decay, tcfg.ema.update_every, tcfg.ema.moves_per_update)
+            if tcfg.ema.enabled
+            else None
+        )
         self.algorithm = build_algorithm(AlgorithmSetup(self.adapter, params, cfg, self.parallel, self.ema))
         # Each phase's FLOPs, throughput and MFU in every step's metrics (perf/*).
         self.perf = StepPerf(units, self._matmul_peak(), self.algorithm.phase_flops)
@@ -114,7 +118,6 @@ class Trainer:
         self.policy_version = 0
         if self.plan.checkpoint is not None:
             state.restore(self, self.plan.checkpoint, say=self._print)
-        self.versions = VersionHistory(self.step, self.policy_version)
         self.logger = None  # rank 0 alone writes metrics
         if self.world.is_main:
             log = cfg.logging
@@ -199,17 +202,18 @@ class Trainer:
             scored = self.samples.rewards(sampled, step)
         with timer.phase("advantages"):  # 3. rewards -> per-row weights, rows trained
             weights = self.algorithm.advantages(scored.rows, step)
-        metrics = {**scored.rows.metrics(self.policy_version), **weights.metrics, **self._staleness(sampled, scored)}
+        metrics = {**scored.rows.metrics(self.policy_version), **weights.metrics}
         self.progress.phase("update")
         trains, first_update = bool(weights.keep.any()), not self._has_updated
         with timer.phase("old_log_prob"):  # 4. what the update compares against
             batch = self.algorithm.prepare(sampled.batch, scored.rows, weights, step) if trains else None
         with timer.phase("update"):  # 5. the optimizer steps
             metrics.update(self.algorithm.update(batch) if trains else {})
+        optimizer_steps = self.algorithm.num_optimizer_steps - self.policy_version
+        metrics.update(scored.rows.staleness(self.policy_version, optimizer_steps))  # in optimizer steps
         with timer.phase("weight_sync"):  # 6. the new version goes live (async: once the early rollout returned)
             self.policy_version = self.algorithm.num_optimizer_steps
             self.rollouts.after_update(self.policy_version)
-        self.versions.record(step, self.policy_version)
         self.step = step
         self._has_updated |= trains
         if trains and first_update and self.world.is_main:
@@ -241,14 +245,6 @@ class Trainer:
         choice = getattr(getattr(self.algorithm, "updater", None), "checkpointing", None)
         if choice is not None and choice.measured:
             note(choice.describe())
-
-    def _staleness(self, sampled, scored) -> dict:
-        """How many training steps the weights being trained are ahead of those that drew each row
-        (over every rank's rows); this rank's rows also get it as their `staleness` column."""
-        rows = scored.rows
-        staleness = self.versions.staleness(rows.policy_versions, self.step)
-        sampled.batch.add_non_tensors({"staleness": staleness[rows.mine].tolist()})
-        return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": int(staleness.max())}
 
     @contextlib.contextmanager
     def rollout_weights(self):

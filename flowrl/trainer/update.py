@@ -9,6 +9,11 @@ Two phases, each a call of `PolicyUpdater`:
   so its values are its rows' denominators (its ratios are exactly 1); only the rows of the later
   optimizer steps are re-scored here, or earlier, while the step's rewards were still being scored
   (`score_early`, flowrl.trainer.early_denominators);
+- rows drawn by older weights than the update starts from (trainer.async_rollout: the row's
+  policy version is below the optimizer steps taken) train with decoupled PPO
+  (flowrl.trainer.loss): the recomputed denominator centres the clip on the update's starting
+  weights and each such row is weighted by its truncated behaviour weight against its rollout
+  log-prob (algorithm.behaviour_weight_cap); rows of the current weights train exactly as before;
 - `update(batch)`: for each optimizer step, each of its forwards (a micro-batch at one trained
   step) scores with grad, takes the ratio to its denominator, the clipped loss and the KL, and
   backpropagates; then the gradient is clipped and one AdamW step taken (and the EMA stepped).
@@ -52,14 +57,15 @@ from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
 from flowrl.trainer.plan import Forward, Plan, plan_update
 
 _LOSS_METRICS = ("policy_loss", "clipfrac", "ratio_mean", "approx_kl", "kl")
+_BEHAVIOUR_METRICS = ("behaviour_weight", "behaviour_capped")
 
 
 @dataclass
 class UpdateBatch:
     """A step's update as `prepare` leaves it: this rank's tensors, specs and advantages, the plan,
     the denominators known before the update (N, K), the rollout's log-probs at the trained steps
-    (None without), the gaps measured so far, and the share of the recompute's forwards scored
-    early (None without a recompute)."""
+    (None without), the gaps measured so far, the share of the recompute's forwards scored
+    early (None without a recompute), and which rows older weights drew (N,) (None: none did)."""
 
     tensors: dict[str, torch.Tensor]
     advantages: torch.Tensor
@@ -69,6 +75,20 @@ class UpdateBatch:
     rollout_log_probs: torch.Tensor | None
     gaps: list[torch.Tensor] = field(default_factory=list)
     early_share: float | None = None
+    stale: torch.Tensor | None = None
+
+    def behaviour_log_prob(self, forward: Forward, old: torch.Tensor) -> torch.Tensor | None:
+        """The behaviour policy's log-probs of `forward`'s rows for decoupled PPO: the rollout's
+        for stale rows, `old` itself for the rest (weight exactly 1); None when none is stale (the
+        forward trains as plain PPO)."""
+        if self.stale is None or forward.is_padding:
+            return None
+        stale = self.stale[forward.rows]
+        if not stale.any():
+            return None
+        old = old.detach().float()
+        rollout = self.rollout_log_probs[forward.rows, forward.k].to(old.device)
+        return torch.where(stale.to(old.device), rollout, old)
 
 
 @dataclass
@@ -120,10 +140,13 @@ class PolicyUpdater:
         step: int,
         trained: TrainedRows | None = None,
         weights: torch.Tensor | None = None,
+        policy_versions=None,
     ) -> UpdateBatch:
         """Plan step `step`'s update and take the denominators known before it (module docstring).
         tensors, specs, advantages, weights (1 for every row by default): this rank's rows.
-        trained: the rows trained on every rank (None: every row given here, in one process)."""
+        trained: the rows trained on every rank (None: every row given here, in one process).
+        policy_versions: the optimizer steps of the weights that drew each of this rank's rows
+        (None: the current weights drew them all)."""
         weights = torch.ones(len(specs)) if weights is None else weights
         trained = trained if trained is not None else TrainedRows.of_one_process(specs, weights)
         plan = self.plan(tensors, specs, step, trained)
@@ -133,6 +156,7 @@ class PolicyUpdater:
         if rollout_log_probs is not None:
             rollout_log_probs = rollout_log_probs.gather(1, plan.train_steps).float()
         batch = UpdateBatch(tensors, advantages, weights, plan, torch.zeros(plan.train_steps.shape), rollout_log_probs)
+        batch.stale = self._stale_rows(policy_versions, rollout_log_probs)
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
@@ -142,6 +166,22 @@ class PolicyUpdater:
             return batch
         self._recompute(batch, step)
         return batch
+
+    def _stale_rows(self, policy_versions, rollout_log_probs) -> torch.Tensor | None:
+        """The rows drawn by weights older than the current ones (None: none), which decoupled PPO
+        trains against their rollout log-probs (module docstring)."""
+        if policy_versions is None:
+            return None
+        stale = torch.as_tensor(np.asarray(policy_versions) < self.num_optimizer_steps)
+        if not stale.any():
+            return None
+        if self.algorithm.old_log_prob != "recompute" or rollout_log_probs is None:
+            raise ValueError(
+                f"{int(stale.sum())} rows were drawn by older weights (policy versions "
+                f"{sorted(set(np.asarray(policy_versions).tolist()))}, the trainer's is {self.num_optimizer_steps}): "
+                "decoupled PPO needs algorithm.old_log_prob=recompute and rollout.sampling.logprobs=true"
+            )
+        return stale
 
     def plan(self, tensors, specs, step: int, trained: TrainedRows | None = None) -> Plan:
         """The update's plan over the rows trained on every rank (flowrl.trainer.plan; `trained`
@@ -179,6 +219,8 @@ class PolicyUpdater:
                     recomputed[forward.rows] = True
         for forward, values in _to_host(scored):  # read after every recompute forward is queued
             batch.old[forward.rows, forward.k] = values
+        if batch.stale is not None:  # a stale row's gap is the weights' change, not the graphs'
+            recomputed &= ~batch.stale
         if batch.rollout_log_probs is not None and recomputed.any():
             batch.gaps.append((batch.old[recomputed] - batch.rollout_log_probs[recomputed]).abs().flatten())
         batch.early_share = taken / len(forwards) if forwards else 0.0
@@ -217,15 +259,17 @@ class PolicyUpdater:
                     queued[-1].record()
         self.early = early if len(early) else None
 
-    def prepare_and_update(self, tensors, specs, advantages, weights, step: int, trained=None) -> dict:
+    def prepare_and_update(
+        self, tensors, specs, advantages, weights, step: int, trained=None, policy_versions=None
+    ) -> dict:
         """Both phases at once, `prepare` then `update` (tests and tools); returns the metrics."""
-        return self.update(self.prepare(tensors, specs, advantages, step, trained, weights))
+        return self.update(self.prepare(tensors, specs, advantages, step, trained, weights, policy_versions))
 
     # -- the update phase -------------------------------------------------------------------------
     def update(self, batch: UpdateBatch) -> dict:
         """Run the prepared update; returns its metrics (the same on every rank)."""
         plan = batch.plan
-        sums = dict.fromkeys(_LOSS_METRICS, 0.0)
+        sums = dict.fromkeys(_LOSS_METRICS + _BEHAVIOUR_METRICS + ("behaviour_rows",), 0.0)
         count, ratio_max = 0, -math.inf
         self.records = []
         self.adapter.transformer.train()
@@ -246,6 +290,8 @@ class PolicyUpdater:
                     kl_beta=self.algorithm.kl_beta,
                     weights=torch.zeros(len(forward.rows)) if forward.is_padding else batch.weights[forward.rows],
                     normalizer=normalizer,
+                    behaviour_log_prob=batch.behaviour_log_prob(forward, old),
+                    behaviour_weight_cap=self.algorithm.behaviour_weight_cap,
                 )
                 self._backward(out.loss)
                 if not forward.is_padding:  # a padding forward ran only to keep pace with the other ranks
@@ -254,7 +300,7 @@ class PolicyUpdater:
             grad_norm = self._optimizer_step()
             # The step's reads from the device, after its kernels are queued.
             step_sums, loss_sum, clipped_sum, step_ratio_max = _read_outputs(outputs)
-            for name in _LOSS_METRICS:
+            for name in sums:
                 sums[name] += step_sums[name]
             count += sum(out.num_rows for out in outputs)
             ratio_max = max(ratio_max, step_ratio_max)
@@ -276,11 +322,27 @@ class PolicyUpdater:
         return Denominators(batch, measure_gap=index == 0 and batch.rollout_log_probs is not None)
 
     def _metrics(self, batch: UpdateBatch, sums: dict, count: int, ratio_max: float) -> dict:
-        """The update's metrics, means over the trained pairs of every rank."""
+        """The update's metrics, means over the trained pairs of every rank; the clipped share
+        per optimizer step too (`actor/clipfrac_step_<i>`): `actor/clipfrac` is their mean over
+        the steps after the first (the first one's ratios are 1 with a recomputed denominator),
+        `actor/clipfrac_first_step` the first's."""
         gap = torch.cat(batch.gaps) if batch.gaps else torch.zeros(0)
-        *totals, count, gap_sum, gap_count = self.world.sum([*sums.values(), count, float(gap.sum()), gap.numel()])
+        step_clipfracs = [r.clipfrac for r in self.records]
+        *totals, count, gap_sum, gap_count = self.world.sum(
+            [*sums.values(), *step_clipfracs, count, float(gap.sum()), gap.numel()]
+        )
+        totals, step_clipfracs = totals[: len(sums)], totals[len(sums) :]
         ratio_max, gap_max = self.world.max([ratio_max, float(gap.max()) if gap.numel() else -math.inf])
-        metrics = {f"actor/{name}": value / max(count, 1) for name, value in zip(sums, totals)}
+        totals = dict(zip(sums, totals))
+        metrics = {f"actor/{name}": totals[name] / max(count, 1) for name in _LOSS_METRICS}
+        if step_clipfracs:
+            later = step_clipfracs[1:] or step_clipfracs
+            metrics["actor/clipfrac"] = float(np.mean(later))
+            metrics["actor/clipfrac_first_step"] = step_clipfracs[0]
+            metrics.update({f"actor/clipfrac_step_{i + 1}": value for i, value in enumerate(step_clipfracs)})
+        if totals["behaviour_rows"]:  # decoupled PPO trained stale rows (on some rank)
+            for name in _BEHAVIOUR_METRICS:
+                metrics[f"actor/{name}_mean"] = totals[name] / totals["behaviour_rows"]
         metrics["actor/ratio_max"] = ratio_max
         metrics["actor/grad_norm"] = float(np.mean([r.grad_norm for r in self.records])) if self.records else 0.0
         metrics["actor/num_optimizer_steps"] = len(self.records)
@@ -397,11 +459,14 @@ class OwnDenominators(Denominators):
         return own
 
     def gaps(self) -> list[torch.Tensor]:
-        rollout, gaps = self.batch.rollout_log_probs, []
+        """Keeps the values as the later epochs' denominators of these rows; |trainer - rollout| of
+        the rows the current weights drew (a stale row's difference is the weights' change)."""
+        batch, gaps = self.batch, []
         for forward, values in _to_host(self.seen):
-            self.batch.old[forward.rows, forward.k] = values  # the later epochs' denominators of these rows
-            if rollout is not None:
-                gaps.append((values - rollout[forward.rows, forward.k]).abs())
+            batch.old[forward.rows, forward.k] = values
+            if batch.rollout_log_probs is not None:
+                fresh = slice(None) if batch.stale is None else ~batch.stale[forward.rows]
+                gaps.append((values - batch.rollout_log_probs[forward.rows, forward.k]).abs()[fresh])
         return gaps
 
 
@@ -441,22 +506,21 @@ def _to_host(parts: list[tuple[Forward, torch.Tensor]]) -> list[tuple[Forward, t
 
 def _read_outputs(outputs: list[PolicyLossOutput]) -> tuple[dict[str, float], float, float, float]:
     """One optimizer step's forward metrics, read from the device in one copy: the sums of each
-    metric weighted by the rows it counted, the sum of the losses, the sum of the clipped shares
+    metric weighted by the rows it counted (the behaviour weight's over the forwards that had one,
+    whose rows are `behaviour_rows`), the sum of the losses, the sum of the clipped shares
     weighted likewise, and the largest ratio (-inf with no forward)."""
+    names = _LOSS_METRICS + _BEHAVIOUR_METRICS + ("behaviour_rows",)
     if not outputs:
-        return dict.fromkeys(_LOSS_METRICS, 0.0), 0.0, 0.0, -math.inf
-    table = torch.stack(
-        [
-            torch.stack(
-                [
-                    *(getattr(out, name).float() * out.num_rows for name in _LOSS_METRICS),
-                    out.loss.detach().float(),
-                    out.ratio_max.float(),
-                ]
-            )
-            for out in outputs
-        ]
-    ).cpu()
+        return dict.fromkeys(names, 0.0), 0.0, 0.0, -math.inf
+    rows = []
+    for out in outputs:
+        zero = torch.zeros((), device=out.loss.device)
+        has_weight = out.behaviour_weight is not None
+        behaviour = [getattr(out, name) if has_weight else zero for name in _BEHAVIOUR_METRICS]
+        values = [getattr(out, name) for name in _LOSS_METRICS] + behaviour
+        counted = [v.float() * out.num_rows for v in values] + [zero + (out.num_rows if has_weight else 0)]
+        rows.append(torch.stack([*counted, out.loss.detach().float(), out.ratio_max.float()]))
+    table = torch.stack(rows).cpu()
     totals = table.sum(dim=0).tolist()
-    sums = dict(zip(_LOSS_METRICS, totals))
-    return sums, totals[len(_LOSS_METRICS)], sums["clipfrac"], float(table[:, -1].max())
+    sums = dict(zip(names, totals))
+    return sums, totals[len(names)], sums["clipfrac"], float(table[:, -1].max())

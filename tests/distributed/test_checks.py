@@ -44,7 +44,7 @@ TORCHRUN_ENV = {
             r"rollout.servers=\['http://127.0.0.1:1'\] with data-parallel training over 2 rank.*launcher=none",
         ),
         (
-            ["rollout.num_replicas=2", "trainer.async_rollout=true"],
+            ["rollout.num_replicas=2", "trainer.async_rollout=true", "algorithm.old_log_prob=recompute"],
             2,
             r"rollout.num_replicas=2 and trainer.async_rollout=true with data-parallel.*rollout.num_replicas=0",
         ),

@@ -66,11 +66,13 @@ def test_explicit_and_drawn_windows(engine, params):
     assert out.sde_window == (2, 4) and out.all_latents.shape[0] == 3
     sigmas = engine.adapter.sigmas(params.num_inference_steps, 64, 64)
     torch.testing.assert_close(out.sigmas, sigmas[2:4])
-    drawn = engine.generate_batched("a cat", 3, params.replace(sde_window_size=2, sde_window_range=(0, 4)))
-    windows = {o.sde_window for o in drawn}
-    assert len(windows) == 1  # one window per engine call, shared by the group
-    start, end = windows.pop()
-    assert end - start == 2 and 0 <= start and end <= 4
+    drawn_params = params.replace(sde_window_size=2, sde_window_range=(0, 4), seed=11)
+    drawn = engine.generate_batched("a cat", 8, drawn_params)
+    for j, out in enumerate(drawn):  # each sample's window is its own seed's, as a single request draws it
+        start, end = out.sde_window
+        assert end - start == 2 and 0 <= start and end <= 4
+        assert engine.generate("a cat", drawn_params.replace(seed=11 + j)).sde_window == out.sde_window
+    assert len({o.sde_window for o in drawn}) > 1  # 8 seeds over 3 possible windows
 
 
 def test_ode_sampling_is_deterministic_and_has_no_logprobs(engine, params):

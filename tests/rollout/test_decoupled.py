@@ -1,8 +1,9 @@
 """Decoupled training: rollouts on `flowrl serve` replicas (rollout.servers), weights pushed after
 each update. After every sync both replicas serve exactly the trainer's weights (checksum), and the
 run's metrics match the colocated run of the same seeds; one-step-ahead async training
-(trainer.async_rollout) has every sample one update stale after the first step and a first-update
-ratio that is not 1."""
+(trainer.async_rollout) has every sample one update (two optimizer steps here) stale after the
+first step and trains it with decoupled PPO: the clip centred on the update's starting weights
+(first optimizer step's ratio exactly 1), the rollout's log-probs entering as behaviour weights."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from flowrl.server import wire
 TOKEN = "test-admin-token"
 # A small LoRA run: 2 prompts x 4 samples per step.
 RUN = ("trainer.lora.enabled=true", "trainer.prompts_per_step=2", "rollout.n=4", "trainer.lr=0.01")
+ASYNC = ("trainer.async_rollout=true", "algorithm.old_log_prob=recompute")
 COMPARED = ("reward/mean", "reward/std", "actor/policy_loss", "actor/ratio_mean", "actor/grad_norm")
 
 
@@ -89,7 +91,9 @@ def test_async_training_is_one_update_stale_and_off_policy(
 ):
     monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
     urls = rollout_servers(tiny_sd3_path, count=2, admin_token=TOKEN)
-    cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=3", output="async")
+    cfg = make_cfg(
+        *RUN, servers_override(urls), *ASYNC, "trainer.updates_per_step=2", "trainer.total_steps=3", output="async"
+    )
     trainer = build_trainer(cfg)
     syncs = record_syncs(trainer)
     seen = []
@@ -107,17 +111,25 @@ def test_async_training_is_one_update_stale_and_off_policy(
     assert state["rows_generated"] == 2 * 8 and state["data"]["position"] == 4
     metrics += run_steps(trainer, 1)
 
-    # Step 1 rolls out with version 0; step 2's rollout ran during step 1's update, still on
-    # version 0; step 3's on version 1 (published once step 2's rollout had returned).
-    assert sorted(seen) == [(1, [0]), (2, [0]), (3, [1])]
-    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1]
-    assert [m["rollout/staleness_mean"] for m in metrics] == [0.0, 1.0, 1.0]
-    # Off-policy: the PPO ratio of the first update against the rollout's own log-probs is not 1.
-    assert abs(metrics[0]["actor/ratio_mean"] - 1.0) < 1e-5
+    # Versions count optimizer steps (two per update). Step 1 rolls out with version 0; step 2's
+    # rollout ran during step 1's update, still on version 0; step 3's on version 2 (published once
+    # step 2's rollout had returned).
+    assert sorted(seen) == [(1, [0]), (2, [0]), (3, [2])]
+    # Staleness in optimizer steps: step 1's second optimizer step is 1 ahead of its rows' weights;
+    # later steps' rows are 2 optimizer steps old at the update's first optimizer step, 3 at its second.
+    assert [m["rollout/staleness_max"] for m in metrics] == [1, 3, 3]
+    assert [m["rollout/staleness_mean"] for m in metrics] == [0.5, 2.5, 2.5]
+    # Decoupled PPO: each update's first optimizer step has ratio 1 (no clip: the denominator is
+    # its own starting weights'); stale rows carry behaviour weights against the rollout's
+    # log-probs, which older weights drew, so they differ from 1; step 1 is on-policy and has none.
+    assert "actor/behaviour_weight_mean" not in metrics[0]
+    for m in metrics:
+        assert m["actor/clipfrac_first_step"] == 0.0 and "actor/clipfrac_step_2" in m
     for m in metrics[1:]:
-        assert m["actor/logprob_gap_max"] > 1e-4 and m["actor/ratio_max"] != 1.0
+        assert m["actor/behaviour_weight_mean"] != 1.0 and m["actor/behaviour_capped_mean"] < 1.0
+        assert "actor/logprob_gap_max" not in m  # a stale row's difference is the weights' change
     # Every update went live on both replicas, the last one after the last step.
-    assert [s["version"] for s in syncs] == [1, 2, 3]
+    assert [s["version"] for s in syncs] == [2, 4, 6]
     assert all(info["weights_sha256"] == syncs[-1]["trainer"] for info in syncs[-1]["replicas"])
     trainer.rollout_backend.close()
 
@@ -129,7 +141,7 @@ def test_async_stop_finishes_the_step_and_saves_the_data_position_before_the_ear
     completes and its checkpoint has the data position from before step 3 drew its rows."""
     monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
     urls = rollout_servers(tiny_sd3_path, count=1, admin_token=TOKEN)
-    cfg = make_cfg(*RUN, servers_override(urls), "trainer.async_rollout=true", "trainer.total_steps=4", output="stop")
+    cfg = make_cfg(*RUN, servers_override(urls), *ASYNC, "trainer.total_steps=4", output="stop")
     trainer = build_trainer(cfg)
     update = trainer.algorithm.updater.update
 
@@ -149,8 +161,18 @@ def test_async_stop_finishes_the_step_and_saves_the_data_position_before_the_ear
 def test_decoupled_config_errors(make_cfg):
     with pytest.raises(ValueError, match="trainer.async_rollout.*rollout.servers or rollout.num_replicas"):
         make_cfg("trainer.async_rollout=true")
-    with pytest.raises(ValueError, match="algorithm.old_log_prob=rollout"):
-        make_cfg("trainer.async_rollout=true", "rollout.num_replicas=1", "algorithm.old_log_prob=recompute")
+    with pytest.raises(ValueError, match="algorithm.old_log_prob.*older weights.*set algorithm.old_log_prob=recompute"):
+        make_cfg("trainer.async_rollout=true", "rollout.num_replicas=1", "algorithm.old_log_prob=rollout")
+    with pytest.raises(ValueError, match="rollout.sampling.logprobs.*behaviour weight"):
+        make_cfg(*ASYNC, "rollout.num_replicas=1", "rollout.sampling.logprobs=false")
+    # Rollout servers sample eagerly; a compiled trainer must score both sides of the ratio itself.
+    with pytest.raises(ValueError, match="algorithm.old_log_prob.*two graphs.*old_log_prob=recompute"):
+        make_cfg("rollout.num_replicas=1", "engine.compile=true", "algorithm.old_log_prob=rollout")
+    make_cfg("rollout.num_replicas=1", "engine.compile=true", "algorithm.old_log_prob=recompute")
+    with pytest.raises(ValueError, match="algorithm.behaviour_weight_cap"):
+        make_cfg("algorithm.behaviour_weight_cap=0.5")
+    with pytest.raises(ValueError, match="rollout.sde_window_draw"):
+        make_cfg("rollout.sde_window_draw=sample")
     with pytest.raises(ValueError, match="rollout.num_replicas.*not both"):
         make_cfg("rollout.num_replicas=1", "rollout.servers=[http://127.0.0.1:8000]")
     with pytest.raises(ValueError, match="rollout.replica_devices.*one device per started replica"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from flowrl.rollout.schedule import OneStepAheadSchedule, SynchronousSchedule, VersionHistory
+from flowrl.rollout.schedule import OneStepAheadSchedule, SynchronousSchedule
 
 
 class FakeBackend:
@@ -55,11 +55,3 @@ def test_synchronous_publishes_after_each_update():
     assert schedule.collect(1) == 1
     schedule.after_update(1)
     assert backend.published == [1] and schedule.saved_data_state() is None
-
-
-def test_staleness_counts_training_steps():
-    history = VersionHistory(step=0, version=0)
-    history.record(1, 2)  # two optimizer steps per training step
-    history.record(2, 4)
-    assert history.staleness([2, 2, 0], current_step=2).tolist() == [1, 1, 2]
-    assert history.staleness([4], current_step=2).tolist() == [0]
