@@ -347,3 +347,53 @@ def test_the_compiled_merge_rounding_on_cuda_equals_the_cpu_function():
         assert on_cuda.dtype == torch.bfloat16
         assert torch.equal(on_cuda.cpu(), round_merge_hashed(delta, weight, keys))
     assert (rounding_keys(0, 0) < 0).all()
+
+
+def test_async_compiled_training_scores_both_sides_of_the_ratio_with_one_graph(
+    build_trainer, make_cfg, tmp_path_factory
+):
+    """trainer.async_rollout with a started replica (eager, as every rollout server) and a compiled
+    trainer, as the docs recommend (algorithm.old_log_prob=recompute): the ratio's two sides are
+    the trainer's compiled graph (each update's first optimizer step has ratio exactly 1, no pair
+    clipped), the server's eager log-probs entering only the behaviour weight. Prints the
+    eager-vs-compiled gap (step 1's fresh rows) and the behaviour weights of the stale steps."""
+    cfg = _tiny_bf16_cuda_cfg(
+        make_cfg,
+        tmp_path_factory,
+        "sd3",
+        "engine.compile=true",
+        "trainer.lora.enabled=true",
+        "trainer.lr=0.01",
+        "trainer.updates_per_step=2",
+        "algorithm.old_log_prob=recompute",
+        "rollout.num_replicas=1",
+        "trainer.async_rollout=true",
+        "rollout.sampling.guidance_scale=2.0",
+        "trainer.total_steps=3",
+        output="gpu-async-compiled",
+    )
+    trainer = build_trainer(cfg)
+    assert trainer.engine.compiled_modules
+    summary = trainer.fit()
+    records = [
+        json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines() if '"reward/mean"' in line
+    ]
+    print(
+        "async compiled: eager-server vs compiled-trainer log-prob gap (step 1, fresh rows) mean "
+        f"{records[0]['actor/logprob_gap_mean']:.3g} max {records[0]['actor/logprob_gap_max']:.3g}; "
+        "behaviour weight mean per stale step",
+        [round(r["actor/behaviour_weight_mean"], 5) for r in records[1:]],
+        "capped",
+        [r["actor/behaviour_capped_mean"] for r in records[1:]],
+        "clipfrac per step",
+        [(r["actor/clipfrac_first_step"], r["actor/clipfrac_step_2"]) for r in records],
+        "staleness",
+        [(r["rollout/staleness_mean"], r["rollout/staleness_max"]) for r in records],
+    )
+    assert [r["rollout/staleness_max"] for r in records] == [1, 3, 3]
+    for record in records:
+        assert record["actor/clipfrac_first_step"] == 0.0  # both sides: the trainer's compiled graph
+        assert record["actor/ratio_max"] < 1.5
+    assert records[0]["actor/logprob_gap_max"] < 0.05  # eager vs compiled, bf16: rounding only
+    for record in records[1:]:
+        assert 0.0 < record["actor/behaviour_weight_mean"] < 5.0
