@@ -39,6 +39,9 @@ def run_mode(mode: str, args, out_dir: str) -> dict:
         "trainer.save_every=0",
         "logging.tensorboard=false",
         "logging.progress_bar=false",
+        # Async training needs the recomputed denominator (decoupled PPO); every mode takes it, so
+        # the modes differ only in where and when they roll out.
+        "algorithm.old_log_prob=recompute",
         *args.overrides,
     ]
     if mode != "colocated":
