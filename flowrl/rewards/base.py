@@ -111,6 +111,12 @@ class Reward:
     def score_batch(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         raise NotImplementedError
 
+    def cannot_score(self, metadata: dict) -> str | None:
+        """Why a row with this metadata cannot be scored (what it lacks, and the fix), or None.
+        Checked on a dataset's rows before any image is made (`check_rows`); the default accepts
+        every row."""
+        return None
+
     def score_or_nan(
         self, images: Any, prompts: list[str], metadata: list[dict]
     ) -> tuple[np.ndarray, list[RewardError]]:
@@ -155,6 +161,16 @@ class RowwiseReward(Reward):
         images = validate_batch(images, prompts, metadata)
         failures: list[RewardError] = []
         return self._score_rows(images, prompts, metadata, failures), failures
+
+
+def check_rows(reward, rows: list[dict], where: str) -> None:
+    """ValueError naming the first of `rows` (dataset rows or their metadata) that `reward` cannot
+    score, as `where` row N (e.g. "data.train_path='prompts.txt'"), before anything is generated."""
+    cannot_score = getattr(reward, "cannot_score", None)  # a stand-in reward of a test may lack it
+    for index, row in enumerate(rows if cannot_score is not None else ()):
+        reason = cannot_score(row)
+        if reason is not None:
+            raise ValueError(f"{where} row {index}: reward {reward.name!r} cannot score it: {reason}")
 
 
 # ----------------------------------------------------------------------------------------------

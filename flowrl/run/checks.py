@@ -1,11 +1,11 @@
 """Everything the trainer checks and builds before training, cheapest and most error-prone first.
 
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
-a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the
-model family cannot honour, a GPU device on a machine without one, a schedule with no step to
-train, an output folder that cannot be written) before any model is loaded, so mistakes cost
-seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is
-unset; `model.path=random:NAME` is a published architecture with random weights
+a group advantage with n=1, unknown reward, a dataset row the reward cannot score, a KL reference
+without LoRA, guidance settings the model family cannot honour, a GPU device on a machine without
+one, a schedule with no step to train, an output folder that cannot be written) before any model
+is loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny
+SD3 model when `model.path` is unset; `model.path=random:NAME` is a published architecture with random weights
 (flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into
 the rollout engine as the trainer runs it, with `engine_options`, the config's engine settings
 that every engine flowrl opens takes (the trainer's, flowrl eval/generate's, flowrl serve's).
@@ -180,8 +180,22 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         from flowrl.rewards import build_reward_from_config
 
         reward = build_reward_from_config(cfg.reward)
+    check_reward_rows(reward, data, train_rows, val_rows)
     check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
     return Prepared(train_rows, val_rows, reward)
+
+
+def check_reward_rows(reward, data_cfg, train_rows: list[dict], val_rows: list[dict]) -> None:
+    """Every training and validation row is one the reward can score (e.g. the OCR reward's
+    `ground_truth`), else a ValueError naming the file and row (flowrl.rewards.base.check_rows)."""
+    from flowrl.rewards.base import check_rows
+
+    if data_cfg.train_path is None:
+        check_rows(reward, train_rows, "the built-in prompts (data.train_path unset)")
+    else:
+        check_rows(reward, train_rows, f"data.train_path={data_cfg.train_path!r}")
+    if data_cfg.val_path is not None:
+        check_rows(reward, val_rows, f"data.val_path={data_cfg.val_path!r}")
 
 
 def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:
