@@ -55,6 +55,7 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     A stop signal during start-up abandons it; during training it stops the run cleanly and rank 0
     prints how to resume (flowrl.run.interrupts). Returns the exit code."""
     from flowrl.config import config_to_dict
+    from flowrl.run.health import TrainingStalled
     from flowrl.run.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
     from flowrl.run.resume import plan_run
 
@@ -89,6 +90,9 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
         world.barrier()  # every rank has stopped and saved: the ranks exit together
         say(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
         return stop.exit_code
+    except TrainingStalled as stalled:  # every rank stops after the same step
+        say(f"flowrl train: error: {stalled}", file=sys.stderr)
+        return 2
     finally:
         trainer.engine.shutdown()
     if not world.is_main:

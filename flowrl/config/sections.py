@@ -460,6 +460,11 @@ class TrainerConfig:
     else) instead of refusing to start."""
     log_every: int = 1
     """Steps between metrics lines."""
+    max_steps_without_trained_rows: int = 5
+    """A run stops (exit 2, saying why) after this many steps in a row that trained no row: every
+    reward NaN (a reward that returned null, an optional component failing everywhere) or every
+    prompt group without reward spread (with `algorithm.zero_std_policy: drop`); the first such step
+    warns; 0: warn, never stop (flowrl.run.health.NoTrainingWatch)."""
     seed: int = 42
     """The trainer's seed: LoRA initialisation, data order, trained steps, control permutations."""
     num_val_images: int = 4
@@ -482,7 +487,7 @@ class TrainerConfig:
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
-        for name in ("save_every", "val_every", "num_val_images", "weight_decay"):
+        for name in ("save_every", "val_every", "num_val_images", "weight_decay", "max_steps_without_trained_rows"):
             _check_min(f"trainer.{name}", getattr(self, name), 0)
         _check_min("trainer.lr", self.lr, 0.0, strict=True)
         _check_min("trainer.grad_clip", self.grad_clip, 0.0, strict=True)
