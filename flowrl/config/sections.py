@@ -457,7 +457,10 @@ class TrainerConfig:
     path. A new run refuses a folder holding another run's files (docs/training.md)."""
     overwrite: bool = False
     """A new run in a folder holding another run's files deletes those files first (and nothing
-    else) instead of refusing to start."""
+    else: `metrics.jsonl`, `checkpoints/`, `final/`, `tensorboard/`, `val/`, `reward_curve.png`,
+    `run_config.json`) instead of refusing to start. A folder with no checkpoint, written by an
+    earlier start of the same config (a crash before the first checkpoint), restarts without it
+    (docs/training.md)."""
     log_every: int = 1
     """Steps between metrics lines."""
     max_steps_without_trained_rows: int = 5

@@ -79,7 +79,7 @@ class Trainer:
         # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
         self.plan = plan or self.world.on_main(lambda: resume.plan_run(cfg, self.config_dict))
         if self.world.is_main:
-            self.plan.start(cfg.trainer.output_dir)
+            self.plan.start(cfg.trainer.output_dir, self.config_dict)
         self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
