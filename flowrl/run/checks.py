@@ -3,9 +3,10 @@
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
 a group advantage with n=1, unknown reward, a dataset row the reward cannot score, a KL reference
 without LoRA, guidance settings the model family cannot honour, a GPU device on a machine without
-one, a schedule with no step to train, an output folder that cannot be written) before any model
-is loaded, so mistakes cost seconds, not minutes. `resolve_model_path` builds the embedded tiny
-SD3 model when `model.path` is unset; `model.path=random:NAME` is a published architecture with random weights
+one, random weights at a published size on a CPU, a schedule with no step to train, an output
+folder that cannot be written) before any model is loaded, so mistakes cost seconds, not minutes.
+`resolve_model_path` builds the embedded tiny SD3 model when `model.path` is unset;
+`model.path=random:NAME` is a published architecture with random weights
 (flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into
 the rollout engine as the trainer runs it, with `engine_options`, the config's engine settings
 that every engine flowrl opens takes (the trainer's, flowrl eval/generate's, flowrl serve's).
@@ -118,6 +119,35 @@ def check_device(model_cfg) -> None:
         )
 
 
+def check_random_weights_device(model_cfg) -> None:
+    """`model.path=random:NAME` at a published size needs a GPU: built on the CPU it fills tens of
+    GB of host memory for minutes, then trains at no useful speed. Says so, with the size, before
+    anything is built (the tiny architectures run anywhere)."""
+    from flowrl.models.debug.random_weights import (
+        architecture_name,
+        is_random_path,
+        published_parameter_count,
+        tiny_name,
+    )
+
+    if model_cfg.path is None or not is_random_path(model_cfg.path):
+        return
+    name = architecture_name(model_cfg.path)
+    if name.startswith("tiny-") or model_cfg.resolve_device() != "cpu":
+        return
+    from flowrl.models.debug.architectures import ARCHITECTURES
+
+    count = published_parameter_count(name)
+    weights_gb = count * {"float32": 4, "bfloat16": 2, "float16": 2}[model_cfg.dtype] / 1e9
+    raise ValueError(
+        f"model.path={model_cfg.path!r} builds the {name} architecture at its published size with random weights "
+        f"({count / 1e9:.1f} B parameters: {weights_gb:.0f} GB in {model_cfg.dtype} for the weights alone, before "
+        f"gradients, optimizer states and activations), which needs a GPU, but model.device={model_cfg.device!r} "
+        "is the CPU (no CUDA GPU visible); run where a GPU with well over that much memory is visible (the README's "
+        f"Hardware table gives each model's needs), or use model.path=random:{tiny_name(ARCHITECTURES[name][0])} on a CPU"
+    )
+
+
 def check_output_dir(output_dir: str) -> None:
     """trainer.output_dir exists (created here) and accepts a file."""
     try:
@@ -168,6 +198,7 @@ def check_before_loading(cfg, reward=None) -> Prepared:
             "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
         )
     check_device(cfg.model)
+    check_random_weights_device(cfg.model)
     check_output_dir(cfg.trainer.output_dir)
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
