@@ -23,12 +23,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flowrl.data.ocr_prompts import make_ocr_rows, write_jsonl
-    from flowrl.output_paths import OutputExistsError, check_output_file
+    from flowrl.output_paths import check_output_file
 
     if args.dataset == "ocr":
         try:
             check_output_file(args.out, args.overwrite)
-        except OutputExistsError as error:
+        except ValueError as error:  # OutputExistsError, or a path that cannot be written
             print(f"flowrl data ocr: error: {error}", file=sys.stderr)
             return 2
         try:

@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from flowrl.models.debug.tiny import TINY_KINDS, build_tiny_checkpoint, parameter_counts
-from flowrl.output_paths import OutputExistsError
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +25,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         path = build_tiny_checkpoint(args.kind, args.out, seed=args.seed, overwrite=args.overwrite)
-    except OutputExistsError as error:
+    except ValueError as error:  # OutputExistsError, or a folder that cannot be written
         print(f"flowrl make-tiny: error: {error}", file=sys.stderr)
         return 2
     counts = parameter_counts(path)

@@ -55,6 +55,7 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     A stop signal during start-up abandons it; during training it stops the run cleanly and rank 0
     prints how to resume (flowrl.run.interrupts). Returns the exit code."""
     from flowrl.config import config_to_dict
+    from flowrl.rewards.base import RewardError
     from flowrl.run.health import TrainingStalled
     from flowrl.run.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
     from flowrl.run.resume import plan_run
@@ -92,6 +93,14 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
         return stop.exit_code
     except TrainingStalled as stalled:  # every rank stops after the same step
         say(f"flowrl train: error: {stalled}", file=sys.stderr)
+        return 2
+    except RewardError as error:  # a required reward failed: its name, row and cause, not a traceback
+        where = f" (rank {world.rank})" if world.is_distributed else ""
+        print(
+            f"flowrl train{where}: error: {error}; fix the reward (or mark it optional: true in reward.components), "
+            "then run the same command: it resumes from the latest checkpoint",
+            file=sys.stderr,
+        )
         return 2
     finally:
         trainer.engine.shutdown()

@@ -120,7 +120,7 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
     import torch
 
     from flowrl.config import config_from_dict, load_config
-    from flowrl.run.checks import resolve_model_path
+    from flowrl.run.checks import check_cuda_device, resolve_model_path
 
     overrides = list(args.overrides)
     saved = next((s for s in reversed(sources) if s.config is not None), None)
@@ -154,6 +154,7 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
         raise ValueError(f"--device {device!r} is invalid; use auto, cpu, cuda or cuda:N")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_cuda_device(device, "--device " if args.device else "model.device=", "--device cpu or auto")
     if args.dtype:
         dtype = args.dtype
     elif origin != DEFAULTS:

@@ -44,7 +44,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 def check_model_folder(path: str | Path, flag: str = "--model") -> Path:
     """The local diffusers pipeline folder `path`, or a ValueError naming `flag`: one message for a
     missing path, one for what looks like a hub id, one for a folder that is not a pipeline."""
-    from flowrl.models.registry import read_model_family
+    from flowrl.models.registry import check_model_files, read_model_family
 
     text = str(path)
     folder = Path(text).expanduser()
@@ -57,6 +57,7 @@ def check_model_folder(path: str | Path, flag: str = "--model") -> Path:
             )
         raise ValueError(f"{flag} {text!r} not found; pass a local diffusers pipeline folder (with model_index.json)")
     read_model_family(folder, key=flag)  # a pipeline of a supported family, or a ValueError naming the flag
+    check_model_files(folder, key=flag)  # a component missing or truncated
     return folder
 
 

@@ -219,8 +219,17 @@ def _resolve_factory(name: str) -> Callable[..., Reward]:
 
 
 def _check_options(name: str, factory: Callable[..., Reward], options: dict) -> None:
-    """Reject option names the factory does not accept, listing the ones it does."""
+    """Reject option names the factory does not accept, listing the ones it does, and name the
+    required ones (no default) that are missing."""
     parameters = inspect.signature(factory).parameters
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p for p, v in parameters.items() if v.default is inspect.Parameter.empty and v.kind not in variadic]
+    missing = [p for p in required if p not in options]
+    if missing:
+        raise ValueError(
+            f"reward {name!r} needs the option(s) {', '.join(map(repr, missing))}; give them in its options, e.g. "
+            f"reward.options.{missing[0]}=VALUE in a config or --option {missing[0]}=VALUE on the command line"
+        )
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     accepted = [p for p, v in parameters.items() if v.kind is not inspect.Parameter.VAR_POSITIONAL]

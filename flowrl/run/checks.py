@@ -33,7 +33,7 @@ def check_model_path(model_cfg) -> Path | str | None:
     """The model folder, or `random:NAME` as it is (None: the embedded tiny model); ValueError
     when it is unusable."""
     from flowrl.models.debug.random_weights import is_random_path
-    from flowrl.models.registry import read_model_family
+    from flowrl.models.registry import check_model_files, read_model_family
 
     if model_cfg.path is None:
         if model_cfg.family not in ("auto", "sd3"):
@@ -50,6 +50,7 @@ def check_model_path(model_cfg) -> Path | str | None:
             "published architecture, or leave model.path unset for the tiny model"
         )
     family = read_model_family(path)  # raises for a folder that is not a supported pipeline, or an unknown NAME
+    check_model_files(path)  # a component missing or truncated
     if model_cfg.family not in ("auto", family):
         raise ValueError(
             f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
@@ -102,21 +103,25 @@ def build_engine(cfg, device: str | None = None):
 
 def check_device(model_cfg) -> None:
     """A `cuda` device must exist on this machine."""
-    if not model_cfg.device.startswith("cuda"):
+    check_cuda_device(model_cfg.device, "model.device=", "model.device=cpu or auto")
+
+
+def check_cuda_device(device: str, key: str, cpu_choice: str) -> None:
+    """ValueError when `device` names a CUDA GPU this machine does not show; `key` prefixes the
+    value in the message ("model.device=", "--device "), `cpu_choice` is the fix without a GPU."""
+    if not device.startswith("cuda"):
         return
     import torch
 
     if not torch.cuda.is_available():
         raise ValueError(
-            f"model.device={model_cfg.device!r} but no CUDA GPU is visible (torch.cuda.is_available() is "
-            "False); use model.device=cpu or auto, or run where a GPU is visible"
+            f"{key}{device!r} but no CUDA GPU is visible (torch.cuda.is_available() is False); use {cpu_choice}, "
+            "or run where a GPU is visible"
         )
     count = torch.cuda.device_count()
-    index = int(model_cfg.device.partition(":")[2] or 0)
+    index = int(device.partition(":")[2] or 0)
     if index >= count:
-        raise ValueError(
-            f"model.device={model_cfg.device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}"
-        )
+        raise ValueError(f"{key}{device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}")
 
 
 def check_random_weights_device(model_cfg) -> None:
