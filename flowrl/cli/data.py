@@ -11,13 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowrl.cli import seed_int
+
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="dataset", metavar="DATASET", required=True)
     ocr = sub.add_parser("ocr", help="prompts asking for a quoted text in a scene; the text is the ground_truth")
     ocr.add_argument("--num", type=int, required=True, help="number of rows to write")
     ocr.add_argument("--out", type=Path, required=True, help="output .jsonl file")
-    ocr.add_argument("--seed", type=int, default=0, help="random seed (same seed, same rows)")
+    ocr.add_argument("--seed", type=seed_int, default=0, help="random seed (same seed, same rows)")
     ocr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
 
 

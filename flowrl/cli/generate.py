@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
-from flowrl.cli import positive_int
+from flowrl.cli import positive_int, seed_int
 from flowrl.eval.inference import add_model_arguments
 from flowrl.sampling_params import SdeType
 
@@ -80,7 +80,7 @@ def build_parser(parser) -> None:
             help=f"{what} (default: the config's rollout.val_sampling; without a config {fallback})",
         )
     parser.add_argument(
-        "--seed", type=int, help="base seed, as rollout.val_seed (default: the config's rollout.val_seed, 0)"
+        "--seed", type=seed_int, help="base seed, as rollout.val_seed (default: the config's rollout.val_seed, 0)"
     )
     parser.add_argument(
         "--max-batch-rows", type=positive_int, help="most rows per forward (default: engine.max_batch_rows, 32)"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flowrl.cli import seed_int
 from flowrl.models.debug.tiny import TINY_KINDS, build_tiny_checkpoint, parameter_counts
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=sorted(TINY_KINDS), help="model family (required)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed; same seed, same bytes (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="weight seed; same seed, same bytes (default 0)")
     parser.add_argument(
         "--overwrite",
         action="store_true",

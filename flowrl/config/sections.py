@@ -257,6 +257,10 @@ class RolloutConfig:
 
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
+        for name in ("seed", "val_seed"):  # never mapped onto some other seed
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_SEED:
+                _fail(f"rollout.{name}", value, f"must be in [0, {MAX_SEED}]")
         self._validate_replicas()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
