@@ -124,3 +124,20 @@ def test_eval_ocr_on_rows_without_ground_truth_exits_2_before_sampling(tiny_sd3_
     assert f"--prompts {str(prompts)!r} row 0: reward 'ocr' cannot score it" in err and "'ground_truth'" in err
     assert "flowrl data ocr" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()  # nothing sampled, nothing written
+
+
+def test_table_columns_never_run_together():
+    """Short labels ("base") once printed `weightsocr: mean`; every header word and value keeps a gap."""
+    from flowrl.eval.report import format_table
+
+    stats = {"mean": 0.5, "ci95": [0.25, 0.75]}
+    long_name = "route_by_data_source/clip_score_with_a_long_label"
+    summary = [
+        {"label": "base", "scores": {"ocr": stats, long_name: stats}},
+        {"label": "lora", "scores": {"ocr": stats, long_name: stats}, "vs_base": {"ocr": stats, long_name: stats}},
+    ]
+    lines = format_table(summary).splitlines()
+    assert lines[0].startswith("weights  ocr: mean [95% CI]")
+    assert f"{long_name}: mean [95% CI]  vs base" in lines[3]
+    for line in lines:
+        assert "weightsocr" not in line and "]vs" not in line and "CI]vs" not in line
