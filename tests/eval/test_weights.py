@@ -206,3 +206,34 @@ def test_generate_and_eval_read_a_sharded_full_fine_tuning_checkpoint(tiny_sd3_p
     assert main([*argv, "--out", str(tmp_path / "eval")]) == 0
     report = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
     assert "step_000003" in json.dumps(report)
+
+
+def test_generate_run_of_the_embedded_model_uses_the_runs_model_or_says_where_it_builds(
+    tiny_sd3_path, tmp_path, monkeypatch, capsys
+):
+    """A run of the embedded tiny model (model.path unset) started in another folder: generate --run
+    samples with the model its final/ names, and builds none in the current folder; without one,
+    it builds the tiny model and says where (issue 52)."""
+    from flowrl.run.config import load_train_config
+    from flowrl.trainer.trainer import Trainer
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache_a"))
+    shutil.copytree(tiny_sd3_path, tmp_path / "cache_a" / "tiny-sd3")  # what `flowrl train` builds there
+    overrides = ["trainer.total_steps=1", "trainer.save_every=1", "trainer.val_every=0", "rollout.n=2"]
+    overrides += ["trainer.prompts_per_step=1", "logging.tensorboard=false", "logging.progress_bar=false"]
+    cfg = load_train_config(None, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+    assert cfg.model.path is None
+    with Trainer(cfg) as trainer:
+        trainer.fit()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache_b"))
+    first = _generate(tmp_path, "from_final", "--run", str(tmp_path / "run"), "--prompt", "a cat")
+    assert not (tmp_path / "cache_b").exists() and not (elsewhere / "outputs").exists()
+    assert "built it in" not in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "run" / "final")  # a run stopped before its end: checkpoints only
+    again = _generate(tmp_path, "from_checkpoint", "--run", str(tmp_path / "run"), "--prompt", "a cat")
+    err = capsys.readouterr().err
+    assert f"built it in {tmp_path / 'cache_b' / 'tiny-sd3'}" in err and "embedded tiny SD3 model" in err
+    assert np.array_equal(first, again)  # the same model, the same step's weights
