@@ -422,7 +422,8 @@ class TrainerConfig:
     """Passes over the prompt dataset (null: cycle until total_steps); training stops at whichever
     limit comes first."""
     prompts_per_step: int = 4
-    """Prompts per step; the step holds prompts_per_step * rollout.n samples."""
+    """Prompts per step; the step holds prompts_per_step * rollout.n samples. More than the dataset
+    holds is allowed (a step then takes some prompts twice) and the run says so when it starts."""
     update_epochs: int = 1
     """Passes of updates over one rollout batch."""
     updates_per_step: int = 1

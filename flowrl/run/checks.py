@@ -221,6 +221,19 @@ def check_before_loading(cfg, reward=None) -> Prepared:
     return Prepared(train_rows, val_rows, reward)
 
 
+def prompts_per_step_remark(trainer_cfg, data_cfg, num_rows: int) -> str | None:
+    """The line a run prints when a step takes more prompts than the dataset holds (it cycles:
+    some prompts twice in one step), else None."""
+    if trainer_cfg.prompts_per_step <= num_rows:
+        return None
+    where = "the built-in prompts" if data_cfg.train_path is None else f"data.train_path={data_cfg.train_path!r}"
+    return (
+        f"note: trainer.prompts_per_step={trainer_cfg.prompts_per_step} is more than the {num_rows} prompts of "
+        f"{where}, so every step takes some prompts more than once (one group each time) and a step spans "
+        f"more than one epoch; lower trainer.prompts_per_step to at most {num_rows}, or give more prompts"
+    )
+
+
 def check_reward_rows(reward, data_cfg, train_rows: list[dict], val_rows: list[dict]) -> None:
     """Every training and validation row is one the reward can score (e.g. the OCR reward's
     `ground_truth`), else a ValueError naming the file and row (flowrl.rewards.base.check_rows)."""

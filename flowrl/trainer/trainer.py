@@ -43,7 +43,7 @@ from flowrl.rollout.backends import open_rollout_backend
 from flowrl.rollout.schedule import VersionHistory, schedule_for
 from flowrl.rollout.validation import validate
 from flowrl.run import resume, state
-from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
+from flowrl.run.checks import build_engine, check_before_loading, prompts_per_step_remark, resolve_model_path
 from flowrl.run.flops import measure_matmul_peak
 from flowrl.run.metrics import MetricsLogger, read_metrics
 from flowrl.run.progress import NO_PROGRESS
@@ -81,6 +81,9 @@ class Trainer:
         if self.world.is_main:
             self.plan.start(cfg.trainer.output_dir, self.config_dict)
         self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
+        remark = prompts_per_step_remark(cfg.trainer, cfg.data, len(prepared.train_rows))
+        if remark and self.world.is_main and not self.plan.finished:
+            note(remark)
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer

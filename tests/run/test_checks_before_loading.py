@@ -98,3 +98,14 @@ def test_rows_the_reward_can_score_pass_and_routed_or_optional_rewards_check_the
     check_rows(build_reward_from_config(SimpleNamespace(**vars(multi), components=optional)), plain_rows, "f")
     with pytest.raises(ValueError, match="f row 0: reward 'multi' cannot score it: component 'ocr'"):
         check_rows(build_reward_from_config(SimpleNamespace(**vars(multi), components=required)), plain_rows, "f")
+
+
+def test_more_prompts_per_step_than_the_dataset_holds_is_remarked(build_trainer, make_cfg, tmp_path, capsys):
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("a red apple\na blue car\n")
+    build_trainer(make_cfg("trainer.prompts_per_step=3", "rollout.n=2", f"data.train_path={prompts}"))
+    err = capsys.readouterr().err
+    assert f"note: trainer.prompts_per_step=3 is more than the 2 prompts of data.train_path={str(prompts)!r}" in err
+    assert "at most 2" in err
+    build_trainer(make_cfg("trainer.prompts_per_step=2", "rollout.n=2", f"data.train_path={prompts}", output="other"))
+    assert "prompts_per_step" not in capsys.readouterr().err
