@@ -85,6 +85,14 @@ class Reward:
     # OCR): AsyncRewardScorer then spreads a burst of rows over its workers instead of handing
     # one worker a single batch (which suits a batched model forward, as CLIP's).
     scores_rows_one_by_one: bool = False
+    is_cancelled: bool = False  # set by cancel()
+
+    def cancel(self) -> None:
+        """Stop scoring for good (a run that is stopping): a row-wise reward ends the batch it is
+        scoring at its next row with a RewardError, so the threads scoring for a stopped run end
+        within one row's time, not a batch's (a thread still inside native code, as onnxruntime's
+        OCR, when the process exits aborts it)."""
+        self.is_cancelled = True
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         return self.score_with_components(images, prompts, metadata)[0]
@@ -143,6 +151,8 @@ class RowwiseReward(Reward):
     def _score_rows(self, images: np.ndarray, prompts, metadata, failures: list | None) -> np.ndarray:
         scores = np.empty(images.shape[0], dtype=np.float64)
         for row, (image, prompt, meta) in enumerate(zip(images, prompts, metadata)):
+            if self.is_cancelled:  # a failure even for an optional reward: nobody reads the scores
+                raise RewardError(self.name, row, "scoring was cancelled: the run is stopping")
             try:
                 scores[row] = float(self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta))
             except Exception as error:

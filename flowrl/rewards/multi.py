@@ -71,6 +71,11 @@ class MultiReward(Reward):
     def scores_rows_one_by_one(self) -> bool:
         return all(reward.scores_rows_one_by_one for *_, reward in self.components)
 
+    def cancel(self) -> None:
+        super().cancel()
+        for *_, reward in self.components:
+            reward.cancel()
+
     def cannot_score(self, metadata: dict) -> str | None:
         """The first required component's reason (an optional one scores such a row NaN)."""
         for label, _, is_optional, reward in self.components:
@@ -124,6 +129,11 @@ class DataSourceRouter(Reward):
                 f"routed sources: {sorted(self.routes)}"
             )
         return self.default
+
+    def cancel(self) -> None:
+        super().cancel()
+        for reward in [*self.routes.values(), *([] if self.default is None else [self.default])]:
+            reward.cancel()
 
     def cannot_score(self, metadata: dict) -> str | None:
         try:

@@ -52,6 +52,7 @@ from flowrl.run.timing import PhaseTimer
 from flowrl.trainer.algorithm import AlgorithmSetup, build_algorithm
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.rollout import StepSamples
+from flowrl.waiting import wait_for_calls_left_behind
 
 # How long a stopped run waits for reward batches already being scored before it leaves them.
 _STOPPED_SCORING_WAIT_S = 10.0
@@ -344,13 +345,22 @@ class Trainer:
     def close(self, drop_pending: bool = False, shutdown_engine: bool = True) -> None:
         """Shut the engine down (first: no engine thread outlives a stopped run), close the rollout
         schedule and backend (a pending early rollout is left behind), join the reward workers
-        (with drop_pending, after a stop, at most a short wait for a batch still being scored) and
-        close the logger. Calling it again does nothing."""
+        (with drop_pending, after a stop: the reward cancelled, and at most a short wait for a batch
+        still being scored and for validation's scoring) and close the logger. Calling it again
+        does nothing."""
         if shutdown_engine:
             self.engine.shutdown()
         self.rollouts.close()
         self.rollout_backend.close()
+        if drop_pending and hasattr(self.reward, "cancel"):
+            # Scoring threads end at their next row (OCR: well under a second), and are waited for:
+            # a thread still inside onnxruntime when the interpreter exits aborts the process.
+            self.reward.cancel()
         self.scorer.close(drop_pending=drop_pending, join_timeout_s=_STOPPED_SCORING_WAIT_S if drop_pending else None)
+        if drop_pending and wait_for_calls_left_behind(_STOPPED_SCORING_WAIT_S):  # validation's scoring
+            note(
+                f"flowrl: validation still scoring {_STOPPED_SCORING_WAIT_S:g} s after the stop: left to end with the process"
+            )
         if self.logger is not None:
             self.logger.close()
 
