@@ -224,7 +224,7 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
     found = checkpoint.find_resume_checkpoint(tcfg.resume, out)
     if found is None:
         used = run_files(out)
-        if not used:
+        if not used or used == [RUN_CONFIG]:  # at most a start that wrote nothing else: nothing to keep
             return RunPlan()
         finished = _finished_by_final_weights(tcfg) if tcfg.resume == "auto" else None
         if finished:

@@ -160,3 +160,18 @@ def test_a_crash_before_the_first_checkpoint_is_restarted_by_the_same_command(
     (out / "checkpoints" / "step_000001" / "state.json").unlink()  # a checkpoint folder, even damaged:
     with pytest.raises(ValueError, match="holds another run's files"):  # never deleted unasked
         _plan(make_cfg(*TINY, *overrides, "trainer.total_steps=2"))  # (at 1 it is finished)
+
+
+def test_a_folder_with_only_the_config_of_a_start_that_wrote_nothing_else_is_a_fresh_start(make_cfg):
+    """A run that stopped before it wrote anything but run_config.json (a model that failed to load,
+    a trainer built and closed) leaves nothing to protect: any config starts there."""
+    from pathlib import Path
+
+    from flowrl.run.resume import RUN_CONFIG, RunPlan
+
+    cfg = make_cfg(*TINY)
+    Path(cfg.trainer.output_dir).mkdir()  # as check_before_loading leaves it
+    RunPlan().start(cfg.trainer.output_dir, config_to_dict(cfg))
+    assert (Path(cfg.trainer.output_dir) / RUN_CONFIG).is_file()
+    plan = _plan(make_cfg(*TINY, "trainer.lr=0.5"))  # another config
+    assert plan.checkpoint is None and plan.delete == [] and plan.finished is None
