@@ -11,6 +11,8 @@ and third-party notices silenced where they start.
   imported; flowrl shows its own loading bar instead) and drops, by message, transformers' notice
   "`...ImageProcessor` requires torchvision (not installed); falling back to ...": flowrl uses no
   image processor, and PyPI's torchvision does not import beside the pinned torch.
+  `quiet_local_ray_worker()` does the same in the Ray processes of a local Ray launch, and drops
+  Ray Train's repeated notice that the State API (which that Ray leaves off) is unreachable.
 - `library_bars_off()`: a context in which diffusers' and transformers' own bars are off, for
   flowrl code that shows its own bar around their loading functions.
 - `allow_tracing_cached_checks()`: Dynamo warns when it traces a `functools.lru_cache` function.
@@ -31,6 +33,10 @@ import sys
 
 # transformers.utils.import_utils logs this once per image processor class the pipelines import.
 _TORCHVISION_NOTICE = "requires torchvision (not installed); falling back to"
+# Ray Train's placement-group cleaner asks Ray's State API every second, which the dashboard serves:
+# on a local Ray started without it (flowrl's) each ask fails and logs this, all run long.
+_RAY_STATE_API_NOTICE = "Failed to query Ray Train Controller actor state"
+_RAY_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 
 
 class _DropMessages(logging.Filter):
@@ -53,6 +59,17 @@ def quiet_third_party() -> None:
     source = logging.getLogger("transformers.utils.import_utils")
     if not any(isinstance(f, _DropMessages) for f in source.filters):
         source.addFilter(_DropMessages(_TORCHVISION_NOTICE))
+
+
+def quiet_local_ray_worker() -> None:
+    """Ray's `worker_process_setup_hook` of a local Ray flowrl starts (flowrl.distributed.ray_launcher):
+    `quiet_third_party` in every Ray process of the run (its workers import transformers too), and
+    the placement-group cleaner's notice that the State API, which that Ray leaves off, cannot be
+    reached."""
+    quiet_third_party()
+    cleaner = logging.getLogger(_RAY_CLEANER_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in cleaner.filters):
+        cleaner.addFilter(_DropMessages(_RAY_STATE_API_NOTICE))
 
 
 @contextlib.contextmanager

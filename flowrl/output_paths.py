@@ -4,7 +4,8 @@ A command writes into a folder only when the folder is missing, empty, or marked
 same command: it leaves a marker file (`.flowrl-<command>`, e.g. `.flowrl-tiny`) listing the files
 it wrote. Anything else, for example a real checkpoint someone points `make-tiny` at, is refused
 with `OutputExistsError`, whose message names the folder and the `--overwrite` flag. A single output
-file that already exists is refused the same way. With overwrite, flowrl writes its files next to
+file that already exists is refused the same way, and a path that cannot be written (under a file,
+in a folder without write permission) with a ValueError naming it, before anything is built. With overwrite, flowrl writes its files next to
 (and over same-named) existing ones; it never deletes a file it did not write.
 
 It knows paths and markers only, nothing about what the commands write.
@@ -13,6 +14,7 @@ It knows paths and markers only, nothing about what the commands write.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -49,11 +51,26 @@ def is_foreign_folder(folder: str | Path, command: str) -> bool:
     return any(folder.iterdir()) and read_marker(folder, command) is None
 
 
+def check_writable(path: str | Path) -> None:
+    """ValueError naming `path` when it cannot be created or written: its nearest existing folder is
+    a file, or not writable. Checked before anything is built, so a long job never ends in a
+    traceback at its first write."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise ValueError(f"{path} cannot be created: {existing} is a file, not a folder; choose another output path")
+    folder = existing if existing.is_dir() else existing.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{path} cannot be written: {folder} is not writable by you; choose a folder you can write to")
+
+
 def check_output_folder(folder: str | Path, command: str, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Raise OutputExistsError when `command` may not write into `folder` (see the module docstring)."""
+    """Raise OutputExistsError when `command` may not write into `folder` (see the module docstring),
+    ValueError when it cannot be written at all (`check_writable`)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputExistsError(f"{folder} is a file, not a folder; choose another output folder")
+    check_writable(folder)
     if overwrite or not is_foreign_folder(folder, command):
         return
     names = sorted(p.name for p in folder.iterdir())
@@ -78,12 +95,14 @@ def prepare_output_folder(folder: str | Path, command: str, overwrite: bool, fla
 
 
 def check_output_file(path: str | Path, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Raise OutputExistsError when `path` exists and overwrite is off."""
+    """Raise OutputExistsError when `path` exists and overwrite is off, ValueError when it cannot
+    be written (`check_writable`)."""
     path = Path(path)
     if path.is_dir():
         raise OutputExistsError(f"{path} is a folder; pass a file path")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path} already exists; choose another path, or pass {flag} to replace it")
+    check_writable(path)
 
 
 def file_sizes(folder: str | Path) -> dict[str, int]:

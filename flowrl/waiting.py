@@ -8,7 +8,8 @@ waits in slices of `POLL_S` seconds and calls `stop_check()` between them and on
 end, so a stop requested at any time during the wait ends it; `stop_check` raises
 (flowrl.run.interrupts.PhaseAborted) once a stop was requested, from ordinary code that holds
 no lock. Main-thread work that a stop should end at once runs on a thread of its own
-(`call_abortably`) while the main thread waits for it in that way. Nothing here knows signals or
+(`call_abortably`) while the main thread waits for it in that way; a call a stop left behind is
+waited for before the process exits (`wait_for_calls_left_behind`). Nothing here knows signals or
 trainers.
 """
 
@@ -84,11 +85,39 @@ def run_in_thread(function: Callable[..., T], *args) -> concurrent.futures.Futur
     return future
 
 
+# Calls a stop left behind, still running (call_abortably): the process waits for them before it
+# exits (wait_for_calls_left_behind), since a thread inside native code (onnxruntime's OCR) when the
+# interpreter exits aborts the process ("terminate called without an active exception").
+_left_behind: set[concurrent.futures.Future] = set()
+_left_behind_lock = threading.Lock()
+
+
+def _forget(future: concurrent.futures.Future) -> None:
+    with _left_behind_lock:
+        _left_behind.discard(future)
+
+
 def call_abortably(function: Callable[..., T], *args, stop_check: StopCheck | None = None) -> T:
     """`function(*args)`; with a stop check, run on a thread of its own while this thread waits
-    (`wait_for_futures`), so a stop ends the wait at once; the call, left behind, finishes alone."""
+    (`wait_for_futures`), so a stop ends the wait at once; the call, left behind, finishes alone
+    (`wait_for_calls_left_behind` waits for it)."""
     if stop_check is None:
         return function(*args)
     future = run_in_thread(function, *args)
-    wait_for_futures([future], stop_check)
+    try:
+        wait_for_futures([future], stop_check)
+    except BaseException:
+        with _left_behind_lock:
+            _left_behind.add(future)
+        future.add_done_callback(_forget)  # at once when it is done already
+        raise
     return future.result()
+
+
+def wait_for_calls_left_behind(timeout_s: float | None = None) -> int:
+    """Wait, up to `timeout_s` seconds, for the calls a stop left behind to finish; returns how
+    many still run."""
+    with _left_behind_lock:
+        running = list(_left_behind)
+    concurrent.futures.wait(running, timeout=timeout_s)
+    return sum(not future.done() for future in running)

@@ -13,7 +13,14 @@ import pytest
 
 from flowrl.rewards import AsyncRewardScorer, Reward
 from flowrl.run.interrupts import PhaseAborted, StopSignals
-from flowrl.waiting import POLL_S, call_abortably, wait_for_event, wait_for_futures, wait_on_condition
+from flowrl.waiting import (
+    POLL_S,
+    call_abortably,
+    wait_for_calls_left_behind,
+    wait_for_event,
+    wait_for_futures,
+    wait_on_condition,
+)
 
 
 class _Stop:
@@ -118,3 +125,45 @@ def test_a_signal_outside_abortable_work_only_asks_for_a_stop():
         assert signals.requested == signal.SIGINT
         with pytest.raises(PhaseAborted):
             wait_for_event(threading.Event(), signals.check)
+
+
+def test_a_call_a_stop_left_behind_is_waited_for_before_the_exit():
+    """The trainer waits for it on its way out: a thread still inside native code (onnxruntime's
+    OCR) when the interpreter exits aborts the process (issue 52)."""
+    release = threading.Event()
+    stop = _Stop()
+    _later(0.1, lambda: setattr(stop, "requested", True))
+    with pytest.raises(PhaseAborted):
+        call_abortably(release.wait, 30, stop_check=stop)
+    start = time.perf_counter()
+    assert wait_for_calls_left_behind(0.2) >= 1  # still running (other tests' may be too): reported
+    assert time.perf_counter() - start < 2  # not waited for past the bound
+    _later(0.1, release.set)
+    assert wait_for_calls_left_behind(10) == 0  # done: every call left behind is waited for
+    assert wait_for_calls_left_behind(0) == 0
+
+
+def test_a_cancelled_rowwise_reward_ends_its_batch_at_the_next_row():
+    from flowrl.rewards import RewardError, RowwiseReward, build_reward
+
+    class Slow(RowwiseReward):
+        name = "slow"
+        rows_scored = 0
+
+        def score_row(self, image, prompt, metadata):
+            Slow.rows_scored += 1
+            if Slow.rows_scored == 2:
+                self.cancel()  # as the trainer does from another thread when the run stops
+            return 1.0
+
+    images = np.zeros((10, 3, 8, 8), np.uint8)
+    with pytest.raises(RewardError, match="row 2: scoring was cancelled"):
+        Slow()(images, [""] * 10, [{}] * 10)
+    assert Slow.rows_scored == 2
+    # Combined rewards pass the cancel on to every reward they hold.
+    multi = build_reward({"name": "multi", "options": {"components": [{"name": "ocr"}, {"name": "image_flatness"}]}})
+    routed = build_reward({"name": "route_by_data_source", "options": {"routes": {"ocr": "ocr"}, "default": "ocr"}})
+    for reward in (multi, routed):
+        reward.cancel()
+        held = [r for *_, r in reward.components] if reward is multi else [*reward.routes.values(), reward.default]
+        assert reward.is_cancelled and all(r.is_cancelled for r in held)

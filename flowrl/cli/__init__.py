@@ -10,7 +10,7 @@ Every command's parser is a `CommandParser`: bad arguments print one line (`flow
 positional arguments may come in any order (`flowrl train key=v --config F key2=v2`), except in
 commands with their own sub-commands (`flowrl data ocr`, `flowrl bench rollout`), where argparse
 cannot intermix them (`parse_any_order`). The argument types shared by the commands live here too
-(`positive_int`).
+(`positive_int`, `seed_int`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,20 @@ def positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return number
+
+
+def seed_int(value: str) -> int:
+    """argparse type: a seed in [0, 2^63 - 1], the range the engine takes (another value is an
+    error, never mapped onto some other seed)."""
+    from flowrl.sampling_params import MAX_SEED
+
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 0 <= number <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed; use an integer in [0, {MAX_SEED}]")
     return number
 
 

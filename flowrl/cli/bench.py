@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowrl.cli import positive_int
+from flowrl.cli import positive_int, seed_int
 from flowrl.models.debug.architectures import ARCHITECTURES
 
 
@@ -39,7 +39,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--noise-level", type=float, default=0.7, help="SDE noise level of the engine's steps (default 0.7)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first sample (sample j: seed + j)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the first sample (sample j: seed + j)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
     parser.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float32, float16"

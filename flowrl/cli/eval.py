@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.eval.weights import BASE
     from flowrl.output_paths import check_output_folder, prepare_output_folder, write_marker
     from flowrl.rewards import RewardError
+    from flowrl.rewards.base import check_rows
 
     try:
         check_output_folder(args.out, "eval", args.overwrite)  # before anything is loaded
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         field = args.prompt_field or setup.cfg.data.prompt_field
         rows = load_prompt_rows(args.prompts, field, args.max_prompts, "--prompts")
         rewards = build_rewards(args.reward, args.option, setup.cfg.reward)
+        for reward in rewards.values():
+            check_rows(reward, rows, f"--prompts {str(args.prompts)!r}")
         params, seed = setup.cfg.rollout.val_sampling, setup.cfg.rollout.val_seed
         engine, loader = open_engine(setup, sources)
     except ValueError as error:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
-from flowrl.cli import positive_int
+from flowrl.cli import positive_int, seed_int
 from flowrl.eval.inference import add_model_arguments
 from flowrl.sampling_params import SdeType
 
@@ -80,7 +80,7 @@ def build_parser(parser) -> None:
             help=f"{what} (default: the config's rollout.val_sampling; without a config {fallback})",
         )
     parser.add_argument(
-        "--seed", type=int, help="base seed, as rollout.val_seed (default: the config's rollout.val_seed, 0)"
+        "--seed", type=seed_int, help="base seed, as rollout.val_seed (default: the config's rollout.val_seed, 0)"
     )
     parser.add_argument(
         "--max-batch-rows", type=positive_int, help="most rows per forward (default: engine.max_batch_rows, 32)"
@@ -88,18 +88,34 @@ def build_parser(parser) -> None:
 
 
 def _sampling(args, setup):
-    """The config's validation sampling with the flags' overrides, validated for the engine."""
+    """The config's validation sampling with the flags' overrides, validated for the engine and
+    against the model family's guidance rule and the rows a forward holds, before the model loads."""
+    from flowrl.models.base import check_guidance
+    from flowrl.models.registry import FAMILIES, read_model_family
+
     params = setup.cfg.rollout.val_sampling
     changes = {field: getattr(args, flag) for flag, field in SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
     params = params.replace(**changes, logprobs=False)  # generate keeps images only
+    family = read_model_family(setup.model_path)
+    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    flags = {field: "--" + flag.replace("_", "-") for flag, field in SAMPLING_FLAGS.items()}
     try:
-        return params.validate(size_multiple=16)
+        params = params.validate(size_multiple=16)
+        check_guidance(kind, params)
     except ValueError as error:
-        flags = {field: "--" + flag.replace("_", "-") for flag, field in SAMPLING_FLAGS.items()}
         message = str(error)
         for field, flag in flags.items():
-            message = message.replace(f"SamplingParams.{field}=", f"{flag} ")
+            message = message.replace(f"SamplingParams.{field}=", f"{flag} ").replace(f"{field}=", f"{flag} ")
         raise ValueError(message) from None
+    field = "true_cfg_scale" if kind == "distilled" else "guidance_scale"  # the uncond row's scale
+    rows = setup.cfg.engine.max_batch_rows
+    if getattr(params, field) > 1 and rows < 2:
+        flag = "--max-batch-rows" if args.max_batch_rows is not None else "engine.max_batch_rows"
+        raise ValueError(
+            f"{flags[field]} {getattr(params, field)} runs CFG, two rows per sample, but {flag} {rows} fits one; "
+            f"use --max-batch-rows 2 or more, or {flags[field]} 1"
+        )
+    return params
 
 
 def _rows(args, prompt_field: str) -> list[dict]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flowrl.cli import seed_int
 from flowrl.models.debug.tiny import TINY_KINDS, build_tiny_checkpoint, parameter_counts
-from flowrl.output_paths import OutputExistsError
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=sorted(TINY_KINDS), help="model family (required)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed; same seed, same bytes (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="weight seed; same seed, same bytes (default 0)")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -26,7 +26,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         path = build_tiny_checkpoint(args.kind, args.out, seed=args.seed, overwrite=args.overwrite)
-    except OutputExistsError as error:
+    except ValueError as error:  # OutputExistsError, or a folder that cannot be written
         print(f"flowrl make-tiny: error: {error}", file=sys.stderr)
         return 2
     counts = parameter_counts(path)

@@ -5,7 +5,9 @@
     flowrl reward-score --spec-file recipe.yaml a.png b.png      # the recipe's `reward:` section
 
 Also holds the reward-choosing arguments shared with `flowrl reward-server`.
-A failed (optional) score prints `nan`; a failed required reward exits 1 with the error.
+A failed (optional) score prints `nan`; a failed required reward exits 1 with the error; bad
+input (an unknown reward or option, a file that is not a readable image, a missing --spec-file)
+exits 2 with one line naming it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,14 @@ def reward_from_args(args: argparse.Namespace):
     if args.spec_file is not None:
         import yaml
 
-        section = yaml.safe_load(args.spec_file.read_text())
+        try:
+            section = yaml.safe_load(args.spec_file.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"--spec-file {str(args.spec_file)!r} does not exist; pass a YAML/JSON reward file"
+            ) from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+            raise ValueError(f"--spec-file {str(args.spec_file)!r} cannot be read as YAML/JSON ({error})") from None
         if isinstance(section, dict) and isinstance(section.get("reward"), dict):
             section = section["reward"]
         if not isinstance(section, dict):
@@ -80,8 +89,16 @@ def load_image_chw(path: Path) -> np.ndarray:
 
     if not path.is_file():
         raise ValueError(f"image file {str(path)!r} does not exist")
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB")).transpose(2, 0, 1).copy()
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB")).transpose(2, 0, 1).copy()
+    except Image.DecompressionBombError as error:  # far more pixels than any generated image
+        raise ValueError(f"image file {str(path)!r} is refused: {error}; score a smaller image") from None
+    except (OSError, SyntaxError, ValueError) as error:  # not an image, truncated, damaged
+        raise ValueError(
+            f"image file {str(path)!r} cannot be read as an image ({type(error).__name__}: {error}); "
+            "pass a complete PNG, JPEG or other PIL-readable file"
+        ) from None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -108,5 +125,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"{score:.6g}", flush=True)
     except (ValueError, RewardError) as error:
         print(f"flowrl reward-score: error: {error}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, ValueError) else 1
     return 0

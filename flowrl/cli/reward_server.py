@@ -13,6 +13,7 @@ runs until SIGINT/SIGTERM. Point a trainer at it with the `http` reward: options
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -54,7 +55,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
             defaults.max_concurrency,
             "requests decoded and scored at once; raise only for thread-safe rewards with spare cores",
         ),
-        ("--max-connections", 16, "connections served at once; past it the server answers 503, which clients retry"),
+        ("--max-connections", 16, "requests served at once; past it the server answers 503, which clients retry"),
     ):
         limits.add_argument(flag, type=int, default=default, help=f"{meaning} (default: %(default)s)")
     limits.add_argument(
@@ -126,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             max_connections=args.max_connections,
             name="flowrl reward-server",
+            busy_body=json.dumps(
+                {"error": "busy", "detail": f"--max-connections={args.max_connections} requests at once; retry later"}
+            ).encode(),
         )
     except RuntimeError as error:
         return _fail(str(error), 1)

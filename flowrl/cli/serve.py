@@ -64,7 +64,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--max-weights-mb", type=float, default=defaults.max_weights_bytes / 2**20, help="weight-update body, MiB"
     )
     limits.add_argument(
-        "--max-connections", type=positive_int, default=2048, help="connections served at once (503 past it)"
+        "--max-connections", type=positive_int, default=2048, help="requests served at once (503 past it)"
     )
 
 
@@ -104,8 +104,9 @@ def _open(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    from flowrl.server import wire
     from flowrl.server.http import serve_until_signal, warn_if_exposed
-    from flowrl.server.rollout_app import create_rollout_app
+    from flowrl.server.rollout_app import create_rollout_app, error_response
     from flowrl.server.wire import ADMIN_TOKEN_ENV
 
     if not 0 <= args.port <= 65535:
@@ -120,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
     warn_if_exposed(
         "serve",
         args.host,
-        "serves image generation to anyone who reaches the port (the admin token guards only "
-        "weight updates and pause/resume)",
+        "serves image generation and rollouts without authentication to anyone who reaches the port (the "
+        "admin token guards only weight updates and pause/resume); bind 127.0.0.1 behind an authenticating "
+        "proxy to expose it",
     )
 
     def stop() -> None:
@@ -129,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()  # requests in flight fail (503) before the HTTP server stops
 
     admin = " (weight updates on)" if token else ""
+    busy = (
+        f"the server is serving --max-connections={args.max_connections} requests at once; retry later "
+        "(Retry-After), or start it with a higher --max-connections"
+    )
     try:
         serve_until_signal(
             app,
@@ -139,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             name="flowrl serve",
             graceful_timeout_s=10.0,
+            busy_body=error_response(busy, 503).body,
+            exempt_paths=(wire.WEIGHTS_PATH, wire.PAUSE_PATH, wire.RESUME_PATH),  # token-guarded admin
         )
     except RuntimeError as error:
         return _fail(str(error), 1)

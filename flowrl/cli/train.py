@@ -55,6 +55,8 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     A stop signal during start-up abandons it; during training it stops the run cleanly and rank 0
     prints how to resume (flowrl.run.interrupts). Returns the exit code."""
     from flowrl.config import config_to_dict
+    from flowrl.rewards.base import RewardError
+    from flowrl.run.health import TrainingStalled
     from flowrl.run.interrupts import PhaseAborted, StopSignals, TrainingInterrupted
     from flowrl.run.resume import plan_run
 
@@ -89,6 +91,17 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
         world.barrier()  # every rank has stopped and saved: the ranks exit together
         say(resume_hint(stop, args, cfg.trainer), file=sys.stderr)
         return stop.exit_code
+    except TrainingStalled as stalled:  # every rank stops after the same step
+        say(f"flowrl train: error: {stalled}", file=sys.stderr)
+        return 2
+    except RewardError as error:  # a required reward failed: its name, row and cause, not a traceback
+        where = f" (rank {world.rank})" if world.is_distributed else ""
+        print(
+            f"flowrl train{where}: error: {error}; fix the reward (or mark it optional: true in reward.components), "
+            "then run the same command: it resumes from the latest checkpoint",
+            file=sys.stderr,
+        )
+        return 2
     finally:
         trainer.engine.shutdown()
     if not world.is_main:
@@ -111,7 +124,12 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
 
 
 def resume_hint(stop, args: argparse.Namespace, tcfg) -> str:
-    """The one line printed after an interrupt: where the run stopped and the command that resumes it."""
+    """The one line printed after an interrupt: where the run stopped and the command that resumes it
+    (under torchrun, the same torchrun launch)."""
+    import os
+
+    from flowrl.distributed.launch import torchrun_command_prefix
+
     if stop.checkpoint is None:
         return (
             f"flowrl train: stopped before a step completed; nothing to resume (the files this run wrote were "
@@ -120,16 +138,19 @@ def resume_hint(stop, args: argparse.Namespace, tcfg) -> str:
     # The same command resumes unless it names another checkpoint or deletes this run's files.
     extra = [] if tcfg.resume == "auto" else ["trainer.resume=auto"]
     extra += ["trainer.overwrite=false"] if tcfg.overwrite else []
-    command = train_command(args, extra)
+    # A rank of torchrun's agent (which sets TORCHELASTIC_RUN_ID; Ray's workers do not): the same launch.
+    launcher = torchrun_command_prefix() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    command = train_command(args, extra, launcher)
     saved = "saved at the interrupt" if stop.saved_now else "the latest checkpoint"
     return f"flowrl train: stopped after step {stop.step}; {stop.checkpoint} ({saved}); resume with: {command}"
 
 
-def train_command(args: argparse.Namespace, extra: list[str] = ()) -> str:
-    """The `flowrl train` command line of `args` (plus `extra` overrides), quoted for a POSIX shell."""
+def train_command(args: argparse.Namespace, extra: list[str] = (), launcher: list[str] | None = None) -> str:
+    """The `flowrl train` command line of `args` (plus `extra` overrides), quoted for a POSIX shell;
+    `launcher`: the words that run flowrl instead of `flowrl` (`torchrun ... -m flowrl`)."""
     import shlex
 
-    words = ["flowrl", "train"]
+    words = [*(launcher or ["flowrl"]), "train"]
     if args.config is not None:
         words += ["--config", args.config]
     return shlex.join([*words, *args.overrides, *extra])

@@ -263,6 +263,10 @@ class RolloutConfig:
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
         check_choices(self, "rollout")
+        for name in ("seed", "val_seed"):  # never mapped onto some other seed
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_SEED:
+                _fail(f"rollout.{name}", value, f"must be in [0, {MAX_SEED}]")
         self._validate_replicas()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
@@ -439,7 +443,8 @@ class TrainerConfig:
     """Passes over the prompt dataset (null: cycle until total_steps); training stops at whichever
     limit comes first."""
     prompts_per_step: int = 4
-    """Prompts per step; the step holds prompts_per_step * rollout.n samples."""
+    """Prompts per step; the step holds prompts_per_step * rollout.n samples. More than the dataset
+    holds is allowed (a step then takes some prompts twice) and the run says so when it starts."""
     update_epochs: int = 1
     """Passes of updates over one rollout batch."""
     updates_per_step: int = 1
@@ -478,9 +483,17 @@ class TrainerConfig:
     path. A new run refuses a folder holding another run's files (docs/training.md)."""
     overwrite: bool = False
     """A new run in a folder holding another run's files deletes those files first (and nothing
-    else) instead of refusing to start."""
+    else: `metrics.jsonl`, `checkpoints/`, `final/`, `tensorboard/`, `val/`, `reward_curve.png`,
+    `run_config.json`) instead of refusing to start. A folder with no checkpoint, written by an
+    earlier start of the same config (a crash before the first checkpoint), restarts without it
+    (docs/training.md)."""
     log_every: int = 1
     """Steps between metrics lines."""
+    max_steps_without_trained_rows: int = 5
+    """A run stops (exit 2, saying why) after this many steps in a row that trained no row: every
+    reward NaN (a reward that returned null, an optional component failing everywhere) or every
+    prompt group without reward spread (with `algorithm.zero_std_policy: drop`); the first such step
+    warns; 0: warn, never stop (flowrl.run.health.NoTrainingWatch)."""
     seed: int = 42
     """The trainer's seed: LoRA initialisation, data order, trained steps, control permutations."""
     num_val_images: int = 4
@@ -505,7 +518,7 @@ class TrainerConfig:
             "log_every",
         ):
             _check_min(f"trainer.{name}", getattr(self, name), 1)
-        for name in ("save_every", "val_every", "num_val_images", "weight_decay"):
+        for name in ("save_every", "val_every", "num_val_images", "weight_decay", "max_steps_without_trained_rows"):
             _check_min(f"trainer.{name}", getattr(self, name), 0)
         _check_min("trainer.lr", self.lr, 0.0, strict=True)
         _check_min("trainer.grad_clip", self.grad_clip, 0.0, strict=True)

@@ -6,7 +6,8 @@
   bucketed gradient all-reduce for LoRA, FSDP2-sharded for full fine-tuning) and gathered for
   rollouts and exports;
 - `sharded_checkpoint.py`: checkpoint tensors of sharded weights through
-  torch.distributed.checkpoint, readable at any world size;
+  torch.distributed.checkpoint, readable at any world size, through the storage of
+  `dcp_storage.py` (safetensors and a JSON index: nothing is unpickled);
 - `checks.py`: the config against the world it runs in, before anything loads;
 - `launch.py`: one process, torchrun's ranks, or Ray's (`ray_launcher.py` on the driver,
   `ray_worker.py` in each worker: the only modules that import Ray) each run the same per-rank

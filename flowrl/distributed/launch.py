@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -30,6 +31,40 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 
 def started_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE"))
+
+
+def torchrun_command_prefix(agent_argv: list[str] | None = None) -> list[str]:
+    """The words of this rank's torchrun launch up to the module it runs (`torchrun
+    --nproc-per-node 2 -m flowrl`), for a command that repeats the launch: from the torchrun agent's
+    command line (`agent_argv`; by default its /proc entry, the rank's parent), else rebuilt from
+    torchrun's environment (the node and process counts; rendezvous options only the command line
+    holds)."""
+    if agent_argv is None:
+        try:
+            agent_argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:  # not Linux, or no such entry
+            agent_argv = []
+    start = None
+    if "torch.distributed.run" in agent_argv:  # python -m torch.distributed.run OPTIONS -m flowrl ...
+        start = agent_argv.index("torch.distributed.run") + 1
+    elif any(Path(word).name == "torchrun" for word in agent_argv[:2]):  # [python] .../torchrun OPTIONS ...
+        start = next(i for i, word in enumerate(agent_argv[:2]) if Path(word).name == "torchrun") + 1
+    module = next(
+        (i for i, w in enumerate(agent_argv) if start is not None and i >= start and w in ("flowrl", "flowrl.cli")),
+        None,
+    )
+    if module is not None:
+        return ["torchrun", *agent_argv[start : module + 1]]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    nodes = int(os.environ.get("WORLD_SIZE", str(local))) // max(local, 1)
+    return [
+        "torchrun",
+        *(["--nnodes", str(nodes)] if nodes > 1 else []),
+        "--nproc-per-node",
+        str(local),
+        "-m",
+        "flowrl",
+    ]
 
 
 def resolve_launcher(cfg: FlowRLConfig) -> str:

@@ -61,7 +61,12 @@ def _start_local_ray():
         os.environ.setdefault(name, value)  # inherited by Ray's processes and workers
     import ray
 
-    ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    ray.init(
+        include_dashboard=False,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        # Every Ray process of the run: no third-party notices, none of the State API's (flowrl.console).
+        runtime_env={"worker_process_setup_hook": "flowrl.console.quiet_local_ray_worker"},
+    )
     return ray
 
 
@@ -95,7 +100,9 @@ def launch_on_ray(cfg: FlowRLConfig, run_rank: RankFunction) -> int:
     else:
         import ray
 
-        ray.init(address=dcfg.address)
+        ray.init(address=dcfg.address, runtime_env={"worker_process_setup_hook": "flowrl.console.quiet_third_party"})
+    # Ray Train's workers would send each print to its logger too: printed twice (read when they start).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     try:
         from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
         from ray.train.torch import TorchTrainer

@@ -120,7 +120,7 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
     import torch
 
     from flowrl.config import config_from_dict, load_config
-    from flowrl.run.checks import resolve_model_path
+    from flowrl.run.checks import check_cuda_device
 
     overrides = list(args.overrides)
     saved = next((s for s in reversed(sources) if s.config is not None), None)
@@ -141,7 +141,7 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
     elif cfg.model.path:
         model_path = check_model_folder(cfg.model.path, "model.path (pass --model to use another)")
     elif saved is not None:  # a run of the embedded tiny model (model.path unset)
-        model_path = resolve_model_path(cfg.model)
+        model_path = _embedded_model(saved, cfg.model)
     else:
         raise ValueError("--model is required: pass the base model's local diffusers folder (or --run DIR of a run)")
     if origin == DEFAULTS and not _tiny(model_path):
@@ -154,6 +154,7 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
         raise ValueError(f"--device {device!r} is invalid; use auto, cpu, cuda or cuda:N")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_cuda_device(device, "--device " if args.device else "model.device=", "--device cpu or auto")
     if args.dtype:
         dtype = args.dtype
     elif origin != DEFAULTS:
@@ -162,6 +163,29 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     compile_ = args.compile if args.compile is not None else (cfg.engine.compile and origin != DEFAULTS)
     return Setup(cfg, origin, model_path, device, dtype, bool(compile_))
+
+
+def _embedded_model(source: WeightSource, model_cfg) -> Path:
+    """The embedded tiny model a run of it trained (its saved model.path is unset): the base folder
+    its final/ names when that still exists; else the tiny model's folder, built there if missing
+    (from seed 0: the same bytes the run trained), saying where: the run may have been started in
+    another folder, whose tiny model this one is not."""
+    from flowrl.console import note
+    from flowrl.run.checks import resolve_model_path, tiny_model_cache_dir
+
+    for folder in (source.path, *source.path.parents[:2]):  # final/X, RUN/final, checkpoints/step_N
+        info = read_run_info(folder if folder.name == "final" else folder / "final")
+        base = (info or {}).get("base_model")
+        if base and (Path(base) / "model_index.json").is_file():
+            return Path(base)
+    existed = (tiny_model_cache_dir() / "model_index.json").is_file()
+    path = resolve_model_path(model_cfg)
+    if not existed:
+        note(
+            f"the run trained the embedded tiny SD3 model (model.path unset) and names no folder of it that still "
+            f"exists; built it in {path} (from seed 0, the same bytes the run trained; $FLOWRL_CACHE moves it)"
+        )
+    return Path(path)
 
 
 def open_engine(setup: Setup, sources: list[WeightSource]):

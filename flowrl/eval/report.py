@@ -67,13 +67,16 @@ def _with_interval(stats: dict, signed: bool = False) -> str:
 def format_table(summary: list[dict]) -> str:
     """Per reward column: a header, then one line per source (module docstring)."""
     columns = list(summary[0]["scores"])
-    width = max(len(entry["label"]) for entry in summary) + 2
+    width = max(len("weights"), *(len(entry["label"]) for entry in summary)) + 2  # never run into the next
     lines = []
     for column in columns:
-        lines.append(f"{'weights':<{width}}{column + ': mean [95% CI]':<40}vs base: difference [95% CI]")
-        for entry in summary:
+        header = column + ": mean [95% CI]"
+        cells = [_with_interval(entry["scores"][column]) for entry in summary]
+        scores_width = max(40, *(len(text) + 2 for text in (header, *cells)))
+        lines.append(f"{'weights':<{width}}{header:<{scores_width}}vs base: difference [95% CI]")
+        for entry, cell in zip(summary, cells):
             delta = entry.get("vs_base", {}).get(column)
-            line = f"{entry['label']:<{width}}{_with_interval(entry['scores'][column]):<40}"
+            line = f"{entry['label']:<{width}}{cell:<{scores_width}}"
             lines.append(line + (_with_interval(delta, signed=True) if delta else ""))
     return "\n".join(lines)
 

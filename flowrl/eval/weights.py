@@ -6,7 +6,8 @@ A `WeightSource` is one set of weights to sample with:
   in its metadata): a run's `final/lora` or `checkpoints/step_N/lora`, or one saved by diffusers;
 - `transformer`: a transformer model folder (config.json + safetensors shards), e.g. `final/transformer`;
 - `checkpoint`: a training checkpoint (`trainable.safetensors`, or with `ema` its
-  `ema.safetensors`, which holds the same names), read with the LoRA settings of its state.json.
+  `ema.safetensors`, which holds the same names; a sharded full fine-tune's `sharded/`, gathered
+  into whole tensors in this process), read with the LoRA settings of its state.json.
 A run directory (`trainer.output_dir`) gives every complete checkpoint in step order, then its
 `final/` when that is newer. Sources found inside a run carry the run's saved config, so callers
 can sample with the run's own validation settings.
@@ -29,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from flowrl.distributed.sharded_checkpoint import check_sharded_folder, is_sharded_checkpoint, read_full_tensors
 from flowrl.models.lora import apply_trainable, has_lora
 from flowrl.run.export import read_run_info
 
@@ -42,7 +44,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 def check_model_folder(path: str | Path, flag: str = "--model") -> Path:
     """The local diffusers pipeline folder `path`, or a ValueError naming `flag`: one message for a
     missing path, one for what looks like a hub id, one for a folder that is not a pipeline."""
-    from flowrl.models.registry import read_model_family
+    from flowrl.models.registry import check_model_files, read_model_family
 
     text = str(path)
     folder = Path(text).expanduser()
@@ -55,6 +57,7 @@ def check_model_folder(path: str | Path, flag: str = "--model") -> Path:
             )
         raise ValueError(f"{flag} {text!r} not found; pass a local diffusers pipeline folder (with model_index.json)")
     read_model_family(folder, key=flag)  # a pipeline of a supported family, or a ValueError naming the flag
+    check_model_files(folder, key=flag)  # a component missing or truncated
     return folder
 
 
@@ -123,7 +126,16 @@ def checkpoint_source(path: str | Path, ema: bool = False, flag: str = "--checkp
             "<output_dir>/checkpoints/step_000010, or the run itself with --run"
         )
     weights = folder / (EMA_WEIGHTS_FILE if ema else TRAINABLE_WEIGHTS_FILE)
-    if not weights.is_file():
+    if is_sharded_checkpoint(folder):  # sharded full fine-tuning: gathered from its shards on load
+        try:
+            saved = check_sharded_folder(folder)
+        except ValueError as error:
+            raise ValueError(f"{flag} {str(path)!r}: {error}") from None
+        if ema and not any(name.startswith("ema.") for name in saved):
+            raise ValueError(
+                f"{flag} {str(path)!r} holds no EMA weights in sharded/; train with EMA on, or leave out --ema"
+            )
+    elif not weights.is_file():
         fix = "train with EMA on, or leave out --ema" if ema else "the checkpoint is damaged; use another step"
         raise ValueError(f"{flag} {str(path)!r} has no {weights.name}; {fix}")
     saved = json.loads((folder / "state.json").read_text())
@@ -256,7 +268,10 @@ class WeightLoader:
         elif source.kind == "checkpoint":
             from safetensors.torch import load_file
 
-            state = load_file(str(source.path / (EMA_WEIGHTS_FILE if source.ema else TRAINABLE_WEIGHTS_FILE)))
+            if is_sharded_checkpoint(source.path):  # every rank's chunks, gathered here
+                state = read_full_tensors(source.path, "ema" if source.ema else "model")
+            else:
+                state = load_file(str(source.path / (EMA_WEIGHTS_FILE if source.ema else TRAINABLE_WEIGHTS_FILE)))
             lora_config = _checkpoint_lora_config(source)
         else:
             state, lora_config = None, None

@@ -1,6 +1,7 @@
 """The one list of supported model families: diffusers pipeline class -> family name -> adapter.
 
 `read_model_family(path)` reads a local diffusers folder's model_index.json and names its family;
+`check_model_files(path)` checks that the components it lists are there and whole;
 `load_adapter(path, ...)` loads that family's adapter. A path `random:NAME` names a published
 architecture with random weights instead (flowrl.models.debug.random_weights). Adding a family means
 one adapter module and one entry in FAMILIES. (The config's `model.family` choices, flowrl.config,
@@ -52,8 +53,8 @@ def load_adapter(
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)
 
 
-def _family_entry(path: str | Path, key: str = "model.path") -> tuple[str, type[FlowModelAdapter]]:
-    path = Path(path)
+def _read_index(path: Path, key: str) -> dict:
+    """The folder's model_index.json; ValueError naming the file when it is missing or damaged."""
     index = path / "model_index.json"
     if not index.is_file():
         raise ValueError(
@@ -61,7 +62,61 @@ def _family_entry(path: str | Path, key: str = "model.path") -> tuple[str, type[
             "pass the folder written by `save_pretrained`, or build a tiny one with "
             "`flowrl make-tiny --kind sd3 OUT`"
         )
-    class_name = json.loads(index.read_text())["_class_name"]
+    try:
+        content = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{key}={str(path)!r}: {index} is not valid JSON ({error}); restore the file") from None
+    if not isinstance(content, dict) or not isinstance(content.get("_class_name"), str):
+        raise ValueError(f'{key}={str(path)!r}: {index} names no pipeline (no "_class_name"); restore the file')
+    return content
+
+
+def check_model_files(path: str | Path, key: str = "model.path") -> None:
+    """Every component the folder's model_index.json lists is there, and its safetensors files are
+    whole (each file's size against its header): a partial download is named, file and fix, before
+    diffusers loads anything. `random:NAME` has no files."""
+    if is_random_path(path):
+        return
+    path = Path(path)
+    for name, entry in _read_index(path, key).items():
+        if name.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue  # metadata, or a component the pipeline leaves out ([null, null])
+        folder = path / name
+        if not folder.is_dir():
+            raise ValueError(
+                f"{key}={str(path)!r} has no {name}/ folder, which model_index.json lists ({entry[-1]}); "
+                "the folder is incomplete: download or copy the whole checkpoint again"
+            )
+        for file in sorted(folder.glob("*.safetensors")):
+            fault = _safetensors_fault(file)
+            if fault:
+                raise ValueError(
+                    f"{key}={str(path)!r}: {name}/{file.name} {fault}; the file is damaged or its download "
+                    "stopped early: download or copy it again"
+                )
+
+
+def _safetensors_fault(file: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (None: its size is what its header says)."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or size < 8 + length:
+            return f"is truncated ({size} bytes, its header cut off)"
+        try:
+            header = json.loads(handle.read(length))
+            end = max((t["data_offsets"][1] for n, t in header.items() if n != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "has a damaged header (not a safetensors file)"
+    if size < 8 + length + end:
+        return f"is truncated ({size} bytes; its header describes {8 + length + end})"
+    return None
+
+
+def _family_entry(path: str | Path, key: str = "model.path") -> tuple[str, type[FlowModelAdapter]]:
+    path = Path(path)
+    class_name = _read_index(path, key)["_class_name"]
     if class_name not in FAMILIES:
         raise ValueError(
             f"{key}={str(path)!r} holds a {class_name}, which flowrl does not support; "

@@ -85,6 +85,14 @@ class Reward:
     # OCR): AsyncRewardScorer then spreads a burst of rows over its workers instead of handing
     # one worker a single batch (which suits a batched model forward, as CLIP's).
     scores_rows_one_by_one: bool = False
+    is_cancelled: bool = False  # set by cancel()
+
+    def cancel(self) -> None:
+        """Stop scoring for good (a run that is stopping): a row-wise reward ends the batch it is
+        scoring at its next row with a RewardError, so the threads scoring for a stopped run end
+        within one row's time, not a batch's (a thread still inside native code, as onnxruntime's
+        OCR, when the process exits aborts it)."""
+        self.is_cancelled = True
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         return self.score_with_components(images, prompts, metadata)[0]
@@ -110,6 +118,12 @@ class Reward:
 
     def score_batch(self, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
         raise NotImplementedError
+
+    def cannot_score(self, metadata: dict) -> str | None:
+        """Why a row with this metadata cannot be scored (what it lacks, and the fix), or None.
+        Checked on a dataset's rows before any image is made (`check_rows`); the default accepts
+        every row."""
+        return None
 
     def score_or_nan(
         self, images: Any, prompts: list[str], metadata: list[dict]
@@ -137,6 +151,8 @@ class RowwiseReward(Reward):
     def _score_rows(self, images: np.ndarray, prompts, metadata, failures: list | None) -> np.ndarray:
         scores = np.empty(images.shape[0], dtype=np.float64)
         for row, (image, prompt, meta) in enumerate(zip(images, prompts, metadata)):
+            if self.is_cancelled:  # a failure even for an optional reward: nobody reads the scores
+                raise RewardError(self.name, row, "scoring was cancelled: the run is stopping")
             try:
                 scores[row] = float(self.score_row(np.ascontiguousarray(image.transpose(1, 2, 0)), prompt, meta))
             except Exception as error:
@@ -155,6 +171,16 @@ class RowwiseReward(Reward):
         images = validate_batch(images, prompts, metadata)
         failures: list[RewardError] = []
         return self._score_rows(images, prompts, metadata, failures), failures
+
+
+def check_rows(reward, rows: list[dict], where: str) -> None:
+    """ValueError naming the first of `rows` (dataset rows or their metadata) that `reward` cannot
+    score, as `where` row N (e.g. "data.train_path='prompts.txt'"), before anything is generated."""
+    cannot_score = getattr(reward, "cannot_score", None)  # a stand-in reward of a test may lack it
+    for index, row in enumerate(rows if cannot_score is not None else ()):
+        reason = cannot_score(row)
+        if reason is not None:
+            raise ValueError(f"{where} row {index}: reward {reward.name!r} cannot score it: {reason}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,8 +229,17 @@ def _resolve_factory(name: str) -> Callable[..., Reward]:
 
 
 def _check_options(name: str, factory: Callable[..., Reward], options: dict) -> None:
-    """Reject option names the factory does not accept, listing the ones it does."""
+    """Reject option names the factory does not accept, listing the ones it does, and name the
+    required ones (no default) that are missing."""
     parameters = inspect.signature(factory).parameters
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p for p, v in parameters.items() if v.default is inspect.Parameter.empty and v.kind not in variadic]
+    missing = [p for p in required if p not in options]
+    if missing:
+        raise ValueError(
+            f"reward {name!r} needs the option(s) {', '.join(map(repr, missing))}; give them in its options, e.g. "
+            f"reward.options.{missing[0]}=VALUE in a config or --option {missing[0]}=VALUE on the command line"
+        )
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     accepted = [p for p, v in parameters.items() if v.kind is not inspect.Parameter.VAR_POSITIONAL]

@@ -71,6 +71,19 @@ class MultiReward(Reward):
     def scores_rows_one_by_one(self) -> bool:
         return all(reward.scores_rows_one_by_one for *_, reward in self.components)
 
+    def cancel(self) -> None:
+        super().cancel()
+        for *_, reward in self.components:
+            reward.cancel()
+
+    def cannot_score(self, metadata: dict) -> str | None:
+        """The first required component's reason (an optional one scores such a row NaN)."""
+        for label, _, is_optional, reward in self.components:
+            reason = None if is_optional else reward.cannot_score(metadata)
+            if reason is not None:
+                return f"component {label!r}: {reason}"
+        return None
+
     def score_batch_with_components(self, images, prompts, metadata):
         total = np.zeros(len(prompts), dtype=np.float64)
         components: dict[str, np.ndarray] = {}
@@ -116,6 +129,21 @@ class DataSourceRouter(Reward):
                 f"routed sources: {sorted(self.routes)}"
             )
         return self.default
+
+    def cancel(self) -> None:
+        super().cancel()
+        for reward in [*self.routes.values(), *([] if self.default is None else [self.default])]:
+            reward.cancel()
+
+    def cannot_score(self, metadata: dict) -> str | None:
+        try:
+            reward = self._reward_for(metadata.get(self.data_source_key))
+        except ValueError as error:
+            return str(error)
+        reason = reward.cannot_score(metadata)
+        if reason is None:
+            return None
+        return f"{self.data_source_key}={metadata.get(self.data_source_key)!r} goes to {reward.name!r}: {reason}"
 
     @property
     def scores_rows_one_by_one(self) -> bool:

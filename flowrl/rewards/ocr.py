@@ -89,10 +89,18 @@ class OcrReward(RowwiseReward):
         lines = result.txts or ()
         return " ".join(lines)
 
+    def cannot_score(self, metadata: dict) -> str | None:
+        if metadata.get(self.ground_truth_key) is not None:
+            return None
+        given = sorted(key for key, value in metadata.items() if value is not None)
+        return (
+            f"metadata has no {self.ground_truth_key!r} (the text the image must show; fields given: {given}); "
+            f"give every row a {self.ground_truth_key!r} (a .jsonl written by `flowrl data ocr` has one), "
+            "or choose another reward"
+        )
+
     def score_row(self, image_hwc: np.ndarray, prompt: str, metadata: dict) -> float:
-        if self.ground_truth_key not in metadata:
-            raise ValueError(
-                f"metadata has no {self.ground_truth_key!r} (keys: {sorted(metadata)}); "
-                "the OCR reward needs the target text in each row's metadata"
-            )
+        reason = self.cannot_score(metadata)  # never a target of "None"
+        if reason is not None:
+            raise ValueError(reason)
         return ocr_text_score(self.read_text(image_hwc), str(metadata[self.ground_truth_key]))

@@ -59,9 +59,10 @@ def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | 
             grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
             grid,
         )
+    scored = scores[~np.isnan(scores)]  # no NaN-mean warning when every reward failed: NaN
     metrics = {
-        "val/reward_mean": float(np.nanmean(scores)),
-        "val/reward_std": float(np.nanstd(scores)),
+        "val/reward_mean": float(scored.mean()) if scored.size else float("nan"),
+        "val/reward_std": float(scored.std()) if scored.size else float("nan"),
         "timing/val_s": time.perf_counter() - t0,
     }
     return metrics, image, len(scores)

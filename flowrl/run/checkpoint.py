@@ -9,7 +9,9 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 - `lora/`                  the LoRA in diffusers format (`pipe.load_lora_weights(dir)`), when LoRA
 - `sharded/`               in place of the three tensor files above, when the weights are sharded
                            over ranks (FSDP2 full fine-tuning): every rank's shards of the weights,
-                           optimizer state and EMA averages (flowrl.distributed.sharded_checkpoint)
+                           optimizer state and EMA averages in `rank<N>.safetensors`, their index in
+                           `index.json`, the optimizer's hyper-parameters in `optimizer.json`
+                           (flowrl.distributed.sharded_checkpoint; never torch's pickled `.metadata`)
 - `state.json`             step, policy version, data position, optimizer hyper-parameters, Python
                            and numpy RNG states, and the run's config.
 - `manifest.json`          every other file of the folder (any file: `ema.safetensors` and the like
@@ -19,7 +21,8 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 A checkpoint is written to a temporary folder and renamed into place, so a crash mid-write never
 leaves a folder that looks complete; the manifest catches what the rename cannot: bytes damaged,
 truncated or deleted later. `verify_checkpoint` checks every file against it (size first, then
-hash) and raises `CheckpointError` naming the file; a folder written before manifests existed
+hash), and a `sharded/` folder's index and file list (a manifest anyone can recompute does not
+vouch for those), and raises `CheckpointError` naming the file; a folder written before manifests existed
 loads with a warning that it cannot be verified. It knows parameters by name, the optimizer and
 the RNGs; what the trainer's own state means (the `state.json` entries it passes) it leaves to
 the trainer.
@@ -134,6 +137,7 @@ def verify_checkpoint(path: str | Path) -> bool:
         raise CheckpointError(f"checkpoint {folder} is not a folder")
     if not (folder / MANIFEST).is_file():
         _read_json(folder / STATE, folder)  # still catch a missing or torn state.json
+        _check_sharded(folder)
         return False
     files = _read_json(folder / MANIFEST, folder).get("files")
     if not isinstance(files, dict) or STATE not in files:
@@ -157,7 +161,18 @@ def verify_checkpoint(path: str | Path) -> bool:
                 f"checkpoint {folder}: {name} does not match its sha256 (checksum mismatch: damaged bytes)"
             )
     _read_json(folder / STATE, folder)
+    _check_sharded(folder)
     return True
+
+
+def _check_sharded(folder: Path) -> None:
+    """A sharded/ folder holds only what flowrl writes there, its index valid (a manifest, which
+    anyone can recompute, does not vouch for that): never a pickle that torch would unpickle."""
+    if sharded_checkpoint.is_sharded_checkpoint(folder):
+        try:
+            sharded_checkpoint.check_sharded_folder(folder)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
 
 
 def _warn_unverified(folder: Path) -> None:

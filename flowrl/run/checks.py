@@ -1,11 +1,12 @@
 """Everything the trainer checks and builds before training, cheapest and most error-prone first.
 
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
-a group advantage with n=1, unknown reward, a KL reference without LoRA, guidance settings the
-model family cannot honour, a GPU device on a machine without one, a schedule with no step to
-train, an output folder that cannot be written) before any model is loaded, so mistakes cost
-seconds, not minutes. `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is
-unset; `model.path=random:NAME` is a published architecture with random weights
+a group advantage with n=1, unknown reward, a dataset row the reward cannot score, a KL reference
+without LoRA, guidance settings the model family cannot honour, a GPU device on a machine without
+one, random weights at a published size on a CPU, a schedule with no step to train, an output
+folder that cannot be written) before any model is loaded, so mistakes cost seconds, not minutes.
+`resolve_model_path` builds the embedded tiny SD3 model when `model.path` is unset;
+`model.path=random:NAME` is a published architecture with random weights
 (flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into
 the rollout engine as the trainer runs it, with `engine_options`, the config's engine settings
 that every engine flowrl opens takes (the trainer's, flowrl eval/generate's, flowrl serve's).
@@ -32,7 +33,7 @@ def check_model_path(model_cfg) -> Path | str | None:
     """The model folder, or `random:NAME` as it is (None: the embedded tiny model); ValueError
     when it is unusable."""
     from flowrl.models.debug.random_weights import is_random_path
-    from flowrl.models.registry import read_model_family
+    from flowrl.models.registry import check_model_files, read_model_family
 
     if model_cfg.path is None:
         if model_cfg.family not in ("auto", "sd3"):
@@ -49,6 +50,7 @@ def check_model_path(model_cfg) -> Path | str | None:
             "published architecture, or leave model.path unset for the tiny model"
         )
     family = read_model_family(path)  # raises for a folder that is not a supported pipeline, or an unknown NAME
+    check_model_files(path)  # a component missing or truncated
     if model_cfg.family not in ("auto", family):
         raise ValueError(
             f"model.family={model_cfg.family!r} but {path} holds a {family} pipeline; set model.family=auto or {family}"
@@ -101,21 +103,54 @@ def build_engine(cfg, device: str | None = None):
 
 def check_device(model_cfg) -> None:
     """A `cuda` device must exist on this machine."""
-    if not model_cfg.device.startswith("cuda"):
+    check_cuda_device(model_cfg.device, "model.device=", "model.device=cpu or auto")
+
+
+def check_cuda_device(device: str, key: str, cpu_choice: str) -> None:
+    """ValueError when `device` names a CUDA GPU this machine does not show; `key` prefixes the
+    value in the message ("model.device=", "--device "), `cpu_choice` is the fix without a GPU."""
+    if not device.startswith("cuda"):
         return
     import torch
 
     if not torch.cuda.is_available():
         raise ValueError(
-            f"model.device={model_cfg.device!r} but no CUDA GPU is visible (torch.cuda.is_available() is "
-            "False); use model.device=cpu or auto, or run where a GPU is visible"
+            f"{key}{device!r} but no CUDA GPU is visible (torch.cuda.is_available() is False); use {cpu_choice}, "
+            "or run where a GPU is visible"
         )
     count = torch.cuda.device_count()
-    index = int(model_cfg.device.partition(":")[2] or 0)
+    index = int(device.partition(":")[2] or 0)
     if index >= count:
-        raise ValueError(
-            f"model.device={model_cfg.device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}"
-        )
+        raise ValueError(f"{key}{device!r} but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}")
+
+
+def check_random_weights_device(model_cfg) -> None:
+    """`model.path=random:NAME` at a published size needs a GPU: built on the CPU it fills tens of
+    GB of host memory for minutes, then trains at no useful speed. Says so, with the size, before
+    anything is built (the tiny architectures run anywhere)."""
+    from flowrl.models.debug.random_weights import (
+        architecture_name,
+        is_random_path,
+        published_parameter_count,
+        tiny_name,
+    )
+
+    if model_cfg.path is None or not is_random_path(model_cfg.path):
+        return
+    name = architecture_name(model_cfg.path)
+    if name.startswith("tiny-") or model_cfg.resolve_device() != "cpu":
+        return
+    from flowrl.models.debug.architectures import ARCHITECTURES
+
+    count = published_parameter_count(name)
+    weights_gb = count * {"float32": 4, "bfloat16": 2, "float16": 2}[model_cfg.dtype] / 1e9
+    raise ValueError(
+        f"model.path={model_cfg.path!r} builds the {name} architecture at its published size with random weights "
+        f"({count / 1e9:.1f} B parameters: {weights_gb:.0f} GB in {model_cfg.dtype} for the weights alone, before "
+        f"gradients, optimizer states and activations), which needs a GPU, but model.device={model_cfg.device!r} "
+        "is the CPU (no CUDA GPU visible); run where a GPU with well over that much memory is visible (the README's "
+        f"Hardware table gives each model's needs), or use model.path=random:{tiny_name(ARCHITECTURES[name][0])} on a CPU"
+    )
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -168,6 +203,7 @@ def check_before_loading(cfg, reward=None) -> Prepared:
             "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
         )
     check_device(cfg.model)
+    check_random_weights_device(cfg.model)
     check_output_dir(cfg.trainer.output_dir)
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")
@@ -180,8 +216,35 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         from flowrl.rewards import build_reward_from_config
 
         reward = build_reward_from_config(cfg.reward)
+    check_reward_rows(reward, data, train_rows, val_rows)
     check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
     return Prepared(train_rows, val_rows, reward)
+
+
+def prompts_per_step_remark(trainer_cfg, data_cfg, num_rows: int) -> str | None:
+    """The line a run prints when a step takes more prompts than the dataset holds (it cycles:
+    some prompts twice in one step), else None."""
+    if trainer_cfg.prompts_per_step <= num_rows:
+        return None
+    where = "the built-in prompts" if data_cfg.train_path is None else f"data.train_path={data_cfg.train_path!r}"
+    return (
+        f"note: trainer.prompts_per_step={trainer_cfg.prompts_per_step} is more than the {num_rows} prompts of "
+        f"{where}, so every step takes some prompts more than once (one group each time) and a step spans "
+        f"more than one epoch; lower trainer.prompts_per_step to at most {num_rows}, or give more prompts"
+    )
+
+
+def check_reward_rows(reward, data_cfg, train_rows: list[dict], val_rows: list[dict]) -> None:
+    """Every training and validation row is one the reward can score (e.g. the OCR reward's
+    `ground_truth`), else a ValueError naming the file and row (flowrl.rewards.base.check_rows)."""
+    from flowrl.rewards.base import check_rows
+
+    if data_cfg.train_path is None:
+        check_rows(reward, train_rows, "the built-in prompts (data.train_path unset)")
+    else:
+        check_rows(reward, train_rows, f"data.train_path={data_cfg.train_path!r}")
+    if data_cfg.val_path is not None:
+        check_rows(reward, val_rows, f"data.val_path={data_cfg.val_path!r}")
 
 
 def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:

@@ -6,12 +6,21 @@ ZERO_SPREAD_WARN_RATIO of a step's groups have no spread it prints one line nami
 causes and the metric to watch; later such steps print nothing (their count is kept), and
 `summary()` gives one closing line when any step was affected.
 
+`NoTrainingWatch` looks at each step's `adv/num_rows_trained`: a step that trained no row at all
+(every reward NaN, or no group with a reward spread under zero_std_policy=drop) warns at the first
+step of such a streak (the zero-spread case is ZeroSpreadWatch's line), and past
+`trainer.max_steps_without_trained_rows` steps in a row it raises `TrainingStalled`, which says why.
+
 It knows the metric names of a training step, nothing about how they are computed.
 """
 
 from __future__ import annotations
 
 ZERO_SPREAD_WARN_RATIO = 0.5
+
+
+class TrainingStalled(RuntimeError):
+    """Too many steps in a row trained no row (NoTrainingWatch); the message says why and the fix."""
 
 
 class ZeroSpreadWatch:
@@ -50,3 +59,46 @@ class ZeroSpreadWatch:
             f"{ZERO_SPREAD_WARN_RATIO:.0%} of their groups with zero reward spread (first: step "
             f"{self.affected_steps[0]}); see adv/zero_std_ratio in metrics.jsonl"
         )
+
+
+class NoTrainingWatch:
+    """See the module docstring. `max_steps`: trainer.max_steps_without_trained_rows (0: never stop)."""
+
+    def __init__(self, reward_name: str, max_steps: int, write=print):
+        self.reward_name = reward_name
+        self.max_steps = max_steps
+        self.write = write
+        self.num_steps_in_a_row = 0
+
+    def _reason(self, metrics: dict) -> str:
+        if metrics.get("reward/nan_ratio", 0.0) >= 1.0:
+            return (
+                f"every image's reward was NaN (reward/nan_ratio 1.0): reward {self.reward_name!r} returned null or "
+                "failed for every row (an HTTP scorer answering null, an optional component failing everywhere)"
+            )
+        return (
+            f"no prompt group's samples differed in reward {self.reward_name!r} (adv/zero_std_ratio "
+            f"{metrics.get('adv/zero_std_ratio', float('nan')):.2f}), and algorithm.zero_std_policy=drop leaves "
+            "such groups out"
+        )
+
+    def observe(self, step: int, metrics: dict) -> None:
+        """Count a step; raises TrainingStalled past the bound."""
+        if metrics.get("adv/num_rows_trained", 1) > 0:
+            self.num_steps_in_a_row = 0
+            return
+        self.num_steps_in_a_row += 1
+        reason = self._reason(metrics)
+        bound = self.max_steps
+        if bound and self.num_steps_in_a_row >= bound:
+            raise TrainingStalled(
+                f"stopped after step {step}: {self.num_steps_in_a_row} steps in a row trained no row "
+                f"(trainer.max_steps_without_trained_rows={bound}): {reason}; fix the reward (see reward/nan_ratio "
+                "and adv/zero_std_ratio in metrics.jsonl), or raise trainer.max_steps_without_trained_rows (0: never "
+                "stop); the same command resumes from the latest checkpoint"
+            )
+        if self.num_steps_in_a_row == 1 and metrics.get("reward/nan_ratio", 0.0) >= 1.0:
+            stop = f"the run stops after {bound} such steps in a row" if bound else "the run goes on"
+            self.write(
+                f"warning: step {step} trained no row: {reason}. {stop} (trainer.max_steps_without_trained_rows)"
+            )

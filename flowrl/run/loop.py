@@ -1,6 +1,7 @@
 """The loop of a training run: steps until trainer.total_steps (or trainer.epochs), with validation,
 metrics lines and checkpoints at their cadence, the progress bar, warnings about a run that trains
-on nothing, and clean stops on SIGINT / SIGTERM.
+on nothing (and its stop after trainer.max_steps_without_trained_rows such steps in a row), and
+clean stops on SIGINT / SIGTERM.
 
 `fit(trainer)` drives a trainer (flowrl.trainer.trainer.Trainer) through the few members it names:
 `train_step()`, `validate()`, `save()`, `log(step, metrics)`, `summary()`, `close(...)`,
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from flowrl.console import note
 from flowrl.run import checkpoint, resume
-from flowrl.run.health import ZeroSpreadWatch
+from flowrl.run.health import NoTrainingWatch, ZeroSpreadWatch
 from flowrl.run.interrupts import PhaseAborted, StepRewind, StopSignals, TrainingInterrupted
 from flowrl.run.progress import NO_PROGRESS, StepProgress
 
@@ -41,6 +42,10 @@ def fit(trainer) -> dict:
     )
     trainer.signals = StopSignals()
     zero_spread = ZeroSpreadWatch(trainer.reward.name, trainer.cfg.rollout.n, write=note)
+    # Every rank counts (the metrics are the same on each), so all stop together; rank 0 writes.
+    no_training = NoTrainingWatch(
+        trainer.reward.name, tcfg.max_steps_without_trained_rows, write=note if trainer.world.is_main else _silent
+    )
     last_saved_step = trainer.step  # a resumed run's checkpoint holds this step; 0: nothing saved
     rewind: StepRewind | None = None
     interrupted: TrainingInterrupted | None = None
@@ -67,6 +72,7 @@ def fit(trainer) -> dict:
                     if tcfg.save_every and trainer.step % tcfg.save_every == 0:
                         trainer.save()
                         last_saved_step = trainer.step
+                    no_training.observe(trainer.step, metrics)  # TrainingStalled past its bound
                     trainer.progress.step_done(metrics)
                     _check_stop(trainer)
                 trainer.rollouts.finish()  # the last update goes live on rollout servers
@@ -91,6 +97,10 @@ def fit(trainer) -> dict:
             resume.delete_run_files(trainer.output_dir, resume.run_files(trainer.output_dir), "no step completed")
         raise interrupted
     return {**trainer.summary(), "steps_trained": trainer.step - start_step}
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
 
 
 def _check_stop(trainer) -> None:

@@ -11,12 +11,16 @@ what `trainer.output_dir` holds:
 - a run stopped by Ctrl-C / SIGTERM keeps a checkpoint of its last completed step (resumed as
   above); one stopped before any step completed removes the files it wrote, so its folder is a
   fresh start again (flowrl.trainer.trainer.Trainer.fit);
+- start again, deleting exactly those files, when the folder holds no checkpoint at all and its
+  files were written by an earlier start of the same config (`RUN_CONFIG`, written when a run
+  starts): a run that crashed before its first checkpoint is restarted by the same command;
 - do nothing when the run is already finished (its checkpoint is at `trainer.total_steps` or its
   epochs are done, or `final/` is written and metrics.jsonl reached `total_steps`).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -25,8 +29,18 @@ from pathlib import Path
 from flowrl.run import checkpoint
 from flowrl.run.metrics import METRICS_FILE, TENSORBOARD_DIR, read_metrics
 
+# The config of the run that started in trainer.output_dir (RunPlan.start writes it).
+RUN_CONFIG = "run_config.json"
 # What a run writes in trainer.output_dir; `trainer.overwrite=true` deletes these and nothing else.
-RUN_FILES = (METRICS_FILE, checkpoint.CHECKPOINTS_DIR, "final", TENSORBOARD_DIR, "val", "reward_curve.png")
+RUN_FILES = (
+    METRICS_FILE,
+    checkpoint.CHECKPOINTS_DIR,
+    "final",
+    TENSORBOARD_DIR,
+    "val",
+    "reward_curve.png",
+    RUN_CONFIG,
+)
 
 NEW = "new"  # the new value applies, reported
 QUIET = "quiet"  # the new value applies, not reported (it is about this invocation)
@@ -109,13 +123,17 @@ class RunPlan:
     step: int = 0
     finished: str | None = None  # the line to print when there is nothing to do
     report: list[str] = field(default_factory=list)  # lines to print when the run starts
-    delete: list[str] = field(default_factory=list)  # RUN_FILES to delete first (trainer.overwrite)
+    delete: list[str] = field(default_factory=list)  # RUN_FILES to delete first
+    delete_reason: str = "trainer.overwrite=true"  # why, in the line that lists them
 
-    def start(self, output_dir: str | Path) -> None:
-        """Carry out the plan's side effects (delete for overwrite, print the report)."""
-        delete_run_files(output_dir, self.delete)
+    def start(self, output_dir: str | Path, config_dict: dict | None = None) -> None:
+        """Carry out the plan's side effects (delete for overwrite or a restart, print the report)
+        and record the run's config (`RUN_CONFIG`) for a restart after a crash."""
+        delete_run_files(output_dir, self.delete, self.delete_reason)
         for line in self.report:
             print(line, flush=True)
+        if config_dict is not None and not self.finished:
+            (Path(output_dir) / RUN_CONFIG).write_text(json.dumps({"config": config_dict}, indent=1))
 
 
 def run_files(output_dir: str | Path) -> list[str]:
@@ -153,6 +171,25 @@ def _used_folder_error(tcfg, used: list[str]) -> ValueError:
     return ValueError(f"{head}; {choices}, or set trainer.overwrite=true to delete those files and start clean")
 
 
+def _is_restart_of_same_config(output_dir: Path, config_dict: dict) -> bool:
+    """Whether output_dir holds no checkpoint folder at all and its RUN_CONFIG is this config (keys
+    about this invocation alone, RESUME_RULES' QUIET ones, aside): an earlier start of the same
+    command that stopped before its first checkpoint."""
+    if checkpoint.checkpoint_dirs(output_dir):  # even damaged ones: never deleted unasked
+        return False
+    try:
+        saved = json.loads((output_dir / RUN_CONFIG).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(saved, dict):
+        return False
+
+    def meaningful(config: dict) -> dict:
+        return {k: v for k, v in flatten(config).items() if resume_rule(k) != QUIET}
+
+    return meaningful(saved) == meaningful(config_dict)
+
+
 def _finished_line(output_dir, step: int, why: str) -> str:
     return (
         f"nothing to do: the run in {output_dir} is finished at step {step} ({why}); raise "
@@ -187,11 +224,16 @@ def plan_run(cfg, config_dict: dict) -> RunPlan:
     found = checkpoint.find_resume_checkpoint(tcfg.resume, out)
     if found is None:
         used = run_files(out)
-        if not used:
+        if not used or used == [RUN_CONFIG]:  # at most a start that wrote nothing else: nothing to keep
             return RunPlan()
         finished = _finished_by_final_weights(tcfg) if tcfg.resume == "auto" else None
         if finished:
             return RunPlan(finished=finished)
+        if _is_restart_of_same_config(out, config_dict):
+            reason = (
+                "no checkpoint to resume: an earlier start of this same config stopped before its first one; restarting"
+            )
+            return RunPlan(delete=used, delete_reason=reason)
         raise _used_folder_error(tcfg, used)
     if out.resolve() not in found.resolve().parents and run_files(out):
         raise ValueError(

@@ -5,6 +5,8 @@
 - `drain(request)`: read and drop a body (answering before the body is read makes some clients
   fail with a broken pipe instead of reading the answer);
 - `has_bearer_token(request, token)`: the `Authorization: Bearer` check, in constant time;
+- `RequestLimit(app, limit, busy_body)`: at most `limit` requests served at once; past it a 503
+  whose JSON body is the service's own error shape (uvicorn's own limit answers plain text);
 - `serve_in_background(app, ...)`: uvicorn in a daemon thread, its URL yielded, stopped on exit;
 - `serve_until_signal(app, ...)`: a command's main loop: serve until SIGINT / SIGTERM;
 - `warn_if_exposed(command, host, who)`: the warning a command prints when it binds beyond loopback.
@@ -66,6 +68,46 @@ def has_bearer_token(request: Request, token: str) -> bool:
     return hmac.compare_digest(sent.encode("utf-8", "replace"), f"Bearer {token}".encode())
 
 
+class RequestLimit:
+    """ASGI middleware: at most `limit` HTTP requests are served at once (one event loop: a plain
+    counter); past it a request gets 503, `busy_body` (JSON) and `Retry-After: 1` before the app
+    sees it, its body drained first (module docstring: `drain`). Requests to `exempt_paths` (a
+    service's token-guarded admin endpoints: a resume must reach a server whose slots are held by
+    paused requests) and other scopes pass through, uncounted."""
+
+    def __init__(self, app, limit: int, busy_body: bytes, exempt_paths: tuple[str, ...] = ()):
+        self.app = app
+        self.limit = limit
+        self.busy_body = busy_body
+        self.exempt_paths = exempt_paths
+        self.num_active = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.num_active >= self.limit:
+            seen, message = 0, {"more_body": True}
+            while message.get("more_body") and seen <= _DRAIN_LIMIT:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                seen += len(message.get("body", b""))
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(self.busy_body)).encode()),
+                (b"retry-after", b"1"),
+            ]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": self.busy_body})
+            return
+        self.num_active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_active -= 1
+
+
 @contextlib.contextmanager
 def serve_in_background(
     app,
@@ -76,22 +118,26 @@ def serve_in_background(
     max_connections: int | None = None,
     name: str = "flowrl-server",
     graceful_timeout_s: float | None = None,
+    busy_body: bytes = b'{"error": "busy", "detail": "too many requests at once; retry later"}',
+    exempt_paths: tuple[str, ...] = (),
 ):
     """Run `app` with uvicorn in a daemon thread; yields its base URL; stops it on exit.
 
     port=0 picks a free port (the URL carries the real one). Binds loopback unless told otherwise.
-    max_connections: connections served at once; uvicorn answers 503 (retried by the client) past it.
+    max_connections: requests served at once; past it a 503 with `busy_body`, the service's own
+    JSON error (`RequestLimit`), which clients retry; `exempt_paths` are served whatever the count.
     graceful_timeout_s: on exit, how long requests in flight may take to finish (None: as long as they need).
     """
     import uvicorn
 
+    if max_connections is not None:
+        app = RequestLimit(app, max_connections, busy_body, exempt_paths)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
         lifespan="off",
-        limit_concurrency=max_connections,
         timeout_graceful_shutdown=graceful_timeout_s,
     )
     server = uvicorn.Server(config)

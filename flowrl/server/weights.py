@@ -3,8 +3,8 @@
 `parse_update_query` reads POST /v1/weights's query (kind, version, sha256). `prepare_update`
 checks a body (flowrl.server.wire's weights format) against the live transformer: the file's
 sha256, then that the tensor names are exactly the model's LoRA (or full) parameter names, with
-every shape and dtype equal, and, for a LoRA, its settings; any mismatch is a BadRequest naming it,
-and the model is untouched. `apply_update` then copies the tensors in (adding the LoRA first when
+every shape and dtype equal, every value finite, and, for a LoRA, its settings; any mismatch is a
+BadRequest naming it, and the model is untouched. `apply_update` then copies the tensors in (adding the LoRA first when
 the server held none); the caller runs it while no sample is in flight (flowrl.server.admission).
 `live_weights` gives the tensors a checksum of the served weights covers.
 
@@ -170,6 +170,14 @@ def prepare_update(body: bytes, kind: str, version: int, sha256: str, transforme
             raise BadRequest(
                 f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the model's is {dtype} {shape}; push "
                 "weights of this base model and LoRA settings, in the model's dtypes",
+                422,
+                param="body",
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise BadRequest(
+                f"tensor {name!r} holds {bad} non-finite value(s) (NaN or infinity), which would make every "
+                "sample fail; the served weights are unchanged: push finite weights (a diverged update?)",
                 422,
                 param="body",
             )

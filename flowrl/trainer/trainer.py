@@ -43,7 +43,7 @@ from flowrl.rollout.backends import open_rollout_backend
 from flowrl.rollout.schedule import schedule_for
 from flowrl.rollout.validation import validate
 from flowrl.run import resume, state
-from flowrl.run.checks import build_engine, check_before_loading, resolve_model_path
+from flowrl.run.checks import build_engine, check_before_loading, prompts_per_step_remark, resolve_model_path
 from flowrl.run.flops import measure_matmul_peak
 from flowrl.run.metrics import MetricsLogger, read_metrics
 from flowrl.run.progress import NO_PROGRESS
@@ -52,6 +52,7 @@ from flowrl.run.timing import PhaseTimer
 from flowrl.trainer.algorithm import AlgorithmSetup, build_algorithm
 from flowrl.trainer.ema import ParameterEMA
 from flowrl.trainer.rollout import StepSamples
+from flowrl.waiting import wait_for_calls_left_behind
 
 # How long a stopped run waits for reward batches already being scored before it leaves them.
 _STOPPED_SCORING_WAIT_S = 10.0
@@ -79,8 +80,11 @@ class Trainer:
         # Which checkpoint (verified), or a fresh start in a folder of its own: decided before loading.
         self.plan = plan or self.world.on_main(lambda: resume.plan_run(cfg, self.config_dict))
         if self.world.is_main:
-            self.plan.start(cfg.trainer.output_dir)
+            self.plan.start(cfg.trainer.output_dir, self.config_dict)
         self.world.barrier()  # no rank reads the folder before rank 0 has cleaned it
+        remark = prompts_per_step_remark(cfg.trainer, cfg.data, len(prepared.train_rows))
+        if remark and self.world.is_main and not self.plan.finished:
+            note(remark)
         self.reward = prepared.reward
         self.val_rows = prepared.val_rows
         tcfg = cfg.trainer
@@ -337,13 +341,22 @@ class Trainer:
     def close(self, drop_pending: bool = False, shutdown_engine: bool = True) -> None:
         """Shut the engine down (first: no engine thread outlives a stopped run), close the rollout
         schedule and backend (a pending early rollout is left behind), join the reward workers
-        (with drop_pending, after a stop, at most a short wait for a batch still being scored) and
-        close the logger. Calling it again does nothing."""
+        (with drop_pending, after a stop: the reward cancelled, and at most a short wait for a batch
+        still being scored and for validation's scoring) and close the logger. Calling it again
+        does nothing."""
         if shutdown_engine:
             self.engine.shutdown()
         self.rollouts.close()
         self.rollout_backend.close()
+        if drop_pending and hasattr(self.reward, "cancel"):
+            # Scoring threads end at their next row (OCR: well under a second), and are waited for:
+            # a thread still inside onnxruntime when the interpreter exits aborts the process.
+            self.reward.cancel()
         self.scorer.close(drop_pending=drop_pending, join_timeout_s=_STOPPED_SCORING_WAIT_S if drop_pending else None)
+        if drop_pending and wait_for_calls_left_behind(_STOPPED_SCORING_WAIT_S):  # validation's scoring
+            note(
+                f"flowrl: validation still scoring {_STOPPED_SCORING_WAIT_S:g} s after the stop: left to end with the process"
+            )
         if self.logger is not None:
             self.logger.close()
 

@@ -316,3 +316,23 @@ def test_a_run_stopped_after_its_timed_steps_keeps_their_summary(tmp_path, monke
     assert "rollout_alone_seconds" not in flowrl and "projection" not in report
     table = "\n".join(bench_train.train_lines(report))
     assert f"| **training step** (validation apart) | {flowrl['step_seconds']:.2f} |" in table
+
+
+def test_published_random_weights_on_a_cpu_are_refused_before_anything_is_built(monkeypatch, capsys):
+    """The README's command on a CPU-only machine: no GPU, so a 20 B model would be built in host
+    memory for minutes; it is refused at once, saying what it would need (issue 52)."""
+    import flowrl.models.debug.random_weights as random_weights
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a published-size model was built before the refusal")
+
+    monkeypatch.setattr(random_weights, "build_random_module", refuse)
+    argv = ["bench", "train", "--config", str(REPO / "recipes" / "qwen_image_ocr_lora.yaml")]
+    argv += ["model.path=random:qwen-image", "reward.name=jpeg_compressibility", "data.train_path=null"]
+    assert main([*argv, "data.val_path=null"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flowrl bench train: error: model.path='random:qwen-image'")
+    assert "needs a GPU" in err[0] and "20.6 B parameters" in err[0] and "41 GB in bfloat16" in err[0]
+    assert "model.path=random:tiny-qwen" in err[0]

@@ -45,6 +45,11 @@ def test_every_flag_has_help_with_its_default(name):
         ["make-tiny", "--kind", "bogus", "out"],
         ["bench", "rollout", "--steps", "0"],
         ["config", "shows"],
+        ["generate", "--model", "m", "--prompt", "a", "--out", "o", "--seed", "-5"],  # never another seed
+        ["generate", "--model", "m", "--prompt", "a", "--out", "o", "--seed", str(2**63)],
+        ["make-tiny", "--kind", "sd3", "--seed", "-1", "out"],
+        ["data", "ocr", "--num", "2", "--out", "x.jsonl", "--seed", "-1"],
+        ["bench", "rollout", "--seed", "-1"],
     ],
 )
 def test_bad_arguments_print_one_line_and_exit_2(argv, capsys):
@@ -89,3 +94,11 @@ def test_train_takes_overrides_before_and_after_config(recipe, capsys):
 def test_train_parses_intermixed_arguments():
     args = parse_any_order(command_parser("train"), ["a=1", "--config", "F", "b=2"])
     assert args.config == "F" and args.overrides == ["a=1", "b=2"]
+
+
+@pytest.mark.parametrize("key", ["rollout.seed", "rollout.val_seed"])
+def test_a_seed_outside_the_engines_range_is_an_error(key):
+    from flowrl.config import load_config
+
+    with pytest.raises(ValueError, match=rf"{key}=-5.*\[0, 9223372036854775807\]"):
+        load_config(None, [f"{key}=-5"])

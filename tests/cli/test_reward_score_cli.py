@@ -29,14 +29,16 @@ def test_ocr_with_ground_truth(tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["1"]
 
 
-def test_errors_exit_1_with_a_message(tmp_path, capsys):
+def test_bad_input_exits_2_and_a_failed_reward_1_with_a_message(tmp_path, capsys):
     image = _save(np.zeros((3, 8, 8), np.uint8), tmp_path / "x.png")
-    assert main(["reward-score", "--reward", "nope", image]) == 1
+    assert main(["reward-score", "--reward", "nope", image]) == 2
     assert "unknown reward name 'nope'" in capsys.readouterr().err
-    assert main(["reward-score", "--reward", "jpeg_compressibility", "--option", "quality", image]) == 1
+    assert main(["reward-score", "--reward", "jpeg_compressibility", "--option", "quality", image]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
-    assert main(["reward-score", "--reward", "jpeg_compressibility", str(tmp_path / "missing.png")]) == 1
+    assert main(["reward-score", "--reward", "jpeg_compressibility", str(tmp_path / "missing.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["reward-score", "--reward", "ocr", image]) == 1  # the reward itself failed: no ground_truth
+    assert "reward 'ocr' failed on row 0" in capsys.readouterr().err
     spec = tmp_path / "recipe.yaml"
     spec.write_text("reward:\n  name: null\n  components:\n    - {name: jpeg_compressibility, weight: 2.0}\n")
     assert main(["reward-score", "--spec-file", str(spec), image]) == 0

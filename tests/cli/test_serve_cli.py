@@ -48,6 +48,7 @@ def test_serve_command_serves_on_loopback_and_stops_on_sigterm(tiny_sd3_path, tm
     env = {**os.environ, "HF_HUB_OFFLINE": "1", wire.ADMIN_TOKEN_ENV: "secret"}
     log = open(tmp_path / "stderr.txt", "w+")
     command = [sys.executable, "-m", "flowrl.cli", "serve", "--model", str(tiny_sd3_path), "--port", "0"]
+    command += ["--max-connections", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = process.stdout.readline()
@@ -63,6 +64,7 @@ def test_serve_command_serves_on_loopback_and_stops_on_sigterm(tiny_sd3_path, tm
             assert len(images) == 1
             info = client.get(wire.WEIGHTS_PATH, headers={"Authorization": "Bearer secret"}).json()
             assert info["policy_version"] == 0
+            _burst_over_max_connections_gets_openai_json_503(client, url, params)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, open(log.name).read()
     finally:
@@ -70,6 +72,52 @@ def test_serve_command_serves_on_loopback_and_stops_on_sigterm(tiny_sd3_path, tm
             process.kill()
             process.wait()
         log.close()
+
+
+def _burst_over_max_connections_gets_openai_json_503(client, url, params):
+    """Two requests held by a pause fill --max-connections 2: the next gets the JSON error the docs
+    promise (not uvicorn's plain text), and the held ones are answered after the resume."""
+    import threading
+    import time
+
+    admin = {"Authorization": "Bearer secret"}
+    assert client.post(wire.PAUSE_PATH, headers=admin).status_code == 200
+    answers = []
+
+    def held(seed):
+        with httpx.Client(base_url=url, timeout=60) as own:
+            request = wire.rollout_request("a", 1, params.replace(seed=seed))
+            answers.append(own.post(wire.ROLLOUTS_PATH, json=request).status_code)
+
+    threads = [threading.Thread(target=held, args=(seed,)) for seed in (5, 6)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while (busy := client.get(wire.HEALTH_PATH)).status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert busy.status_code == 503 and busy.headers["content-type"] == "application/json", busy.text
+    error = busy.json()["error"]
+    assert error["type"] == "server_error" and "--max-connections=2" in error["message"]
+    assert busy.headers["retry-after"] == "1"
+    with httpx.Client(base_url=url, timeout=60) as other:  # a new connection, refused the same way
+        assert other.post(wire.IMAGES_PATH, json={"prompt": "a", "size": "32x32"}).status_code == 503
+    # The admin endpoints are not counted: a resume reaches a server whose slots the pause holds.
+    assert client.post(wire.RESUME_PATH, headers=admin).status_code == 200
+    for thread in threads:
+        thread.join(timeout=60)
+    assert answers == [200, 200]
+
+
+def test_serve_on_all_interfaces_warns_that_generation_is_unauthenticated(tiny_sd3_path, monkeypatch, capsys):
+    """Without binding anything (tests bind loopback only): the warning `--host 0.0.0.0` prints."""
+    from flowrl.server import http
+
+    monkeypatch.setattr(http, "serve_until_signal", lambda *args, **kwargs: None)
+    assert main(["serve", "--model", str(tiny_sd3_path), "--host", "0.0.0.0"]) == 0
+    err = capsys.readouterr().err
+    assert "flowrl serve: warning: --host 0.0.0.0 serves image generation and rollouts without authentication" in err
+    assert main(["serve", "--model", str(tiny_sd3_path)]) == 0
+    assert "warning" not in capsys.readouterr().err  # loopback: nothing to warn about
 
 
 def test_a_started_replica_samples_as_the_trainers_engine(tiny_sd3_path):

@@ -36,6 +36,9 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(lora_arg
     launch = torchrun(lora_args, tmp_path / "run", env={"FLOWRL_TEST_FAIL": "1:1:term"}, timeout=240)
     assert launch.returncode != 0, launch.log[-3000:]
     assert re.search(r"stopped after step 1; \S*step_000001 \(", launch.log), launch.log[-3000:]
+    # The resume hint repeats the torchrun launch, not a one-process `flowrl train` (rank_entry.py,
+    # not `-m flowrl`, started these ranks: the launch is rebuilt from torchrun's environment).
+    assert "resume with: torchrun --nproc-per-node 2 -m flowrl train " in launch.log, launch.log[-3000:]
     assert "exitcode: 143" in launch.log, launch.log[-3000:]
     assert (launch.output / "checkpoints" / "step_000001").is_dir()
     assert [r["step"] for r in metrics(launch.output)] == [0, 1]  # step-0 validation, then step 1

@@ -46,3 +46,41 @@ def test_the_launches_run_side_by_side_and_report_the_worst_exit_code():
     )
     assert code == 3
     assert log.index("one") < log.index("two")
+
+
+def test_the_resume_hint_of_a_torchrun_rank_repeats_the_torchrun_launch(monkeypatch):
+    """Rank 0 of a torchrun launch prints a resume command that launches the same ranks again."""
+    import argparse
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from flowrl.cli.train import resume_hint
+    from flowrl.distributed.launch import torchrun_command_prefix
+
+    agent = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "flowrl", "train", "x=1"]
+    assert torchrun_command_prefix(agent) == ["torchrun", "--nproc-per-node", "4", "-m", "flowrl"]
+    script = ["/venv/bin/python", "/venv/bin/torchrun", "--nnodes", "2", "--rdzv-endpoint", "h:1", "-m", "flowrl.cli"]
+    assert torchrun_command_prefix(script) == [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "h:1",
+        "-m",
+        "flowrl.cli",
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    rebuilt = ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "-m", "flowrl"]
+    assert torchrun_command_prefix(["python", "rank_entry.py"]) == rebuilt  # no module to cut at
+
+    stop = SimpleNamespace(step=3, checkpoint=Path("run/checkpoints/step_000003"), saved_now=True)
+    args = argparse.Namespace(config="r.yaml", overrides=["trainer.lr=0.1"])
+    tcfg = SimpleNamespace(resume="auto", overwrite=False, output_dir="run")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert resume_hint(stop, args, tcfg).endswith("resume with: flowrl train --config r.yaml trainer.lr=0.1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    hint = resume_hint(stop, args, tcfg)
+    assert hint.endswith(
+        "resume with: torchrun --nnodes 2 --nproc-per-node 4 -m flowrl train --config r.yaml trainer.lr=0.1"
+    )

@@ -51,15 +51,22 @@ def test_sharded_full_fine_tuning_equals_one_process(full_two_ranks, full_refere
 
 
 def test_sharded_checkpoint_is_verified_and_planned_as_any_other(full_two_ranks, full_args, tmp_path, capsys):
-    """manifest.json covers the DCP shards; trainer.resume=auto skips a checkpoint with a damaged
+    """manifest.json covers the shards and their index; trainer.resume=auto skips a checkpoint with a damaged
     shard, and RESUME_RULES apply (distributed.* may change, trainer.lora.* may not)."""
     for step in (1, 2):
         saved = full_two_ranks.output / "checkpoints" / f"step_{step:06d}"
         shutil.copytree(saved, tmp_path / "checkpoints" / saved.name)
     newest = tmp_path / "checkpoints" / "step_000002"
     listed = json.loads((newest / "manifest.json").read_text())["files"]
-    shards = sorted(f"sharded/{p.name}" for p in (newest / "sharded").iterdir())
-    assert len([s for s in shards if s.endswith(".distcp")]) == 2 and set(shards) <= set(listed)
+    files = sorted(f"sharded/{p.name}" for p in (newest / "sharded").iterdir())  # no pickled .metadata
+    assert [f.removeprefix("sharded/") for f in files] == [
+        "index.json",
+        "optimizer.json",
+        "rank0.safetensors",
+        "rank1.safetensors",
+    ]
+    assert set(files) <= set(listed)
+    shards = files[2:]
     assert verify_checkpoint(newest)
     with (newest / shards[0]).open("r+b") as handle:  # flip one byte of a shard
         handle.seek(8)
@@ -102,3 +109,21 @@ def test_one_process_checkpoint_resumes_sharded_over_two_ranks(full_reference, f
     for folder in ("transformer", "ema/transformer"):
         resumed, uninterrupted = final_weights(tmp_path / "run", folder), final_weights(full_reference, folder)
         assert max_weight_difference(resumed, uninterrupted) < 1e-5, folder
+
+
+def test_generate_reads_the_sharded_checkpoints_of_a_two_rank_run(full_two_ranks, tiny_sd3_path, tmp_path):
+    """`flowrl generate --run` of a sharded full fine-tune takes its newest checkpoint (sharded/),
+    gathered in one process: the images of final/transformer, which rank 0 gathered in training."""
+    import numpy as np
+    from PIL import Image
+
+    from flowrl.cli import main
+
+    def generate(name, *flags):
+        assert main(["generate", *flags, "--prompt", "a red apple", "--out", str(tmp_path / name)]) == 0
+        assert "step_000002" in (tmp_path / name / "stats.json").read_text() or name == "final"
+        return np.stack([np.asarray(Image.open(p)) for p in sorted((tmp_path / name).glob("p*_s*.png"))])
+
+    final = full_two_ranks.output / "final" / "transformer"
+    run = generate("run", "--run", str(full_two_ranks.output))
+    assert np.array_equal(run, generate("final", "--model", str(tiny_sd3_path), "--transformer", str(final)))

@@ -111,3 +111,33 @@ def test_eval_refuses_a_folder_it_did_not_write(tiny_sd3_path, prompt_file, tmp_
     argv = ["eval", "--model", str(tiny_sd3_path), "--prompts", str(prompt_file), "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "did not write" in capsys.readouterr().err and (tmp_path / "mine.txt").is_file()
+
+
+@pytest.mark.parametrize("content", ["a sign that says OPEN\n", '{"prompt": "a sign", "ground_truth": null}\n'])
+def test_eval_ocr_on_rows_without_ground_truth_exits_2_before_sampling(tiny_sd3_path, tmp_path, capsys, content):
+    """A row without ground_truth is named, never scored against the text "None"."""
+    prompts = tmp_path / ("prompts.txt" if content.startswith("a ") else "prompts.jsonl")
+    prompts.write_text(content)
+    argv = ["eval", "--model", str(tiny_sd3_path), "--prompts", str(prompts), "--reward", "ocr"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts {str(prompts)!r} row 0: reward 'ocr' cannot score it" in err and "'ground_truth'" in err
+    assert "flowrl data ocr" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing sampled, nothing written
+
+
+def test_table_columns_never_run_together():
+    """Short labels ("base") once printed `weightsocr: mean`; every header word and value keeps a gap."""
+    from flowrl.eval.report import format_table
+
+    stats = {"mean": 0.5, "ci95": [0.25, 0.75]}
+    long_name = "route_by_data_source/clip_score_with_a_long_label"
+    summary = [
+        {"label": "base", "scores": {"ocr": stats, long_name: stats}},
+        {"label": "lora", "scores": {"ocr": stats, long_name: stats}, "vs_base": {"ocr": stats, long_name: stats}},
+    ]
+    lines = format_table(summary).splitlines()
+    assert lines[0].startswith("weights  ocr: mean [95% CI]")
+    assert f"{long_name}: mean [95% CI]  vs base" in lines[3]
+    for line in lines:
+        assert "weightsocr" not in line and "]vs" not in line and "CI]vs" not in line

@@ -154,3 +154,86 @@ def test_weights_that_do_not_fit_the_model_name_the_fix(tiny_lora_run, tiny_sd3_
     err = capsys.readouterr().err
     (error,) = [line for line in err.splitlines() if line.startswith("flowrl generate: error:")]
     assert "Traceback" not in err and "does not match" in error and "--model" in error
+
+
+def test_generate_and_eval_read_a_sharded_full_fine_tuning_checkpoint(tiny_sd3_path, tmp_path):
+    """A multi-rank full fine-tune's checkpoint holds sharded/ (no trainable.safetensors): it is
+    gathered on load, and samples as the one-process layout of the same weights does."""
+    from types import SimpleNamespace
+
+    from flowrl.config import config_to_dict
+    from flowrl.distributed.world import World
+    from flowrl.models.lora import apply_trainable
+    from flowrl.models.registry import load_adapter
+    from flowrl.run.checkpoint import save_checkpoint
+    from flowrl.run.config import load_train_config
+    from flowrl.trainer.ema import ParameterEMA
+
+    config = config_to_dict(load_train_config(None, [f"model.path={tiny_sd3_path}"]))
+    transformer = load_adapter(tiny_sd3_path, device="cpu", dtype=torch.float32).transformer
+    apply_trainable(transformer, SimpleNamespace(enabled=False))  # full fine-tuning: every parameter
+    with torch.no_grad():
+        for param in transformer.parameters():
+            param.mul_(1.05)  # trained weights: other than the base's
+    params = dict(transformer.named_parameters())
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-3)
+    ema = ParameterEMA(params, decay=0.9, update_every=1)
+    adapter = SimpleNamespace(transformer=transformer)
+    sharded = SimpleNamespace(world=World.single(), is_sharded=True)
+    saved = {}
+    for name, parallel in (("sharded", sharded), ("whole", None)):
+        saved[name] = save_checkpoint(tmp_path / name, 3, adapter, optimizer, list(params), {}, config, ema, parallel)
+    assert (saved["sharded"] / "sharded").is_dir() and not (saved["sharded"] / "trainable.safetensors").exists()
+    prompts = ["--prompt", "a red apple", "--prompt", "a cat"]
+    images = {
+        name: _generate(tmp_path, f"gen-{name}", "--checkpoint", str(path), *prompts) for name, path in saved.items()
+    }
+    base = _generate(
+        tmp_path,
+        "gen-base",
+        "--model",
+        str(tiny_sd3_path),
+        "--config",
+        str(REPO / "recipes" / "tiny_cpu.yaml"),
+        *prompts,
+    )
+    assert np.array_equal(images["sharded"], images["whole"]) and not np.array_equal(images["sharded"], base)
+    ema_images = _generate(tmp_path, "gen-ema", "--checkpoint", str(saved["sharded"]), "--ema", *prompts)
+    assert ema_images.shape == images["sharded"].shape
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("a red apple\n")
+    argv = ["eval", "--run", str(tmp_path / "sharded"), "--prompts", str(prompt_file), "--reward", "image_flatness"]
+    assert main([*argv, "--out", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
+    assert "step_000003" in json.dumps(report)
+
+
+def test_generate_run_of_the_embedded_model_uses_the_runs_model_or_says_where_it_builds(
+    tiny_sd3_path, tmp_path, monkeypatch, capsys
+):
+    """A run of the embedded tiny model (model.path unset) started in another folder: generate --run
+    samples with the model its final/ names, and builds none in the current folder; without one,
+    it builds the tiny model and says where (issue 52)."""
+    from flowrl.run.config import load_train_config
+    from flowrl.trainer.trainer import Trainer
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache_a"))
+    shutil.copytree(tiny_sd3_path, tmp_path / "cache_a" / "tiny-sd3")  # what `flowrl train` builds there
+    overrides = ["trainer.total_steps=1", "trainer.save_every=1", "trainer.val_every=0", "rollout.n=2"]
+    overrides += ["trainer.prompts_per_step=1", "logging.tensorboard=false", "logging.progress_bar=false"]
+    cfg = load_train_config(None, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+    assert cfg.model.path is None
+    with Trainer(cfg) as trainer:
+        trainer.fit()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache_b"))
+    first = _generate(tmp_path, "from_final", "--run", str(tmp_path / "run"), "--prompt", "a cat")
+    assert not (tmp_path / "cache_b").exists() and not (elsewhere / "outputs").exists()
+    assert "built it in" not in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "run" / "final")  # a run stopped before its end: checkpoints only
+    again = _generate(tmp_path, "from_checkpoint", "--run", str(tmp_path / "run"), "--prompt", "a cat")
+    err = capsys.readouterr().err
+    assert f"built it in {tmp_path / 'cache_b' / 'tiny-sd3'}" in err and "embedded tiny SD3 model" in err
+    assert np.array_equal(first, again)  # the same model, the same step's weights

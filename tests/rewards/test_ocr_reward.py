@@ -62,3 +62,11 @@ def test_onnxruntime_threads_are_bounded(ocr_reward):
     assert engine.cfg.EngineConfig.onnxruntime.intra_op_num_threads == 1
     with pytest.raises(ValueError, match="num_threads"):
         build_reward({"name": "ocr", "options": {"num_threads": 0}})
+
+
+def test_a_ground_truth_of_none_is_an_error_not_the_text_none(ocr_reward):
+    """A dataset row without the field carries ground_truth None; a picture of the word "None"
+    must not score 1.0 against it."""
+    image = render_text_image("None")[None]
+    with pytest.raises(RewardError, match=r"row 0: ValueError: metadata has no 'ground_truth'"):
+        ocr_reward(image, [""], [{"ground_truth": None, "data_source": "default"}])

@@ -176,3 +176,52 @@ def test_the_resume_hint_keeps_the_checkpoint_it_names(tmp_path):
     command = _hint(resume_hint(stop, args, tcfg)).group(4)
     # The later overrides win: the command resumes instead of starting over or deleting the checkpoint.
     assert command.endswith("trainer.overwrite=true trainer.resume=never trainer.resume=auto trainer.overwrite=false")
+
+
+# A `flowrl train` whose OCR reward sends SIGINT to its own process at its AT-th row, then goes on
+# reading: Ctrl-C while OCR scores, at a known moment (rows are counted over the whole run).
+_OCR_INTERRUPTED = """
+import os, signal, sys, threading
+from flowrl.cli import main
+from flowrl.rewards import register_reward
+from flowrl.rewards.ocr import OcrReward
+
+class Interrupting(OcrReward):
+    rows, lock = 0, threading.Lock()
+
+    def score_row(self, image, prompt, metadata):
+        with Interrupting.lock:
+            Interrupting.rows += 1
+            if Interrupting.rows == int(os.environ["AT"]):
+                os.kill(os.getpid(), signal.SIGINT)
+        return super().score_row(image, prompt, metadata)
+
+register_reward("ocr_interrupting", Interrupting)
+sys.exit(main(["train", *sys.argv[1:], "reward.name=ocr_interrupting"]))
+"""
+
+
+@pytest.mark.slow
+def test_sigint_while_ocr_scores_exits_130_in_repeated_runs(tiny_sd3_path, tmp_path):
+    """Ctrl-C while the OCR reward scores stopped cleanly and then aborted ("terminate called without
+    an active exception", exit 134): the validation's scoring thread a stop leaves behind was still
+    inside onnxruntime when the interpreter exited. Now the reward is cancelled at its next row and
+    the thread waited for. The signal comes at the first row of step 1's validation (after step 0's
+    8 validation rows and step 1's 8 rollout rows), with 7 rows left to read."""
+    words = "OPEN EXIT CAFE BAR SHOP SALE PUSH PULL".split()
+    prompts = tmp_path / "ocr.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"a sign that says {w}", "ground_truth": w}) + "\n" for w in words)
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_CACHE": str(tmp_path / "cache"), "AT": str(8 + 8 + 1)}
+    for attempt in range(3):
+        argv = [f"model.path={tiny_sd3_path}", f"trainer.output_dir={tmp_path / f'run{attempt}'}", *FAST_RUN]
+        argv += [f"data.train_path={prompts}", "trainer.val_every=1", "trainer.num_val_images=8"]
+        argv += ["rollout.val_sampling.height=256", "rollout.val_sampling.width=256"]
+        argv += ["trainer.max_steps_without_trained_rows=0"]  # OCR of a random model: no group has a spread
+        result = subprocess.run(
+            [sys.executable, "-c", _OCR_INTERRUPTED, *argv], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 130, (attempt, result.stderr[-3000:])
+        assert "terminate called" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert "stopped after step 1;" in result.stderr, result.stderr[-3000:]

@@ -126,3 +126,52 @@ def test_rerun_of_a_run_that_ended_past_its_last_checkpoint_has_nothing_to_do(ti
     capsys.readouterr()
     assert _train_cli(tiny_sd3_path, out_dir, "trainer.total_steps=3", "trainer.save_every=2") == 0
     assert "nothing to do" in capsys.readouterr().out  # not a redo of step 3 from the step-2 checkpoint
+
+
+def test_a_crash_before_the_first_checkpoint_is_restarted_by_the_same_command(
+    build_trainer, make_cfg, tiny_sd3_path, monkeypatch, capsys
+):
+    """The same command again restarts a folder whose only files are an earlier start's of the
+    same config, saying so; another config is still refused (issue 52)."""
+    from pathlib import Path
+
+    from flowrl.trainer.trainer import Trainer
+
+    overrides = ("trainer.total_steps=1", "trainer.val_every=1", "trainer.save_every=1")
+    cfg = make_cfg(*TINY, *overrides)
+    out = Path(cfg.trainer.output_dir)
+
+    def crash(self):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "train_step", crash)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            build_trainer(cfg).fit()  # validated step 0, then crashed in step 1
+    left = sorted(p.name for p in out.iterdir())
+    assert "run_config.json" in left and "val" in left and "checkpoints" not in left
+    with pytest.raises(ValueError, match="holds another run's files"):
+        _plan(make_cfg(*TINY, *overrides, "trainer.lr=0.5"))  # another config: refused as before
+    plan = _plan(make_cfg(*TINY, *overrides, "trainer.resume=never"))  # this invocation's keys aside
+    assert sorted(plan.delete) == left and plan.checkpoint is None
+    assert _train_cli(tiny_sd3_path, out, *overrides, "trainer.val_every=1") == 0
+    assert "restarting: deleted" in capsys.readouterr().err
+    assert (out / "checkpoints" / "step_000001").is_dir()
+    (out / "checkpoints" / "step_000001" / "state.json").unlink()  # a checkpoint folder, even damaged:
+    with pytest.raises(ValueError, match="holds another run's files"):  # never deleted unasked
+        _plan(make_cfg(*TINY, *overrides, "trainer.total_steps=2"))  # (at 1 it is finished)
+
+
+def test_a_folder_with_only_the_config_of_a_start_that_wrote_nothing_else_is_a_fresh_start(make_cfg):
+    """A run that stopped before it wrote anything but run_config.json (a model that failed to load,
+    a trainer built and closed) leaves nothing to protect: any config starts there."""
+    from pathlib import Path
+
+    from flowrl.run.resume import RUN_CONFIG, RunPlan
+
+    cfg = make_cfg(*TINY)
+    Path(cfg.trainer.output_dir).mkdir()  # as check_before_loading leaves it
+    RunPlan().start(cfg.trainer.output_dir, config_to_dict(cfg))
+    assert (Path(cfg.trainer.output_dir) / RUN_CONFIG).is_file()
+    plan = _plan(make_cfg(*TINY, "trainer.lr=0.5"))  # another config
+    assert plan.checkpoint is None and plan.delete == [] and plan.finished is None

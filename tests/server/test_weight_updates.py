@@ -104,6 +104,15 @@ def test_bad_updates_are_refused_and_the_old_weights_keep_serving(tiny_sd3_path,
             "bfloat16",
         ),
         "full over nothing wrong": (dict(body=good, kind="full"), 422, "do not match"),
+        "non-finite": (
+            dict(
+                body=wire.encode_weights(
+                    {**state, first: state[first].index_fill(0, torch.tensor([0]), float("nan"))}, lora=LORA
+                )
+            ),
+            422,
+            "non-finite value(s)",
+        ),
         "oversized": (dict(body=b"\0" * (2**20 + 1)), 413, "--max-weights-mb"),
     }
     with serving(tiny_sd3_path) as server, server.client() as client:

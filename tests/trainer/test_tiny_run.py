@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flowrl.config import config_to_dict, load_config
 from flowrl.run.config import load_train_config
 
@@ -101,3 +103,47 @@ def test_cli_smoke(tiny_sd3_path, tmp_path):
     assert "embedded tiny CPU run" not in result.stdout + result.stderr
     assert (tmp_path / "out" / "checkpoints" / "step_000002" / "state.json").is_file()
     assert (tmp_path / "out" / "tensorboard").is_dir()
+
+
+def _quoted(path: Path, pattern: str) -> list[float]:
+    import re
+
+    match = re.search(pattern, " ".join(path.read_text().split()))
+    assert match, f"{path.name} no longer says {pattern!r}"
+    return [float(value) for value in match.groups()]
+
+
+@pytest.mark.slow
+def test_the_docs_quote_what_the_embedded_tiny_run_produces(tmp_path, monkeypatch, capsys):
+    """The README's and docs' figures of the tiny run (`flowrl train` with no arguments) are the run's:
+    the first and last 5 steps' mean reward, the best validation step, and docs/evaluation.md's
+    table of `flowrl eval --run` (issue 52). Minutes: the 12-step test above is its fast sibling."""
+    from flowrl.cli import main
+    from flowrl.data.prompts import TINY_PROMPTS
+
+    monkeypatch.chdir(tmp_path)  # the README's command, as a new user runs it: outputs/ here
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "outputs"))
+    assert main(["train", "logging.progress_bar=false"]) == 0
+    printed = capsys.readouterr().out
+    first5, last5 = (float(line.split(":")[1]) for line in printed.splitlines() if line.startswith("mean reward"))
+    for doc in (REPO / "README.md", REPO / "docs" / "training.md"):
+        assert _quoted(doc, r"from about (-0\.\d+) to about (-0\.\d+)") == [round(first5, 2), round(last5, 2)], doc
+    records = [json.loads(line) for line in (tmp_path / "outputs/tiny-run/metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/reward_mean"] for r in records if "val/reward_mean" in r}
+    assert max(val, key=val.get) == 40 and val[60] < val[40]  # "best at step 40, falls back a little"
+    assert _quoted(REPO / "README.md", r"best at step 40, about (-0\.\d+)") == [round(val[40], 3)]
+
+    (tmp_path / "prompts.txt").write_text("\n".join(TINY_PROMPTS) + "\n")
+    assert main(["eval", "--run", "outputs/tiny-run", "--prompts", "prompts.txt", "--out", "eval"]) == 0
+    printed_table = capsys.readouterr().out
+
+    def means(text: str) -> dict[str, float]:
+        rows = [line.split() for line in text.splitlines() if line.startswith(("base ", "step_0000"))]
+        return {row[0]: float(row[1]) for row in rows}
+
+    documented = means((REPO / "docs" / "evaluation.md").read_text())
+    measured = means(printed_table)
+    assert documented.keys() == measured.keys() == {"base", "step_000020", "step_000040", "step_000060"}
+    # Within the rounding a thread count makes over 60 steps (the table is a 2-thread run's; xdist
+    # workers run one thread each): a few thousandths at most.
+    assert all(abs(documented[k] - measured[k]) < 0.005 for k in documented), (documented, printed_table)

@@ -59,3 +59,72 @@ def test_zero_spread_warning_threshold():
     watch.observe(3, {"adv/zero_std_ratio": 1.0})
     assert len(written) == 1 and "step 2: 75%" in written[0] and "OCR on a model that draws no text" in written[0]
     assert watch.summary().startswith("warning: 2 of 3 steps")
+
+
+class NullForEveryImage(Reward):
+    """A reward that answers null for every image (an HTTP scorer returning null): NaN everywhere."""
+
+    name = "null_scorer"
+
+    def score_batch(self, images, prompts, metadata):
+        return np.full(len(images), np.nan)
+
+
+def test_a_reward_nan_for_every_image_warns_and_stops_past_the_bound(build_trainer, make_cfg, capsys):
+    from flowrl.run.health import TrainingStalled
+
+    cfg = make_cfg("rollout.n=2", "trainer.prompts_per_step=2", "trainer.total_steps=5")
+    cfg.trainer.max_steps_without_trained_rows = 2
+    trainer = build_trainer(cfg, reward=NullForEveryImage())
+    with pytest.raises(TrainingStalled) as stalled:
+        trainer.fit()
+    assert trainer.step == 2  # stopped at the bound, not at total_steps
+    message = str(stalled.value)
+    assert message.startswith("stopped after step 2: 2 steps in a row trained no row") and "\n" not in message
+    assert "reward/nan_ratio 1.0" in message and "'null_scorer'" in message
+    assert "trainer.max_steps_without_trained_rows=2" in message
+    warnings = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step 1 trained no row")
+    ]
+    assert len(warnings) == 1 and "NaN" in warnings[0]
+
+
+def test_zero_spread_steps_stop_at_the_bound_and_zero_never_stops():
+    from flowrl.run.health import NoTrainingWatch, TrainingStalled
+
+    flat = {"adv/num_rows_trained": 0, "reward/nan_ratio": 0.0, "adv/zero_std_ratio": 1.0}
+    written = []
+    watch = NoTrainingWatch("constant", 3, write=written.append)
+    watch.observe(1, flat)
+    watch.observe(2, flat)
+    watch.observe(3, {**flat, "adv/num_rows_trained": 4})  # a trained step ends the streak
+    watch.observe(4, flat)
+    watch.observe(5, flat)
+    with pytest.raises(TrainingStalled, match=r"step 6: 3 steps in a row .* algorithm.zero_std_policy=drop"):
+        watch.observe(6, flat)
+    assert not written  # the zero-spread case is ZeroSpreadWatch's warning
+    never = NoTrainingWatch("constant", 0, write=written.append)
+    for step in range(1, 50):
+        never.observe(step, {**flat, "reward/nan_ratio": 1.0})
+    assert len(written) == 1 and "the run goes on" in written[0]
+
+
+def test_cli_stalled_run_exits_2_with_one_line(tiny_sd3_path, tmp_path, capsys):
+    from flowrl.cli import main
+    from flowrl.rewards import register_reward, unregister_reward
+
+    register_reward("null_scorer", NullForEveryImage)
+    try:
+        args = [
+            "train",
+            f"model.path={tiny_sd3_path}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            "reward.name=null_scorer",
+        ]
+        args += ["rollout.n=2", "trainer.prompts_per_step=2", "trainer.max_steps_without_trained_rows=1"]
+        args += ["trainer.val_every=0", "logging.progress_bar=false", "logging.tensorboard=false"]
+        assert main(args) == 2
+    finally:
+        unregister_reward("null_scorer")
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("flowrl train: error: stopped after step 1")

@@ -54,6 +54,23 @@ def random_family(path, key: str = "model.path") -> str:
     return ARCHITECTURES[architecture_name(path, key)][0]
 
 
+def published_parameter_count(name: str) -> int:
+    """The parameters of architecture `name`'s transformer and VAE, counted on the meta device
+    (nothing allocated: a check can say what a build would need before it starts one)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    transformer_cls, config, vae_cls, vae_config, _ = RANDOM_WEIGHT_MODULES[name]
+    with init_empty_weights():
+        modules = [getattr(diffusers, transformer_cls)(**config), getattr(diffusers, vae_cls)(**vae_config)]
+    return sum(p.numel() for module in modules for p in module.parameters())
+
+
+def tiny_name(family: str) -> str:
+    """The tiny architecture of a family (`random:tiny-...`: the size that runs on a CPU)."""
+    return next(name for name, (kind, *_) in ARCHITECTURES.items() if kind == family and name.startswith("tiny-"))
+
+
 class RandomPromptsMixin:
     """encode_prompts without a text encoder: a fixed random (L, D) embedding per prompt text."""
 
