@@ -1,8 +1,10 @@
 """`flowrl data`: write prompt datasets.
 
     flowrl data ocr --num 1000 --out data/ocr_train.jsonl [--seed 0]
+    flowrl data toy --split val --out data/toy_val.jsonl        # the toy world's held-out prompts
 
-writes one JSON object per line: {"prompt", "ground_truth", "data_source": "ocr"}.
+writes one JSON object per line: {"prompt", "ground_truth", "data_source": "ocr"} (toy: also
+"category"; flowrl.data.toy_split says what each split holds).
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     ocr.add_argument("--out", type=Path, required=True, help="output .jsonl file")
     ocr.add_argument("--seed", type=seed_int, default=0, help="random seed (same seed, same rows)")
     ocr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
+    toy = sub.add_parser("toy", help="the toy world's prompts: RL training (train), held-out (val) or pretraining")
+    toy.add_argument(
+        "--split",
+        required=True,
+        choices=("train", "val", "pretrain"),
+        help="train: the RL prompts; val: the held-out evaluation prompts (disjoint from train); pretrain: "
+        "captions drawn as pretraining draws them",
+    )
+    toy.add_argument("--out", type=Path, required=True, help="output .jsonl file")
+    toy.add_argument("--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N")
+    toy.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
+    toy.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,4 +55,24 @@ def run(args: argparse.Namespace) -> int:
         write_jsonl(rows, args.out)
         print(f"wrote {len(rows)} rows to {args.out}")
         return 0
+    if args.dataset == "toy":
+        return _write_toy(args)
     raise AssertionError(f"unhandled dataset {args.dataset!r}")
+
+
+def _write_toy(args: argparse.Namespace) -> int:
+    from flowrl.data.ocr_prompts import write_jsonl
+    from flowrl.data.toy_split import prompt_rows
+    from flowrl.output_paths import OutputExistsError, check_output_file
+
+    try:
+        check_output_file(args.out, args.overwrite)
+        if args.num is not None and args.num < 1:
+            raise ValueError(f"--num {args.num} must be >= 1")
+        rows = prompt_rows(args.split, args.num, args.seed)
+    except (OutputExistsError, ValueError) as error:
+        print(f"flowrl data toy: error: {error}", file=sys.stderr)
+        return 2
+    write_jsonl(rows, args.out)
+    print(f"wrote {len(rows)} {args.split} rows to {args.out}")
+    return 0
