@@ -194,6 +194,7 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "jpeg_incompressibility": "flowrl.rewards.compression:JpegIncompressibility",
     "image_flatness": "flowrl.rewards.image_stats:ImageFlatness",
     "image_contrast": "flowrl.rewards.image_stats:ImageContrast",
+    "shapes": "flowrl.rewards.shapes:ShapesReward",
     "clip_score": "flowrl.rewards.clip_scores:ClipScoreReward",
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",
