@@ -1,9 +1,11 @@
 """The toy world's pictures: a scene that fits a caption, drawn exactly with PIL (no weights).
 
-`sample_scene(caption, rng, image_size, allowed_pairs)` places the caption's objects (sizes about
-a fifth to a quarter of the image side, never touching: a gap of a few pixels keeps every object
-its own connected component), with colours drawn for groups of any colour from `allowed_pairs`
-(the pretraining split excludes some colour-shape pairs). A relation is drawn unambiguously: the
+`sample_scene(caption, rng, image_size, allowed_pairs)` places the caption's objects in distinct
+cells of a 3 x 3 grid, each jittered inside its cell (sizes a fifth to a quarter of the image side;
+the cells keep a gap of a few pixels between objects, so every object is its own connected
+component), with colours drawn for groups of any colour from `allowed_pairs` (the pretraining
+split excludes some colour-shape pairs). The grid keeps the world small enough for a small model:
+where objects go is one of nine choices, not a continuum. A relation is drawn unambiguously: the
 objects are apart along its axis by more than their half-sizes and a gap, and at most half as far
 along the other axis. `render_scene(objects, image_size)` draws them without anti-aliasing, so
 every object pixel has its palette colour exactly. Same rng state, same scene, same pixels.
@@ -21,9 +23,9 @@ import numpy as np
 
 from flowrl.data.toy_world import BACKGROUND, COLOURS, SHAPES, Caption
 
-MIN_SIZE, MAX_SIZE = 0.19, 0.28  # object side, as a share of the image side
-_GAP = 0.06  # least distance between two objects' boxes, as a share of the image side
-_MARGIN = 2  # pixels between an object and the border
+MIN_SIZE, MAX_SIZE = 0.2, 0.28  # object side, as a share of the image side
+GRID = 3  # cells per side
+_GAP = 0.04  # least distance between two objects' boxes, as a share of the image side
 _MAX_TRIES = 200
 
 
@@ -61,10 +63,15 @@ def relation_holds_strongly(a: SceneObject, b: SceneObject, relation: str, gap: 
     return primary >= (a.size + b.size) / 2 + gap and abs(secondary) <= primary / 2
 
 
-def _random_object(rng: random.Random, shape: str, colour: str, image_size: int) -> SceneObject:
-    size = rng.randint(round(MIN_SIZE * image_size), round(MAX_SIZE * image_size))
-    x0 = rng.randint(_MARGIN, image_size - _MARGIN - size)
-    y0 = rng.randint(_MARGIN, image_size - _MARGIN - size)
+def _object_in_cell(rng: random.Random, shape: str, colour: str, cell: int, image_size: int, gap: int) -> SceneObject:
+    """An object of a random size at a random place inside grid cell `cell` (row-major), at least
+    gap / 2 pixels from the cell's sides."""
+    left, top = image_size * (cell % GRID) / GRID, image_size * (cell // GRID) / GRID
+    side = image_size / GRID
+    size = rng.randint(round(MIN_SIZE * image_size), min(round(MAX_SIZE * image_size), int(side) - gap))
+    room = side - size - gap  # free pixels along each axis, gap / 2 kept on either side
+    x0 = int(left + gap / 2 + rng.random() * room)
+    y0 = int(top + gap / 2 + rng.random() * room)
     return SceneObject(shape, colour, x0, y0, size)
 
 
@@ -92,16 +99,12 @@ def sample_scene(
         for _ in range(group.count)
     ]
     for _ in range(_MAX_TRIES):
-        placed: list[SceneObject] = []
-        for shape, colours in wanted:
-            for _ in range(_MAX_TRIES):
-                candidate = _random_object(rng, shape, rng.choice(colours), image_size)
-                if all(_gap_ok(candidate, other, gap) for other in placed):
-                    placed.append(candidate)
-                    break
-            else:
-                break  # no room left: start the scene again
-        if len(placed) < len(wanted):
+        cells = rng.sample(range(GRID * GRID), len(wanted))
+        placed = [
+            _object_in_cell(rng, shape, rng.choice(colours), cell, image_size, gap)
+            for (shape, colours), cell in zip(wanted, cells)
+        ]
+        if not all(_gap_ok(a, b, gap) for i, a in enumerate(placed) for b in placed[i + 1 :]):
             continue
         if caption.relation is None or relation_holds_strongly(placed[0], placed[1], caption.relation, gap):
             return tuple(placed)
