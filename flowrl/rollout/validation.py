@@ -1,5 +1,6 @@
 """A validation pass: the validation prompts sampled with fixed seeds (rollout.val_sampling: ODE),
-scored, and drawn as a captioned grid.
+scored (each component of a reward with several: val/reward/<name>/mean), and drawn as a
+captioned grid.
 
 `validate(...)` samples this rank's share of the prompts through an agent loop (the trainer's own
 engine, whatever backend its training rollouts use), scores them with the reward, gathers every
@@ -31,7 +32,7 @@ def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | 
     t0 = time.perf_counter()
     first, mine = world.share(rows)
     progress.phase("validation", len(mine))
-    images, scores, prompts, targets = None, [], [], []
+    images, scores, prompts, targets, components = None, [], [], [], {}
     with weights:
         if mine:
             batch = RolloutBatch.from_rows([dict(row) for row in mine])
@@ -47,8 +48,9 @@ def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | 
             targets = list(out.non_tensor_batch.get("ground_truth", [None] * len(out)))
     if mine:
         metadata = [out.row_metadata(i) for i in range(len(out))]
-        scores = list(call_abortably(reward.score_or_nan, images, prompts, metadata, stop_check=stop_check)[0])
-    shares = [share for share in world.gather((images, scores, prompts, targets)) if share[0] is not None]
+        scored = call_abortably(_score, reward, images, prompts, metadata, stop_check=stop_check)
+        scores, components = list(scored[0]), {name: list(values) for name, values in scored[1].items()}
+    shares = [share for share in world.gather((images, scores, prompts, targets, components)) if share[0] is not None]
     scores = np.concatenate([np.asarray(share[1], dtype=np.float64) for share in shares])
     image = None
     if world.is_main:
@@ -65,4 +67,21 @@ def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | 
         "val/reward_std": float(scored.std()) if scored.size else float("nan"),
         "timing/val_s": time.perf_counter() - t0,
     }
+    for name in sorted({name for share in shares for name in share[4]}):
+        values = np.asarray([v for share in shares for v in share[4].get(name, [])], dtype=np.float64)
+        values = values[~np.isnan(values)]
+        metrics[f"val/reward/{name}/mean"] = float(values.mean()) if values.size else float("nan")
     return metrics, image, len(scores)
+
+
+def _score(reward, images, prompts, metadata) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(totals, {component: scores}): the components only for a reward with several (the toy
+    world's partial and strict scores, a weighted sum's parts), none when a row failed (an optional
+    reward's failed rows are NaN, as in training)."""
+    from flowrl.rewards import RewardError
+
+    try:
+        total, components = reward.score_with_components(images, prompts, metadata)
+    except RewardError:
+        return reward.score_or_nan(images, prompts, metadata)[0], {}
+    return total, components if len(components) > 1 else {}

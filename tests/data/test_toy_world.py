@@ -22,7 +22,7 @@ from flowrl.data.toy_split import (
     split_captions,
 )
 from flowrl.data.toy_world import CATEGORIES, COLOURS, SHAPES, Caption, Group, parse_caption, world_words
-from flowrl.trainer.data import load_prompt_rows
+from flowrl.data.prompts import load_prompt_rows
 
 
 def test_every_caption_reads_back_to_itself_and_has_its_category():
