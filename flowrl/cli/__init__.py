@@ -26,12 +26,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("flowrl.cli.eval", "score a base model and its trained weights on a prompt file, with grids"),
     "generate": ("flowrl.cli.generate", "generate images with the rollout engine (base model or trained weights)"),
     "make-tiny": ("flowrl.cli.make_tiny", "build a tiny random diffusers checkpoint offline"),
+    "make-toy": ("flowrl.cli.make_toy", "pretrain the toy world's small model (shapes and colours) offline"),
     "config": ("flowrl.cli.config", "show the resolved configuration as YAML"),
     "reward-score": ("flowrl.cli.reward_score", "score image files with a reward, one score per line"),
     "serve": ("flowrl.cli.serve", "serve a model over HTTP: OpenAI Images API, RL rollouts, weight updates"),
     "reward-server": ("flowrl.cli.reward_server", "serve a configured reward over HTTP (JSON + PNG)"),
     "data": ("flowrl.cli.data", "write prompt datasets (for example OCR prompts)"),
-    "bench": ("flowrl.cli.bench", "benchmarks: rollout throughput, log-prob parity, the whole training step"),
+    "bench": ("flowrl.cli.bench", "benchmarks: rollout throughput, the whole training step, learning curves"),
 }
 
 

@@ -1,10 +1,11 @@
-"""`flowrl bench rollout|train ...` (see flowrl.bench.rollout / .train).
+"""`flowrl bench rollout|train|learn ...` (see flowrl.bench.rollout / .train / .learn).
 
 --model takes a local diffusers folder or a named architecture with random weights (the names of
 flowrl.models.debug.architectures: published sizes, built on the device in the model dtype, and the
 `tiny-*` ones for CPU smoke tests). `train` takes a recipe
 and its overrides instead, as `flowrl train` does (`model.path=random:NAME` for those
-architectures). The experiments in benchmarks/ reuse the common options (`add_common_arguments`,
+architectures); so does `learn`, with runs (`--run 'NAME: key=value ...'`) compared side by side.
+The experiments in benchmarks/ reuse the common options (`add_common_arguments`,
 `add_compile_arguments`).
 """
 
@@ -69,7 +70,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser, compile_help: str) ->
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,train}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{rollout,train,learn}", required=True)
     rollout = sub.add_parser(
         "rollout", help="img/s of the engine (batched, concurrent) vs the diffusers pipeline (batch N, batch 1)"
     )
@@ -123,6 +124,39 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"
     )
     add_report_arguments(train)
+    learn = sub.add_parser(
+        "learn",
+        help="held-out accuracy against steps and device-seconds: configurations side by side, each with a control",
+    )
+    add_learn_arguments(learn)
+
+
+def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="F", help="YAML recipe every run starts from")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="overrides for every run, applied before each --run's own"
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="'NAME: KEY=VALUE ...'",
+        help="a configuration: a name and its overrides (repeatable; default: the recipe as it is, named flowgrpo)",
+    )
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps of every run")
+    parser.add_argument(
+        "--eval-every", type=positive_int, default=None, help="steps between evaluations (default: steps / 3)"
+    )
+    parser.add_argument(
+        "--prompts", default=None, metavar="FILE", help="held-out prompts (default: the recipe's data.val_path)"
+    )
+    parser.add_argument(
+        "--eval-prompts", type=positive_int, default=None, help="evaluate the first N prompts (default: all)"
+    )
+    parser.add_argument("--eval-seeds", type=positive_int, default=2, help="samples (seeds) per held-out prompt")
+    parser.add_argument("--no-control", action="store_true", help="skip the shuffled-advantage control runs")
+    parser.add_argument("--out", default="outputs/bench-learn", help="folder for learn.json, learn.png and the runs")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out flowrl did not write")
 
 
 def run(args) -> int:
@@ -130,6 +164,10 @@ def run(args) -> int:
 
     from flowrl.output_paths import OutputExistsError, check_output_file
 
+    if args.bench_command == "learn":
+        from flowrl.bench.learn import run_learn
+
+        return run_learn(args)
     try:
         if args.json:
             check_output_file(args.json, args.overwrite)

@@ -113,6 +113,9 @@ def train_rank(cfg, world, args: argparse.Namespace) -> int:
     )
     print(f"mean reward, first 5 steps: {summary['first5_reward_mean']:.5g}")
     print(f"mean reward, last 5 steps:  {summary['last5_reward_mean']:.5g}")
+    for point in summary.get("validation", []):  # the first and the last: before and after training
+        shown = ", ".join(f"{_short(key)} {value:.3f}" for key, value in point.items() if key != "step")
+        print(f"validation at step {point['step']}: {shown}")
     print(
         f"metrics: {summary['metrics']}; reward curve: {summary['reward_curve']}; weights: {summary['final_weights']}"
     )
@@ -154,3 +157,8 @@ def train_command(args: argparse.Namespace, extra: list[str] = (), launcher: lis
     if args.config is not None:
         words += ["--config", args.config]
     return shlex.join([*words, *args.overrides, *extra])
+
+
+def _short(key: str) -> str:
+    """val/reward_mean -> reward; val/reward/<component>/mean -> <component>."""
+    return "reward" if key == "val/reward_mean" else key.removeprefix("val/reward/").removesuffix("/mean")

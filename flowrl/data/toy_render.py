@@ -25,6 +25,7 @@ from flowrl.data.toy_world import BACKGROUND, COLOURS, SHAPES, Caption
 
 MIN_SIZE, MAX_SIZE = 0.2, 0.28  # object side, as a share of the image side
 GRID = 3  # cells per side
+IMAGE_SIZE = 48  # the default side: a 16-pixel cell is one 2 x 2 patch of the toy model's 6 x 6 latent
 _GAP = 0.04  # least distance between two objects' boxes, as a share of the image side
 _MAX_TRIES = 200
 
@@ -87,7 +88,7 @@ def _colours_for(shape: str, colour: str | None, allowed_pairs) -> list[str]:
 def sample_scene(
     caption: Caption,
     rng: random.Random,
-    image_size: int = 64,
+    image_size: int = IMAGE_SIZE,
     allowed_pairs: Iterable[tuple[str, str]] | None = None,
 ) -> tuple[SceneObject, ...]:
     """The objects of a random scene that `caption` describes exactly (module docstring)."""
@@ -111,7 +112,7 @@ def sample_scene(
     raise RuntimeError(f"could not place a scene of {caption.text!r} in {image_size}x{image_size} pixels")
 
 
-def render_scene(objects: Iterable[SceneObject], image_size: int = 64) -> np.ndarray:
+def render_scene(objects: Iterable[SceneObject], image_size: int = IMAGE_SIZE) -> np.ndarray:
     """(image_size, image_size, 3) uint8: the objects on the white background, exact colours."""
     from PIL import Image, ImageDraw
 
@@ -131,6 +132,6 @@ def render_scene(objects: Iterable[SceneObject], image_size: int = 64) -> np.nda
     return np.asarray(image, dtype=np.uint8).copy()
 
 
-def render_caption(caption: Caption, seed: int, image_size: int = 64, allowed_pairs=None) -> np.ndarray:
+def render_caption(caption: Caption, seed: int, image_size: int = IMAGE_SIZE, allowed_pairs=None) -> np.ndarray:
     """One picture of `caption`, the same for the same seed."""
     return render_scene(sample_scene(caption, random.Random(seed), image_size, allowed_pairs), image_size)

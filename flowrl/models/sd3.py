@@ -2,7 +2,10 @@
 
 Latent layout: (16, H/8, W/8), the transformer's own input layout. Text: CLIP-L + CLIP-G + T5,
 encoded by the pipeline's own `encode_prompt`; every prompt has the same fixed length
-(77 + max_sequence_length), so no mask is needed and the stored mask is all True.
+(77 + max_sequence_length), so no mask is needed and the stored mask is all True. The T5 length
+defaults to 256, or to the checkpoint's T5 tokenizer's `model_max_length` when that is shorter
+(the toy model's 16: every padding token is attended, so a model trained at one length must be
+sampled at it).
 Timestep scaling: the transformer takes sigma * 1000, in float32 whatever the model dtype, as
 StableDiffusion3Pipeline passes its scheduler's timesteps: the transformer's sinusoidal timestep
 embedding runs in float32 and casts to the model dtype only after it, so a bf16 timestep would
@@ -25,6 +28,15 @@ from flowrl.models.base import (
 from flowrl.models.kl_vae import decode_kl_latents, prepare_kl_vae
 from flowrl.models.schedule import schedule_sigmas
 
+DEFAULT_TEXT_LENGTH = 256
+
+
+def default_text_length(pipeline) -> int:
+    """The T5 length a checkpoint is sampled at when none is asked for (module docstring)."""
+    tokenizer = getattr(pipeline, "tokenizer_3", None)
+    declared = getattr(tokenizer, "model_max_length", None) if tokenizer is not None else None
+    return min(DEFAULT_TEXT_LENGTH, int(declared)) if declared else DEFAULT_TEXT_LENGTH
+
 
 class SD3Adapter(FlowModelAdapter):
     family = "sd3"
@@ -41,7 +53,9 @@ class SD3Adapter(FlowModelAdapter):
         "attn.to_add_out",
     )
 
-    def __init__(self, pipeline, device, dtype, max_sequence_length: int = 256):
+    def __init__(self, pipeline, device, dtype, max_sequence_length: int | None = None):
+        if max_sequence_length is None:
+            max_sequence_length = default_text_length(pipeline)
         super().__init__(pipeline, device, dtype, max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
@@ -53,7 +67,9 @@ class SD3Adapter(FlowModelAdapter):
         self.vae_memory_format = prepare_kl_vae(self.vae, self.device)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int = 256):
+    def from_pretrained(
+        cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int | None = None
+    ):
         from diffusers import StableDiffusion3Pipeline
 
         from flowrl.models.loading import load_pipeline

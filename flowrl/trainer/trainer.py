@@ -376,6 +376,7 @@ class Trainer:
         records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
         means = [r["reward/mean"] for r in records]
         curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
+        validated = [r for r in read_metrics(self.logger.path) if r.get("val/reward_mean") is not None]
         return {
             "steps": self.step,
             "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),
@@ -383,5 +384,11 @@ class Trainer:
             "reward_curve": str(curve) if curve else None,
             "final_weights": str(final),
             "metrics": str(self.logger.path),
+            # The first and the last validation (total and each component), e.g. held-out accuracy
+            # before and after training.
+            "validation": [
+                {"step": r["step"], **{k: v for k, v in r.items() if k.startswith("val/reward") and "std" not in k}}
+                for r in (validated[:1] + validated[-1:] if len(validated) > 1 else validated)
+            ],
             **({"random_weights": self.random_weights} if self.random_weights else {}),
         }

@@ -62,7 +62,7 @@ def test_bad_captions_are_named_with_what_is_wrong(text, message):
 def test_scenes_repeat_for_a_seed_and_draw_exactly_the_palette():
     caption = parse_caption("a red circle to the left of a blue square")
     first, again = render_caption(caption, seed=7), render_caption(caption, seed=7)
-    assert first.shape == (64, 64, 3) and first.dtype == np.uint8
+    assert first.shape == (48, 48, 3) and first.dtype == np.uint8
     assert np.array_equal(first, again) and not np.array_equal(first, render_caption(caption, seed=8))
     colours = {tuple(pixel) for pixel in first.reshape(-1, 3)}
     assert colours == {(255, 255, 255), COLOURS["red"], COLOURS["blue"]}  # no anti-aliasing
@@ -81,8 +81,8 @@ def test_scene_objects_keep_apart_and_inside_and_follow_the_relation():
         objects = sample_scene(parse_caption("four yellow triangles"), rng)
         assert len(objects) == 4
         for obj in objects:
-            assert 0 <= obj.x0 and obj.x0 + obj.size <= 64 and 0 <= obj.y0 and obj.y0 + obj.size <= 64
-    assert render_scene(objects).shape == (64, 64, 3)
+            assert 0 <= obj.x0 and obj.x0 + obj.size <= 48 and 0 <= obj.y0 and obj.y0 + obj.size <= 48
+    assert render_scene(objects).shape == (48, 48, 3)
 
 
 def test_split_is_disjoint_and_rl_prompts_are_novel():

@@ -115,7 +115,7 @@ def _quoted(path: Path, pattern: str) -> list[float]:
 
 @pytest.mark.slow
 def test_the_docs_quote_what_the_embedded_tiny_run_produces(tmp_path, monkeypatch, capsys):
-    """The README's and docs' figures of the tiny run (`flowrl train` with no arguments) are the run's:
+    """The docs' figures of the tiny run (`flowrl train` with no arguments) are the run's:
     the first and last 5 steps' mean reward, the best validation step, and docs/evaluation.md's
     table of `flowrl eval --run` (issue 52). Minutes: the 12-step test above is its fast sibling."""
     from flowrl.cli import main
@@ -126,12 +126,12 @@ def test_the_docs_quote_what_the_embedded_tiny_run_produces(tmp_path, monkeypatc
     assert main(["train", "logging.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
     first5, last5 = (float(line.split(":")[1]) for line in printed.splitlines() if line.startswith("mean reward"))
-    for doc in (REPO / "README.md", REPO / "docs" / "training.md"):
+    for doc in (REPO / "docs" / "training.md",):
         assert _quoted(doc, r"from about (-0\.\d+) to about (-0\.\d+)") == [round(first5, 2), round(last5, 2)], doc
     records = [json.loads(line) for line in (tmp_path / "outputs/tiny-run/metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val/reward_mean"] for r in records if "val/reward_mean" in r}
     assert max(val, key=val.get) == 40 and val[60] < val[40]  # "best at step 40, falls back a little"
-    assert _quoted(REPO / "README.md", r"best at step 40, about (-0\.\d+)") == [round(val[40], 3)]
+    assert _quoted(REPO / "docs" / "training.md", r"best at step 40 \(about (-0\.\d+)\)") == [round(val[40], 3)]
 
     (tmp_path / "prompts.txt").write_text("\n".join(TINY_PROMPTS) + "\n")
     assert main(["eval", "--run", "outputs/tiny-run", "--prompts", "prompts.txt", "--out", "eval"]) == 0

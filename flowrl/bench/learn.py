@@ -1,0 +1,335 @@
+"""`flowrl bench learn`: how fast configurations learn, on held-out prompts, against a control.
+
+    flowrl bench learn --config recipes/toy_cpu_full.yaml --steps 30 --eval-every 10 \\
+        --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=3e-3' --out outputs/learn
+
+Every configuration is a name and a list of `key=value` overrides on top of the recipe (and of the
+overrides common to all). Each trains for `--steps` FlowGRPO steps and, unless `--no-control`,
+once more as its control (`algorithm.shuffle_advantages=true`: the same updates' sizes, with the
+advantages detached from the images). At step 0 and every `--eval-every` steps the held-out
+prompts (data.val_path, or --prompts) are sampled with the run's validation settings (ODE, seeds
+from rollout.val_seed, `--eval-seeds` per prompt) and scored with the run's reward; each of its
+components (the toy world's `partial` and `strict`) gets a mean and a 95% interval over the
+prompts (each prompt's mean over its seeds, as `flowrl eval` reports). Device-seconds are the training steps' wall time (evaluation excluded) times the
+devices used. Writes OUT/learn.json (every point, and every image's scores) and OUT/learn.png
+(each component against steps and against device-seconds, configurations side by side, controls
+dashed, intervals shaded), and prints a summary: base, final and control values, whether the
+final interval clears the control's, and when each curve first reaches the first configuration's
+final value.
+
+It drives Trainer.train_step and the evaluation path of `flowrl eval` (flowrl.eval.inference.
+sample_rows, flowrl.eval.evaluate); it adds no training logic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LEARN_MARKER = "bench-learn"
+CONTROL_OVERRIDE = "algorithm.shuffle_advantages=true"
+# What every measured run is, whatever the recipe says: no validation, checkpoints, tensorboard or bar
+# of the trainer's own (bench learn evaluates), a fresh start in a folder of the bench's.
+_BENCH_OVERRIDES = (
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.resume=never",
+    "trainer.overwrite=true",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured run: a configuration's name and overrides, as itself or as its control."""
+
+    name: str
+    overrides: tuple[str, ...]
+    control: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (control)" if self.control else self.name
+
+    @property
+    def folder(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name) + ("-control" if self.control else "")
+
+
+def parse_run(text: str) -> tuple[str, tuple[str, ...]]:
+    """'NAME: key=value key=value' -> (NAME, overrides); ValueError naming the text otherwise."""
+    name, separator, rest = text.partition(":")
+    name = name.strip()
+    if not separator or not name:
+        raise ValueError(f"--run {text!r} must be 'NAME: key=value ...' (e.g. 'lora: trainer.lora.enabled=true')")
+    overrides = tuple(shlex.split(rest))
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise ValueError(f"--run {text!r}: {bad[0]!r} is not a key=value override")
+    return name, overrides
+
+
+def expand_runs(configurations: list[tuple[str, tuple[str, ...]]], control: bool) -> list[RunSpec]:
+    """Each configuration, followed by its control when `control`."""
+    names = [name for name, _ in configurations]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--run names must differ: {names}")
+    runs = []
+    for name, overrides in configurations:
+        runs.append(RunSpec(name, overrides))
+        if control:
+            runs.append(RunSpec(name, overrides, control=True))
+    return runs
+
+
+def evaluation_steps(total: int, every: int) -> list[int]:
+    """0, every, 2 every, ..., and `total` itself."""
+    if every < 1:
+        raise ValueError(f"--eval-every {every} must be >= 1")
+    return sorted({0, total, *range(every, total + 1, every)})
+
+
+@dataclass
+class HeldOut:
+    """The held-out evaluation: prompt rows, seeds per prompt, sampling and the reward."""
+
+    rows: list[dict]
+    samples_per_prompt: int
+    params: object  # SamplingParams (ODE)
+    seed: int
+    reward: object
+
+    def score(self, engine) -> dict[str, np.ndarray]:
+        """{component: (num_prompts, samples_per_prompt) scores} of the engine's current weights."""
+        from flowrl.eval.evaluate import score_images
+        from flowrl.eval.inference import sample_rows
+
+        columns: dict[str, list[np.ndarray]] = {}
+        n = self.samples_per_prompt
+        for first, images, seeds in sample_rows(engine, self.rows, n, self.params, self.seed):
+            chunk = [self.rows[first + k // n] for k in range(len(seeds))]
+            for name, scores in score_images({"reward": self.reward}, images, chunk).items():
+                columns.setdefault(name, []).append(scores)
+        scores = {name: np.concatenate(parts).reshape(len(self.rows), n) for name, parts in columns.items()}
+        components = {name.split("/", 1)[1]: s for name, s in scores.items() if "/" in name}
+        return components or {"reward": scores["reward"]}
+
+
+def _summary(scores: dict[str, np.ndarray]) -> dict:
+    from flowrl.eval.evaluate import interval, per_prompt_means
+
+    return {name: interval(per_prompt_means(values)) for name, values in scores.items()}
+
+
+def _load_run_config(config_path: str, common: list[str], spec: RunSpec, steps: int, out: Path):
+    from flowrl.run.config import load_train_config
+
+    overrides = [*common, *spec.overrides, *([CONTROL_OVERRIDE] if spec.control else [])]
+    fixed = [*_BENCH_OVERRIDES, f"trainer.total_steps={steps}", f"trainer.output_dir={out / 'runs' / spec.folder}"]
+    return load_train_config(config_path, [*overrides, *fixed]), overrides
+
+
+def _baseline_key(cfg) -> str:
+    """Runs with equal keys start from the same weights and evaluate alike, so they share their
+    step-0 evaluation (LoRA with a zero-initialised B changes nothing before the first update)."""
+    from flowrl.config import config_to_dict
+
+    lora = cfg.trainer.lora
+    zero_start = not lora.enabled or lora.init in ("default", "gaussian")
+    parts = [config_to_dict(cfg.model), config_to_dict(cfg.rollout.val_sampling), cfg.rollout.val_seed, zero_start]
+    return json.dumps(parts, sort_keys=True) if zero_start else f"unique-{id(cfg)}"
+
+
+def measure_run(cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselines: dict, say=print) -> dict:
+    """Train `cfg` to max(steps), scoring the held-out prompts at each of `steps`."""
+    from flowrl.trainer.trainer import Trainer
+
+    points, images, train_rewards = [], {}, []
+    device_seconds = 0.0
+    with Trainer(cfg) as trainer:
+        devices = trainer.world.size
+        for target in steps:
+            while trainer.step < target:
+                metrics = trainer.train_step()
+                device_seconds += metrics["timing/step_s"] * devices
+                train_rewards.append(metrics.get("reward/mean"))
+                trainer.log(trainer.step, metrics)  # the run's own metrics.jsonl, as `flowrl train` writes it
+            key = _baseline_key(cfg)
+            if target == 0 and key in baselines:
+                scores = baselines[key]
+            else:
+                scores = held_out.score(trainer.engine)
+                if target == 0:
+                    baselines[key] = scores
+            summary = _summary(scores)
+            points.append({"step": target, "device_seconds": device_seconds, "scores": summary})
+            images[str(target)] = {name: values.tolist() for name, values in scores.items()}
+            shown = ", ".join(f"{name} {value['mean']:.3f}" for name, value in summary.items())
+            say(f"  {spec.label}: step {target} ({device_seconds:.0f} device-s): {shown}")
+    return {
+        "name": spec.name,
+        "label": spec.label,
+        "control": spec.control,
+        "points": points,
+        "train_reward": train_rewards,
+        "images": images,
+    }
+
+
+def run_learning(
+    config_path: str,
+    configurations: list[tuple[str, tuple[str, ...]]],
+    steps: int,
+    eval_every: int,
+    out: str | Path,
+    common: list[str] = (),
+    prompts: str | None = None,
+    num_prompts: int | None = None,
+    samples_per_prompt: int = 2,
+    control: bool = True,
+    say=print,
+) -> dict:
+    """Measure every configuration (and its control); returns the report `learn.json` holds."""
+    from flowrl.data.prompts import load_prompt_rows
+    from flowrl.rewards import build_reward_from_config
+
+    out = Path(out)
+    runs = expand_runs(list(configurations), control)
+    at = evaluation_steps(steps, eval_every)
+    first_cfg, _ = _load_run_config(config_path, list(common), runs[0], steps, out)
+    path = prompts or first_cfg.data.val_path
+    if path is None:
+        raise ValueError("no held-out prompts: set data.val_path in the recipe or pass --prompts FILE")
+    rows = load_prompt_rows(path, first_cfg.data.prompt_field, num_prompts, "--prompts" if prompts else "data.val_path")
+    report = {
+        "config": str(config_path),
+        "common_overrides": list(common),
+        "steps": steps,
+        "eval_steps": at,
+        "prompts": str(path),
+        "num_prompts": len(rows),
+        "samples_per_prompt": samples_per_prompt,
+        "interval": "95% normal approximation over prompts (each prompt's mean over its seeds)",
+        "device_seconds": "wall time of the training steps (evaluation excluded) x devices",
+        "runs": [],
+    }
+    baselines: dict = {}
+    for spec in runs:
+        cfg, overrides = _load_run_config(config_path, list(common), spec, steps, out)
+        held_out = HeldOut(
+            rows,
+            samples_per_prompt,
+            cfg.rollout.val_sampling,
+            cfg.rollout.val_seed,
+            build_reward_from_config(cfg.reward),
+        )
+        say(f"{spec.label}: {' '.join(overrides) or '(the recipe as it is)'}")
+        measured = measure_run(cfg, spec, at, held_out, baselines, say)
+        report["runs"].append({**measured, "overrides": overrides})
+    return report
+
+
+def final_comparison(report: dict) -> list[dict]:
+    """Per configuration and component: base, final and control intervals, and whether the final
+    interval lies above both the control's and the base's."""
+    rows = []
+    runs = report["runs"]
+    for run in (r for r in runs if not r["control"]):
+        control = next((r for r in runs if r["control"] and r["name"] == run["name"]), None)
+        for component, final in run["points"][-1]["scores"].items():
+            base = run["points"][0]["scores"][component]
+            entry = {"name": run["name"], "component": component, "base": base, "final": final}
+            entry["gain"] = final["mean"] - base["mean"]
+            if control is not None:
+                entry["control"] = control["points"][-1]["scores"][component]
+                entry["above_control"] = _clears(final, entry["control"])
+            entry["above_base"] = _clears(final, base)
+            rows.append(entry)
+    return rows
+
+
+def _clears(upper: dict, lower: dict) -> bool:
+    """Whether `upper`'s 95% interval lies entirely above `lower`'s."""
+    if upper["ci95"] is None or lower["ci95"] is None:
+        return False
+    return upper["ci95"][0] > lower["ci95"][1]
+
+
+def first_reach(points: list[dict], component: str, level: float) -> dict | None:
+    """The first evaluated point whose mean reaches `level`, or None."""
+    return next((p for p in points if p["scores"][component]["mean"] >= level), None)
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = []
+    fmt = lambda s: f"{s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]" if s["ci95"] else f"{s['mean']:.3f}"
+    for entry in final_comparison(report):
+        text = f"{entry['name']} {entry['component']}: base {fmt(entry['base'])} -> {fmt(entry['final'])} ({entry['gain']:+.3f})"
+        if "control" in entry:
+            verdict = "above its control" if entry["above_control"] else "NOT above its control"
+            text += f"; control {fmt(entry['control'])}: {verdict}"
+        lines.append(text)
+    trained = [r for r in report["runs"] if not r["control"]]
+    if trained:  # how soon each curve reaches what the first configuration gained by its end
+        reference = trained[0]
+        for component, final in reference["points"][-1]["scores"].items():
+            level = final["mean"]
+            if level <= reference["points"][0]["scores"][component]["mean"]:
+                continue
+            for run in report["runs"]:
+                point = first_reach(run["points"], component, level)
+                where = "never" if point is None else f"step {point['step']}, {point['device_seconds']:.0f} device-s"
+                lines.append(f"reaches {reference['name']}'s final {component} {level:.3f}: {run['label']} at {where}")
+    return lines
+
+
+def write_report(report: dict, out: Path) -> tuple[Path, Path | None]:
+    from flowrl.bench.learn_plot import plot_learning
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "learn.json"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    png = plot_learning(report, out / "learn.png")
+    return json_path, png
+
+
+def run_learn(args) -> int:
+    """The `flowrl bench learn` command (module docstring)."""
+    from flowrl.output_paths import OutputExistsError, check_output_folder, file_sizes, write_marker
+
+    out = Path(args.out)
+    try:
+        check_output_folder(out, LEARN_MARKER, args.overwrite)
+        configurations = [parse_run(text) for text in args.run] or [("flowgrpo", ())]
+        expand_runs(configurations, not args.no_control)  # name clashes, before anything loads
+        start = time.perf_counter()
+        report = run_learning(
+            args.config,
+            configurations,
+            args.steps,
+            args.eval_every or max(1, args.steps // 3),
+            out,
+            common=list(args.overrides),
+            prompts=args.prompts,
+            num_prompts=args.eval_prompts,
+            samples_per_prompt=args.eval_seeds,
+            control=not args.no_control,
+        )
+    except (OutputExistsError, ValueError) as error:
+        print(f"flowrl bench learn: error: {error}", file=sys.stderr)
+        return 2
+    report["wall_seconds"] = time.perf_counter() - start
+    json_path, png = write_report(report, out)
+    write_marker(out, LEARN_MARKER, list(file_sizes(out)))
+    for line in summary_lines(report):
+        print(line)
+    print(f"report: {json_path}" + (f"; plot: {png}" if png else ""))
+    return 0

@@ -1,0 +1,149 @@
+"""The toy world's pretrained model: `make_toy_checkpoint(out, size, seed)` builds and saves it.
+
+A StableDiffusion3Pipeline folder (flowrl.models.debug.toy_modules' architecture) whose
+autoencoder and transformer are pretrained on the toy world's pretraining split
+(flowrl.models.debug.toy_pretrain), loadable with `model.path=` like any checkpoint and with
+`StableDiffusion3Pipeline.from_pretrained`. Two sizes (`SIZES`): "cpu", small enough to commit
+(`committed_checkpoint()`, the README's main job and CI use it), and "gpu", larger, for one GPU.
+The model draws the world's shapes and colours but not every composition it was never shown,
+which is what RL on the held-out prompts has to teach.
+
+The folder follows flowrl.output_paths: a `.flowrl-toy` marker records the size, the seed and the
+files; a folder already holding the same size and seed is kept as it is, flowrl's own earlier
+toy build is replaced, anything else is refused unless `overwrite`. The same seed on the same
+machine (device and thread count) gives the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from flowrl.models.debug.toy_modules import ToySize
+from flowrl.output_paths import check_output_folder, file_sizes, read_marker, remove_listed_files, write_marker
+
+TOY_MARKER = "toy"  # the folder's marker file: .flowrl-toy
+COMMITTED_DIRNAME = "toy_cpu"
+
+SIZES: dict[str, ToySize] = {
+    # 48 x 48 pictures, 8x autoencoder: a 6 x 6 latent whose 2 x 2 patches are the world's 3 x 3
+    # grid cells, so each of the transformer's 9 image tokens draws one cell.
+    "cpu": ToySize(
+        name="cpu",
+        image_size=48,
+        vae_channels=(16, 32, 32, 32),
+        latent_channels=4,
+        num_layers=4,
+        num_heads=3,
+        head_dim=32,
+        num_images=30_000,
+        vae_steps=1200,
+        vae_batch=32,
+        vae_lr=2e-3,
+        steps=4000,
+        batch=128,
+        lr=1e-3,
+        ema_decay=0.999,
+    ),
+    "gpu": ToySize(
+        name="gpu",
+        image_size=48,
+        vae_channels=(32, 64, 64, 64),
+        latent_channels=4,
+        num_layers=8,
+        num_heads=8,
+        head_dim=32,
+        num_images=100_000,
+        vae_steps=3000,
+        vae_batch=128,
+        vae_lr=1e-3,
+        steps=20_000,
+        batch=512,
+        lr=5e-4,
+        ema_decay=0.9995,
+    ),
+}
+
+
+def committed_checkpoint() -> Path:
+    """The committed CPU-size toy model (seed 0), inside the installed package."""
+    return Path(__file__).resolve().parent / COMMITTED_DIRNAME
+
+
+def resolve_size(size: str | ToySize) -> ToySize:
+    if isinstance(size, ToySize):
+        return size
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not a toy model size; choose one of: {', '.join(SIZES)}")
+    return SIZES[size]
+
+
+def build_toy_pipeline(size: str | ToySize, seed: int = 0, device: str = "cpu", progress: bool = True):
+    """The pretrained toy pipeline in memory (float32, on the CPU); the caller's RNG is untouched."""
+    from flowrl.console import progress_bar
+    from flowrl.models.debug.toy_modules import build_pipeline
+    from flowrl.models.debug.toy_pretrain import (
+        encode_captions,
+        encode_pictures,
+        render_pool,
+        train_autoencoder,
+        train_transformer,
+    )
+
+    size = resolve_size(size)
+
+    def bar(total: int, phase: str):
+        return progress_bar(total, f"toy {size.name} model: {phase}", disable=not progress)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipeline = build_pipeline(size)
+        generator = torch.Generator().manual_seed(seed)
+        with bar(size.num_images, "rendering") as phase:
+            captions, pictures = render_pool(size, size.num_images, seed, phase)
+        for encoder in (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3):
+            encoder.to(device)
+        text = encode_captions(pipeline, captions, device)
+        with bar(size.vae_steps, "autoencoder") as phase:
+            train_autoencoder(pipeline.vae, pictures, size, seed + 1, generator, device, phase)
+        latents = encode_pictures(pipeline.vae, pictures, device)
+        with bar(size.steps, "transformer") as phase:
+            pipeline.transformer = train_transformer(
+                pipeline.transformer, latents, captions, text, size, generator, device, phase
+            )
+    return pipeline.to("cpu")
+
+
+def make_toy_checkpoint(
+    path: str | Path,
+    size: str | ToySize = "cpu",
+    seed: int = 0,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[Path, bool]:
+    """Build the toy model and save it at `path` (module docstring). Returns (path, whether it
+    was built: False when the folder already held this size and seed)."""
+    size = resolve_size(size)
+    path = Path(path)
+    previous = read_marker(path, TOY_MARKER)
+    if previous is not None and previous.get("size") == size.name and previous.get("seed") == seed:
+        if all((path / name).is_file() for name in previous.get("files", [])):
+            return path, False
+    check_output_folder(path, TOY_MARKER, overwrite)  # raises before anything is built
+    pipeline = build_toy_pipeline(size, seed, device, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".flowrl-toy-", dir=path.parent) as staging:
+        staged = Path(staging)
+        pipeline.save_pretrained(staged, safe_serialization=True)
+        sizes = file_sizes(staged)
+        path.mkdir(exist_ok=True)
+        remove_listed_files(path, [name for name in (previous or {}).get("files", []) if name not in sizes])
+        for name in sizes:
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged / name, path / name)
+    write_marker(path, TOY_MARKER, list(sizes), size=size.name, seed=seed)
+    return path, True

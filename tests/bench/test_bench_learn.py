@@ -1,0 +1,84 @@
+"""`flowrl bench learn`: its arguments are checked before anything loads, its verdicts follow the
+intervals, and a short run on the committed toy model writes the report and the plot with every
+configuration, its control and their shared step-0 evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl.bench.learn import evaluation_steps, expand_runs, final_comparison, parse_run
+from flowrl.cli import main
+
+
+def test_run_specs_and_evaluation_steps():
+    assert parse_run("lora: trainer.lora.enabled=true trainer.lr=1e-3") == (
+        "lora",
+        ("trainer.lora.enabled=true", "trainer.lr=1e-3"),
+    )
+    assert parse_run("full:") == ("full", ())
+    for bad in ("no colon", ": x=1", "name: notanoverride"):
+        with pytest.raises(ValueError, match="--run"):
+            parse_run(bad)
+    with pytest.raises(ValueError, match="must differ"):
+        expand_runs([("a", ()), ("a", ("x=1",))], control=True)
+    runs = expand_runs([("a", ()), ("b", ("x=1",))], control=True)
+    assert [run.label for run in runs] == ["a", "a (control)", "b", "b (control)"]
+    assert evaluation_steps(10, 4) == [0, 4, 8, 10]
+    assert evaluation_steps(3, 5) == [0, 3]
+
+
+def _point(step, mean, half):
+    return {"step": step, "device_seconds": step, "scores": {"partial": {"mean": mean, "ci95": [mean - half, mean + half]}}}
+
+
+def test_verdicts_follow_the_intervals():
+    report = {
+        "runs": [
+            {"name": "a", "label": "a", "control": False, "points": [_point(0, 0.3, 0.02), _point(9, 0.5, 0.03)]},
+            {"name": "a", "label": "a (control)", "control": True, "points": [_point(0, 0.3, 0.02), _point(9, 0.46, 0.02)]},
+            {"name": "b", "label": "b", "control": False, "points": [_point(0, 0.3, 0.02), _point(9, 0.5, 0.03)]},
+            {"name": "b", "label": "b (control)", "control": True, "points": [_point(0, 0.3, 0.02), _point(9, 0.3, 0.02)]},
+        ]
+    }
+    a, b = final_comparison(report)
+    assert a["gain"] == pytest.approx(0.2) and a["above_base"] and not a["above_control"]  # 0.47 < 0.48
+    assert b["above_control"] and b["above_base"]
+
+
+def _short_learn(out) -> list[str]:
+    return [
+        "bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--steps", "1", "--eval-every", "1",
+        "--eval-prompts", "4", "--eval-seeds", "1", "--out", str(out),
+        "--run", "full:", "--run", "lora: trainer.lora.enabled=true trainer.lora.rank=4",
+        "trainer.prompts_per_step=2", "rollout.n=2", "rollout.sampling.num_inference_steps=3",
+    ]  # fmt: skip
+
+
+def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
+    out = tmp_path / "learn"
+    assert main(_short_learn(out)) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "learn.json").read_text())
+    assert (out / "learn.png").stat().st_size > 0
+    assert [run["label"] for run in report["runs"]] == ["full", "full (control)", "lora", "lora (control)"]
+    assert all([p["step"] for p in run["points"]] == [0, 1] for run in report["runs"])
+    # Every run starts from the same weights (LoRA's B is zero), so they share one step-0 evaluation.
+    starts = [run["points"][0]["scores"] for run in report["runs"]]
+    assert all(start == starts[0] for start in starts) and set(starts[0]) == {"partial", "strict"}
+    assert all(len(run["images"]["1"]["partial"]) == 4 for run in report["runs"])  # 4 prompts x 1 seed
+    assert "full partial: base" in printed and "control" in printed
+    # The folder is the bench's now: a second run into it is allowed, a folder of something else is not.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    assert main(_short_learn(other)) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_bad_override_is_named_before_anything_trains(tmp_path, capsys):
+    code = main(
+        ["bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--out", str(tmp_path / "o"), "--run", "x: nokey"]
+    )
+    assert code == 2 and "'nokey' is not a key=value override" in capsys.readouterr().err

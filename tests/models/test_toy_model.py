@@ -1,0 +1,120 @@
+"""The toy world's model: a short build repeats byte for byte, loads in diffusers and in flowrl at
+the text length it was trained with, and make-toy refuses folders it did not write. The committed
+CPU model: small, its autoencoder keeps the evaluator's verdict, and it draws familiar captions
+well and held-out ones imperfectly (flowrl eval's path, ODE, fixed seeds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.data.toy_world import world_words
+from flowrl.models.debug import toy
+from flowrl.models.debug.toy import SIZES, committed_checkpoint, make_toy_checkpoint
+from flowrl.output_paths import OutputExistsError
+
+SHORT = dataclasses.replace(
+    SIZES["cpu"],
+    name="short",
+    vae_channels=(8, 8, 8, 8),
+    num_layers=1,
+    num_heads=2,
+    head_dim=8,
+    num_images=32,
+    vae_steps=2,
+    vae_batch=4,
+    steps=3,
+    batch=4,
+)
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(file.relative_to(folder)): hashlib.sha256(file.read_bytes()).hexdigest()
+        for file in sorted(folder.rglob("*"))
+        if file.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def short_build(tmp_path_factory):
+    path, built = make_toy_checkpoint(tmp_path_factory.mktemp("toy") / "short", SHORT, seed=5, progress=False)
+    assert built
+    return path
+
+
+def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
+    again, _ = make_toy_checkpoint(tmp_path / "again", SHORT, seed=5, progress=False)
+    other, _ = make_toy_checkpoint(tmp_path / "other", SHORT, seed=6, progress=False)
+    first, second, third = _hashes(short_build), _hashes(again), _hashes(other)
+    assert first == second
+    assert first["transformer/diffusion_pytorch_model.safetensors"] != third["transformer/diffusion_pytorch_model.safetensors"]
+    # The same size and seed again: kept as it is, nothing rebuilt.
+    assert make_toy_checkpoint(again, SHORT, seed=5, progress=False) == (again, False)
+
+
+def test_loads_in_diffusers_and_in_flowrl_at_its_text_length(short_build):
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.models.registry import load_adapter
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(short_build)
+    for tokenizer in (pipeline.tokenizer, pipeline.tokenizer_3):
+        for word in world_words():
+            assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
+    image = pipeline("a red circle", num_inference_steps=2, height=48, width=48, max_sequence_length=16).images[0]
+    assert image.size == (48, 48)
+    adapter = load_adapter(short_build)
+    assert adapter.max_sequence_length == 16 and adapter.vae_scale_factor == 8
+    assert adapter.latent_shape(48, 48) == (SHORT.latent_channels, 6, 6)  # 3 x 3 patches: the world's cells
+    vae = pipeline.vae.config
+    assert vae.scaling_factor != 1.0 and vae.shift_factor != 0.0  # set from the trained encoder
+
+
+def test_make_toy_refuses_a_folder_it_did_not_write(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    assert main(["make-toy", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert str(folder) in err and "--overwrite" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    with pytest.raises(OutputExistsError):
+        make_toy_checkpoint(folder, SHORT, progress=False)
+    # The command end to end, on the short size: builds, then keeps its own folder.
+    monkeypatch.setitem(toy.SIZES, "cpu", SHORT)
+    assert main(["make-toy", str(tmp_path / "built"), "--no-progress"]) == 0
+    assert main(["make-toy", str(tmp_path / "built"), "--no-progress"]) == 0
+    assert "kept as it is" in capsys.readouterr().out
+
+
+def test_committed_model_is_small_and_marked():
+    folder = committed_checkpoint()
+    sizes = {p: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    assert sum(sizes.values()) <= 10_000_000
+    marker = (folder / ".flowrl-toy").read_text()
+    assert '"size": "cpu"' in marker and '"seed": 0' in marker
+
+
+def test_committed_autoencoder_keeps_the_evaluators_verdict():
+    from diffusers import AutoencoderKL
+
+    from flowrl.data.toy_split import split_captions
+    from flowrl.data.toy_render import render_caption
+    from flowrl.rewards.shapes import check_caption, detect_objects
+
+    vae = AutoencoderKL.from_pretrained(committed_checkpoint(), subfolder="vae").eval()
+    captions = split_captions()["val"]
+    pictures = np.stack([render_caption(c, seed=i) for i, c in enumerate(captions)])
+    with torch.no_grad():
+        x = torch.from_numpy(pictures).permute(0, 3, 1, 2).float() / 127.5 - 1
+        decoded = vae.decode(vae.encode(x).latent_dist.mean).sample
+    round_trip = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    kept = [all(check_caption(detect_objects(p), c)) for p, c in zip(round_trip, captions)]
+    assert np.mean(kept) >= 0.95
