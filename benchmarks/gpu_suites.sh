@@ -17,7 +17,9 @@
 #                    matrix products back to back (the least each phase could take)               ~4 min
 #   dist-1gpu        torchrun --nproc-per-node 1 training steps through NCCL: SD3.5-medium LoRA and
 #                    FSDP2 full fine-tuning, Qwen-Image LoRA                                       ~6 min
-#   toy-learn        the toy world on one GPU: `flowrl bench learn` over the GPU toy recipes       ~10 min
+#   toy-make         the toy world's GPU-size model (flowrl make-toy --size gpu, run first)          ~10 min
+#   toy-learn-full   `flowrl bench learn` of recipes/toy_gpu_full.yaml with its control (after toy-make) ~10 min
+#   toy-learn-lora   the same for recipes/toy_gpu_lora.yaml                                        ~10 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
@@ -104,7 +106,11 @@ suite() {
       dist dist-sd35-full random:sd35-medium $bf16 trainer.lora.enabled=false trainer.micro_batch_size=4 trainer.lr=1e-5
       dist dist-qwen-lora random:qwen-image $bf16 trainer.lora.rank=64 trainer.micro_batch_size=2 \
         trainer.gradient_checkpointing=true ;;
-    toy-learn) bench toy-learn 560 learn --config recipes/toy_gpu_full.yaml --config recipes/toy_gpu_lora.yaml ;;
+    toy-make) run toy-make 590 python3 -m flowrl.cli make-toy outputs/toy-gpu --size gpu --seed 0 --device cuda ;;
+    toy-learn-full | toy-learn-lora)
+      local mode=${1#toy-learn-}
+      run "$1" 590 python3 -m flowrl.cli bench learn --config "recipes/toy_gpu_$mode.yaml" --run "$mode:" \
+        --steps 150 --eval-every 25 --out "$OUT/$1" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05

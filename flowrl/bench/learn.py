@@ -7,15 +7,17 @@ Every configuration is a name and a list of `key=value` overrides on top of the 
 overrides common to all). Each trains for `--steps` FlowGRPO steps and, unless `--no-control`,
 once more as its control (`algorithm.shuffle_advantages=true`: the same updates' sizes, with the
 advantages detached from the images). At step 0 and every `--eval-every` steps the held-out
-prompts (data.val_path, or --prompts) are sampled with the run's validation settings (ODE, seeds
-from rollout.val_seed, `--eval-seeds` per prompt) and scored with the run's reward; each of its
-components (the toy world's `partial` and `strict`) gets a mean and a 95% interval over the
-prompts (each prompt's mean over its seeds, as `flowrl eval` reports). Device-seconds are the training steps' wall time (evaluation excluded) times the
-devices used. Writes OUT/learn.json (every point, and every image's scores) and OUT/learn.png
-(each component against steps and against device-seconds, configurations side by side, controls
-dashed, intervals shaded), and prints a summary: base, final and control values, whether the
-final interval clears the control's, and when each curve first reaches the first configuration's
-final value.
+prompts (data.val_path, or --prompts) are sampled with the run's validation settings and weights
+(ODE, seeds from rollout.val_seed, `--eval-seeds` per prompt; trainer.ema's average when on) and
+scored with the run's reward; each of its components (the toy world's `partial` and `strict`)
+gets a mean and a 95% interval over the prompts (each prompt's mean over its seeds, as
+`flowrl eval` reports). Device-seconds are the training steps' wall time (evaluation excluded)
+times the devices used. Writes OUT/learn.json (every point, and every image's scores) and
+OUT/learn.png (each component against steps and against device-seconds, configurations side by
+side, controls dashed, intervals shaded), and prints a summary: base, final and control values,
+the gain over the base with its paired 95% interval (prompt by prompt, the same seeds), whether
+the final interval clears the control's, and when each curve first reaches the first
+configuration's final value.
 
 It drives Trainer.train_step and the evaluation path of `flowrl eval` (flowrl.eval.inference.
 sample_rows, flowrl.eval.evaluate); it adds no training logic.
@@ -166,7 +168,8 @@ def measure_run(cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselin
             if target == 0 and key in baselines:
                 scores = baselines[key]
             else:
-                scores = held_out.score(trainer.engine)
+                with trainer.validation_weights():  # what the run validates with: trainer.ema's average, if on
+                    scores = held_out.score(trainer.engine)
                 if target == 0:
                     baselines[key] = scores
             summary = _summary(scores)
@@ -248,12 +251,42 @@ def final_comparison(report: dict) -> list[dict]:
             base = run["points"][0]["scores"][component]
             entry = {"name": run["name"], "component": component, "base": base, "final": final}
             entry["gain"] = final["mean"] - base["mean"]
+            entry["gain_interval"] = _paired_gain(run, component, report.get("samples_per_prompt", 1))
             if control is not None:
                 entry["control"] = control["points"][-1]["scores"][component]
                 entry["above_control"] = _clears(final, entry["control"])
+                entry["control_gap_interval"] = _paired_gap(
+                    run, control, component, report.get("samples_per_prompt", 1)
+                )
             entry["above_base"] = _clears(final, base)
             rows.append(entry)
     return rows
+
+
+def _paired_gain(run: dict, component: str, samples_per_prompt: int) -> dict | None:
+    """The final minus the base score, prompt by prompt (the same prompts and seeds): mean and 95%
+    interval, tighter than comparing the two intervals; None without the per-image scores."""
+    steps = sorted(run.get("images", {}), key=int)
+    if len(steps) < 2:
+        return None
+    return _paired(run["images"][steps[-1]], run["images"][steps[0]], component, samples_per_prompt)
+
+
+def _paired_gap(run: dict, control: dict, component: str, samples_per_prompt: int) -> dict | None:
+    """The run's final score minus its control's, prompt by prompt (paired as `_paired_gain`)."""
+    mine, theirs = run.get("images", {}), control.get("images", {})
+    if not mine or not theirs:
+        return None
+    return _paired(mine[max(mine, key=int)], theirs[max(theirs, key=int)], component, samples_per_prompt)
+
+
+def _paired(upper: dict, lower: dict, component: str, samples_per_prompt: int) -> dict | None:
+    from flowrl.eval.evaluate import interval, per_prompt_means
+
+    if component not in upper or component not in lower:
+        return None
+    a, b = (np.asarray(side[component], dtype=np.float64).reshape(-1, samples_per_prompt) for side in (upper, lower))
+    return interval(per_prompt_means(a) - per_prompt_means(b))
 
 
 def _clears(upper: dict, lower: dict) -> bool:
@@ -272,10 +305,16 @@ def summary_lines(report: dict) -> list[str]:
     lines = []
     fmt = lambda s: f"{s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]" if s["ci95"] else f"{s['mean']:.3f}"
     for entry in final_comparison(report):
-        text = f"{entry['name']} {entry['component']}: base {fmt(entry['base'])} -> {fmt(entry['final'])} ({entry['gain']:+.3f})"
+        gain = entry["gain_interval"]
+        shown = f"{entry['gain']:+.3f}" + (
+            f" [{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}]" if gain and gain["ci95"] else ""
+        )
+        text = f"{entry['name']} {entry['component']}: base {fmt(entry['base'])} -> {fmt(entry['final'])} ({shown})"
         if "control" in entry:
             verdict = "above its control" if entry["above_control"] else "NOT above its control"
-            text += f"; control {fmt(entry['control'])}: {verdict}"
+            gap = entry["control_gap_interval"]
+            paired = f" (paired gap [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}])" if gap and gap["ci95"] else ""
+            text += f"; control {fmt(entry['control'])}: {verdict}{paired}"
         lines.append(text)
     trained = [r for r in report["runs"] if not r["control"]]
     if trained:  # how soon each curve reaches what the first configuration gained by its end

@@ -274,7 +274,7 @@ class Trainer:
             self.val_rows,
             self.reward,
             self.world,
-            self._validation_weights(),
+            self.validation_weights(),
             self.output_dir / "val" / f"step_{self.step:06d}.png",
             self.progress,
             self._stop_check(),
@@ -285,7 +285,7 @@ class Trainer:
         return self._max_over_ranks(metrics)
 
     @contextlib.contextmanager
-    def _validation_weights(self):
+    def validation_weights(self):
         """The moving average of the weights with trainer.ema (put back after), else the trained
         weights; gathered when sharded (every rank enters: a collective)."""
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():

@@ -30,16 +30,30 @@ def test_run_specs_and_evaluation_steps():
 
 
 def _point(step, mean, half):
-    return {"step": step, "device_seconds": step, "scores": {"partial": {"mean": mean, "ci95": [mean - half, mean + half]}}}
+    return {
+        "step": step,
+        "device_seconds": step,
+        "scores": {"partial": {"mean": mean, "ci95": [mean - half, mean + half]}},
+    }
 
 
 def test_verdicts_follow_the_intervals():
     report = {
         "runs": [
             {"name": "a", "label": "a", "control": False, "points": [_point(0, 0.3, 0.02), _point(9, 0.5, 0.03)]},
-            {"name": "a", "label": "a (control)", "control": True, "points": [_point(0, 0.3, 0.02), _point(9, 0.46, 0.02)]},
+            {
+                "name": "a",
+                "label": "a (control)",
+                "control": True,
+                "points": [_point(0, 0.3, 0.02), _point(9, 0.46, 0.02)],
+            },
             {"name": "b", "label": "b", "control": False, "points": [_point(0, 0.3, 0.02), _point(9, 0.5, 0.03)]},
-            {"name": "b", "label": "b (control)", "control": True, "points": [_point(0, 0.3, 0.02), _point(9, 0.3, 0.02)]},
+            {
+                "name": "b",
+                "label": "b (control)",
+                "control": True,
+                "points": [_point(0, 0.3, 0.02), _point(9, 0.3, 0.02)],
+            },
         ]
     }
     a, b = final_comparison(report)

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from flowrl.cli import main
+from flowrl.data.prompts import load_prompt_rows
 from flowrl.data.toy_render import render_caption, render_scene, sample_scene
 from flowrl.data.toy_split import (
     HELD_OUT_PAIRS,
+    VAL_EXTRA,
     VAL_QUOTAS,
     all_captions,
     names_held_out_pair,
@@ -22,7 +24,6 @@ from flowrl.data.toy_split import (
     split_captions,
 )
 from flowrl.data.toy_world import CATEGORIES, COLOURS, SHAPES, Caption, Group, parse_caption, world_words
-from flowrl.data.prompts import load_prompt_rows
 
 
 def test_every_caption_reads_back_to_itself_and_has_its_category():
@@ -89,7 +90,7 @@ def test_split_is_disjoint_and_rl_prompts_are_novel():
     split = split_captions()
     pretrain, train, val = (set(split[name]) for name in ("pretrain", "train", "val"))
     assert not (pretrain & train) and not (pretrain & val) and not (train & val)
-    assert len(val) == sum(VAL_QUOTAS.values()) and len(train) > 4 * len(val)
+    assert len(val) == sum(VAL_QUOTAS.values()) + sum(VAL_EXTRA.values()) == 192 and len(train) > 3 * len(val)
     assert not any(names_held_out_pair(caption) for caption in pretrain)
     # Both RL sets ask for held-out pairs and for unseen compositions of familiar ones.
     for rl_set in (train, val):

@@ -54,7 +54,10 @@ def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
     other, _ = make_toy_checkpoint(tmp_path / "other", SHORT, seed=6, progress=False)
     first, second, third = _hashes(short_build), _hashes(again), _hashes(other)
     assert first == second
-    assert first["transformer/diffusion_pytorch_model.safetensors"] != third["transformer/diffusion_pytorch_model.safetensors"]
+    assert (
+        first["transformer/diffusion_pytorch_model.safetensors"]
+        != third["transformer/diffusion_pytorch_model.safetensors"]
+    )
     # The same size and seed again: kept as it is, nothing rebuilt.
     assert make_toy_checkpoint(again, SHORT, seed=5, progress=False) == (again, False)
 
@@ -105,8 +108,8 @@ def test_committed_model_is_small_and_marked():
 def test_committed_autoencoder_keeps_the_evaluators_verdict():
     from diffusers import AutoencoderKL
 
-    from flowrl.data.toy_split import split_captions
     from flowrl.data.toy_render import render_caption
+    from flowrl.data.toy_split import split_captions
     from flowrl.rewards.shapes import check_caption, detect_objects
 
     vae = AutoencoderKL.from_pretrained(committed_checkpoint(), subfolder="vae").eval()
@@ -118,3 +121,22 @@ def test_committed_autoencoder_keeps_the_evaluators_verdict():
     round_trip = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
     kept = [all(check_caption(detect_objects(p), c)) for p, c in zip(round_trip, captions)]
     assert np.mean(kept) >= 0.95
+
+
+def test_flowrl_eval_of_the_toy_model_repeats_exactly(tmp_path, capsys):
+    """Two identical `flowrl eval` runs of the committed model on held-out prompts give the same
+    scores, image for image (ODE, fixed seeds), and report both of the evaluator's components."""
+    import json
+
+    args = [
+        "eval", "--config", "recipes/toy_cpu_full.yaml", "--prompts", "flowrl/data/toy_prompts/val.jsonl",
+        "--max-prompts", "12", "-n", "2", "--grid-rows", "0",
+    ]  # fmt: skip
+    reports = []
+    for name in ("first", "second"):
+        assert main([*args, "--out", str(tmp_path / name)]) == 0
+        reports.append(json.loads((tmp_path / name / "eval_report.json").read_text()))
+    capsys.readouterr()
+    first, second = ([entry["scores"] for entry in report["per_prompt"]] for report in reports)
+    assert first == second and len(first) == 12
+    assert {"shapes", "shapes/partial", "shapes/strict"} <= set(first[0]["base"])
