@@ -140,3 +140,19 @@ def test_flowrl_eval_of_the_toy_model_repeats_exactly(tmp_path, capsys):
     first, second = ([entry["scores"] for entry in report["per_prompt"]] for report in reports)
     assert first == second and len(first) == 12
     assert {"shapes", "shapes/partial", "shapes/strict"} <= set(first[0]["base"])
+
+
+def test_the_split_is_the_one_the_committed_model_and_results_used():
+    """The committed model was pretrained on this pretraining split and docs/learning.md's numbers
+    were measured on these RL and held-out prompts: a change to the split (its seed, quotas or
+    pairs) must rebuild the model and re-measure, and this test says so."""
+    from flowrl.data.toy_split import split_captions
+
+    split = split_captions()
+    digests = {
+        name: hashlib.sha256("|".join(c.text for c in split[name]).encode()).hexdigest()[:16]
+        for name in ("pretrain", "train", "val")
+    }
+    assert digests == {"pretrain": "3377704463b50149", "train": "89eaa0f0334b86b2", "val": "c63d9395b4da5bf6"}, (
+        "the toy split changed: rebuild flowrl/models/debug/toy_cpu (flowrl make-toy) and re-measure docs/learning.md"
+    )
