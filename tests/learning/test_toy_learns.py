@@ -27,3 +27,24 @@ def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
     if mode == "full":
         assert partial["above_control"], shown
+
+
+@pytest.mark.slow
+def test_the_readme_quotes_what_its_main_job_prints(tmp_path, capsys):
+    """The README's command (a) trains recipes/toy_cpu_full.yaml; the held-out partial and strict
+    scores it quotes before and after are the ones the run prints (about 2 minutes; the 40-step
+    tests above are its fast siblings)."""
+    import re
+    from pathlib import Path
+
+    from flowrl.cli import main
+
+    assert main(["train", "--config", "recipes/toy_cpu_full.yaml", f"trainer.output_dir={tmp_path / 'run'}"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("validation at step")]
+    measured = {int(re.search(r"step (\d+)", line).group(1)): line for line in printed}
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    quoted = re.search(r"0\.(\d+) before, 0\.(\d+) after\) and `strict` .*?; 0\.(\d+) before, 0\.(\d+) after\)", readme)
+    assert quoted, "the README no longer quotes the main job's scores"
+    before_partial, after_partial, before_strict, after_strict = (f"0.{group}" for group in quoted.groups())
+    assert f"partial {before_partial}" in measured[0] and f"strict {before_strict}" in measured[0], measured
+    assert f"partial {after_partial}" in measured[60] and f"strict {after_strict}" in measured[60], measured
