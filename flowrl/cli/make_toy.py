@@ -31,24 +31,23 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import re
-
-    import torch
-
+    from flowrl.config.sections import is_device_name, resolve_device
     from flowrl.models.debug.tiny import parameter_counts
     from flowrl.models.debug.toy import make_toy_checkpoint
     from flowrl.output_paths import file_sizes
+    from flowrl.run.checks import check_cuda_device
 
-    device = args.device
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        print(f"flowrl make-toy: error: --device {device!r} is invalid; use auto, cpu, cuda or cuda:N", file=sys.stderr)
-        return 2
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not is_device_name(args.device):
         print(
-            f"flowrl make-toy: error: --device {device} but no CUDA GPU is visible; use --device cpu", file=sys.stderr
+            f"flowrl make-toy: error: --device {args.device!r} is invalid; use auto, cpu, cuda or cuda:N",
+            file=sys.stderr,
         )
+        return 2
+    device = resolve_device(args.device)
+    try:
+        check_cuda_device(device, "--device ", "--device cpu")
+    except ValueError as error:
+        print(f"flowrl make-toy: error: {error}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     try:

@@ -110,6 +110,20 @@ def check_finite(node, key: str = "") -> None:
         check_finite(value, f"{key}.{name}" if key else str(name))
 
 
+def is_device_name(device: str) -> bool:
+    """Whether `device` is one flowrl takes: auto, cpu, cuda or cuda:N (model.device, --device)."""
+    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", device) is not None
+
+
+def resolve_device(device: str) -> str:
+    """The concrete device: "auto" becomes "cuda" when a GPU is visible, else "cpu"."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass
 class ModelConfig:
     """Which checkpoint to load and how."""
@@ -133,7 +147,7 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+        if not is_device_name(self.device):
             _fail("model.device", self.device, "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_min("model.max_sequence_length", self.max_sequence_length, 1)
         return self
@@ -147,11 +161,7 @@ class ModelConfig:
 
     def resolve_device(self) -> str:
         """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device)
 
     @property
     def torch_dtype(self):

@@ -36,8 +36,8 @@ NOVEL_COMPOSITION_SHARE = 0.2
 # Held-out evaluation prompts per category (the novel single-object-with-colour captions are
 # exactly the held-out pairs), drawn as the split is made; then VAL_EXTRA more per category, drawn
 # from the novel captions left (a second seeded draw, so the first draw, and with it pretraining,
-# stays as the committed model saw it). 192 in all: enough for a 95% interval of about +-0.035 on
-# the partial score.
+# stays as the committed model saw it). 192 in all, so that the held-out interval is narrow enough to
+# tell runs apart (docs/learning.md).
 VAL_QUOTAS = {"colors": 4, "counting": 12, "color_attr": 24, "position": 24}
 VAL_EXTRA = {"color_attr": 40, "position": 88}
 # How often pretraining draws each category.

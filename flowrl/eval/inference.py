@@ -20,7 +20,6 @@ It knows configs, engines and weight sources, nothing about rewards or reports.
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +116,8 @@ def _tiny(model_path: Path) -> bool:
 
 def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setup:
     """The settings and the base model (module docstring); ValueError naming the flag at fault."""
-    import torch
-
     from flowrl.config import config_from_dict, load_config
+    from flowrl.config.sections import is_device_name, resolve_device
     from flowrl.run.checks import check_cuda_device
 
     overrides = list(args.overrides)
@@ -150,10 +148,9 @@ def resolve_setup(args: argparse.Namespace, sources: list[WeightSource]) -> Setu
         sections = ("rollout.sampling", "rollout.val_sampling")  # `flowrl serve` defaults to both
         cfg = load_config(None, [*(f"{section}.{item}" for section in sections for item in sized), *overrides])
     device = args.device or cfg.model.device
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+    if not is_device_name(device):
         raise ValueError(f"--device {device!r} is invalid; use auto, cpu, cuda or cuda:N")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     check_cuda_device(device, "--device " if args.device else "model.device=", "--device cpu or auto")
     if args.dtype:
         dtype = args.dtype

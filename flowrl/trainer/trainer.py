@@ -373,10 +373,10 @@ class Trainer:
         final = self.save_final()
         if not self.world.is_main:
             return {"steps": self.step, "final_weights": str(final)}
-        records = [r for r in read_metrics(self.logger.path) if r.get("reward/mean") is not None]
-        means = [r["reward/mean"] for r in records]
+        logged = read_metrics(self.logger.path)
+        means = [r["reward/mean"] for r in logged if r.get("reward/mean") is not None]
         curve = plot_reward_curve(self.logger.path, self.output_dir / "reward_curve.png")
-        validated = [r for r in read_metrics(self.logger.path) if r.get("val/reward_mean") is not None]
+        validated = [r for r in logged if r.get("val/reward_mean") is not None]
         return {
             "steps": self.step,
             "first5_reward_mean": float(np.mean(means[:5])) if means else float("nan"),

@@ -8,9 +8,8 @@
   6 x 6 latent), `latent_channels` channels, no mid-block attention, no quant convs.
 - Transformer: SD3Transformer2DModel with 2x2 patches, `num_layers` joint blocks of
   `num_heads` x `head_dim`. At 48 x 48 a patch is one of the world's 3 x 3 grid cells: each image
-  token draws one cell's object (or nothing), and attention composes the cells. (Tried first:
-  64 x 64 with a 4x autoencoder, 64 tokens a cell spread over several: objects came out blurred
-  and in mixed colours, strict accuracy 0.03 on the held-out prompts.)
+  token draws one cell's object (or nothing), and attention composes the cells (a cell spread
+  over several tokens came out blurred and in mixed colours: docs/learning.md).
 - Scheduler: FlowMatchEulerDiscreteScheduler with SD3's shift (3.0).
 
 It knows shapes of modules, nothing about training them (flowrl.models.debug.toy_pretrain).
