@@ -62,7 +62,8 @@ class SamplingParams:
     sde_window_size: int | None = None
     """With sde_window null: the window's length, its start drawn uniformly from sde_window_range
     (default: every start that fits) for each sample, from a generator seeded by the sample's seed
-    (sample j of a batched call: seed + j). Both null: every step but the last is stochastic."""
+    (sample j of a batched call: seed + j). Both null: every step but the last is stochastic; with
+    noise_level 0 and logprobs false, none, and only the final latent is kept."""
     sde_window_range: tuple[int, int] | None = None
     """[lo, hi): where a drawn window may lie (null: every step but the last)."""
     seed: int | None = None

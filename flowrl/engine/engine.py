@@ -247,6 +247,10 @@ class DiffusionEngine(EngineAPI):
             return sampler.draw_sde_window(
                 params.num_inference_steps, params.sde_window_size, params.sde_window_range, gen
             )
+        if params.noise_level == 0.0 and not params.logprobs:
+            # Deterministic, nothing scored: no window, so only the final latent is kept (the
+            # forward-process algorithms train on it alone; a trajectory would be memory nobody reads).
+            return (params.num_inference_steps, params.num_inference_steps)
         return sampler.default_sde_window(params.num_inference_steps)
 
     def _enqueue(self, requests: list[list[SampleState]]) -> None:

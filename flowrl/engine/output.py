@@ -68,7 +68,9 @@ class DiffusionOutput:
 
     image: (3, H, W) uint8.
     all_latents: (W + 1, *latent_shape) float32: the latent entering the SDE window, then the
-        latent after each window step (latent layout is the adapter's model-input layout).
+        latent after each window step (latent layout is the adapter's model-input layout). A
+        deterministic request without log-probs and window settings has no window (W = 0): the
+        final latent alone.
     all_log_probs: (W,) float32 log-prob of each window transition (mean over latent elements),
         or None when log-probs were not requested.
     sigmas / next_sigmas: (W,) float32 noise levels at the start / end of each window step.

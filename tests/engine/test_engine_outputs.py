@@ -118,3 +118,15 @@ def test_prompt_is_encoded_once(engine, params):
 def test_sde_types_produce_finite_logprobs(engine, params, sde_type):
     out = engine.generate("a cat", params.replace(sde_type=sde_type, noise_level=0.5))
     assert torch.isfinite(out.all_log_probs).all()
+
+
+def test_deterministic_request_without_logprobs_keeps_only_the_final_latent(engine, params):
+    """An ODE request that scores nothing has no window: the final latent alone (what the
+    forward-process algorithms train on), the same image as the ODE with its trajectory kept."""
+    ode = params.replace(noise_level=0.0, logprobs=False)
+    final_only = engine.generate("a cat", ode)
+    assert final_only.sde_window == (ode.num_inference_steps, ode.num_inference_steps)
+    assert final_only.all_latents.shape[0] == 1 and final_only.sigmas.numel() == 0
+    with_trajectory = engine.generate("a cat", ode.replace(sde_window=(0, 2)))
+    assert with_trajectory.all_latents.shape[0] == 3
+    assert torch.equal(final_only.image, with_trajectory.image)  # decoded from the same final latent
