@@ -32,10 +32,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowrl.config.algorithm_rules import check_algorithm
 from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
-AlgorithmName = Literal["flow_grpo"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
+AlgorithmName = Literal["flow_grpo", "diffusion_nft"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
 StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -247,7 +248,7 @@ class RolloutConfig:
     stochastically rounded to the model's dtype and made once per rollout (with engine.compile, in
     one compiled kernel per layer), instead of the base weight plus the low-rank term: faster, at
     one more copy of the adapted weights in device memory while the rollout runs. Needs a LoRA
-    adapter, algorithm.old_log_prob=recompute and the trainer's own engine. Validation and
+    adapter, the trainer's own engine and, with flow_grpo, algorithm.old_log_prob=recompute. Validation and
     `flowrl eval` sample the adapter itself."""
     servers: list[str] = field(default_factory=list)
     """URLs of `flowrl serve` replicas started by the user (e.g. http://10.0.0.2:8000), all serving
@@ -322,12 +323,42 @@ class RolloutConfig:
 
 
 @dataclass
+class NftConfig:
+    """DiffusionNFT's own settings (algorithm.name=diffusion_nft; arXiv 2509.16117, NVlabs'
+    scripts/train_nft_sd3.py)."""
+
+    beta: float = 1.0
+    """beta of the implicit policies, v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old -
+    beta v; the loss is divided by it. The reference: 1 (GenEval, PickScore), 0.1 (OCR, several rewards)."""
+    old_decay_flat: int = 0
+    """The old policy (the rollouts' weights) follows the trained ones with decay d = 0 for the
+    first old_decay_flat optimizer steps, then min(old_decay_max, old_decay_rate * (t - flat))."""
+    old_decay_rate: float = 0.001
+    """The decay's growth per optimizer step (the reference's default preset; its OCR preset: flat
+    75, rate 0.0075, max 0.999)."""
+    old_decay_max: float = 0.5
+    """The decay's ceiling, in [0, 1): 0 rolls out with the trained weights themselves."""
+
+    def validate(self) -> "NftConfig":
+        _check_min("algorithm.nft.beta", self.beta, 0.0, strict=True)
+        _check_min("algorithm.nft.old_decay_flat", self.old_decay_flat, 0)
+        _check_min("algorithm.nft.old_decay_rate", self.old_decay_rate, 0.0)
+        if not 0.0 <= self.old_decay_max < 1.0:
+            _fail("algorithm.nft.old_decay_max", self.old_decay_max, "must be in [0, 1), e.g. 0.5")
+        return self
+
+
+@dataclass
 class AlgorithmConfig:
-    """The RL algorithm (flowrl.trainer's registry) and its objective's settings."""
+    """The RL algorithm (flowrl.trainer's registry) and its objective's settings. The settings
+    shared by every algorithm come first; those of one algorithm say so, and another algorithm
+    refuses them (flowrl.config.algorithm_rules)."""
 
     name: AlgorithmName = "flow_grpo"
     """The algorithm: `flow_grpo` (SDE rollouts with per-step log-probs, group-relative
-    advantages, the clipped PPO loss; flowrl/trainer/flow_grpo.py)."""
+    advantages, the clipped PPO loss; flowrl/trainer/flow_grpo.py), `diffusion_nft` (deterministic
+    rollouts from an older copy of the weights, trained on the final images through the forward
+    process; flowrl/trainer/diffusion_nft.py)."""
     std_mode: StdMode = "global"
     """Advantage = (r - group mean) / (std + std_eps): `global` takes the std over the whole batch
     (the Flow-GRPO default), `group` the std of the row's own group."""
@@ -342,20 +373,23 @@ class AlgorithmConfig:
     share is logged as `adv/zero_std_ratio` either way."""
     zero_std_threshold: float = 1e-6
     """The reward std at or below which a group counts as having no spread."""
-    clip_range: float = 1e-4
-    """PPO ratio clip epsilon."""
     kl_beta: float = 0.0
-    """Weight of the KL to the reference (the same model with the LoRA disabled): Flow-GRPO's,
-    mean((mu - mu_ref)^2) / (2 std_t^2) with the diffusion coefficient std_t, so the published
-    betas apply as they are. Needs LoRA."""
-    old_log_prob: OldLogProbSource = "rollout"
-    """The PPO denominator: the rollout's log-probs (`rollout`), or a recompute by the trainer
-    before the update (`recompute`: the first optimizer step's samples take theirs from its own
-    forwards; the rest are re-scored)."""
+    """Weight of the KL to the reference (the same model with the LoRA disabled; needs LoRA).
+    flow_grpo: Flow-GRPO's, mean((mu - mu_ref)^2) / (2 std_t^2) with the diffusion coefficient
+    std_t, so the published betas apply as they are; diffusion_nft: the reference's, on the
+    velocity, mean((v - v_ref)^2) (it uses 1e-4)."""
     train_timestep_fraction: float = 1.0
-    """Fraction of each sample's SDE-window steps that are trained (a random subset per sample)."""
+    """Fraction of each sample's steps that are trained (a random subset per sample): of its
+    SDE-window steps (flow_grpo), of its rollout's timesteps (diffusion_nft: the reference trains
+    int(0.99 T) of T)."""
+    clip_range: float = 1e-4
+    """flow_grpo: the PPO ratio clip epsilon."""
+    old_log_prob: OldLogProbSource = "rollout"
+    """flow_grpo: the PPO denominator: the rollout's log-probs (`rollout`), or a recompute by the
+    trainer before the update (`recompute`: the first optimizer step's samples take theirs from its
+    own forwards; the rest are re-scored)."""
     behaviour_weight_cap: float = 5.0
-    """Decoupled PPO (AReaL, arXiv 2505.24298; verl's rollout correction) for samples drawn by older
+    """flow_grpo: decoupled PPO (AReaL, arXiv 2505.24298; verl's rollout correction) for samples drawn by older
     weights than the update starts from (trainer.async_rollout): their clipped objective, centred on
     the update's starting weights, is weighted by min(pi_start / pi_behaviour, this cap), the
     behaviour policy's log-prob being the rollout's. Samples of the current weights weigh 1."""
@@ -364,6 +398,8 @@ class AlgorithmConfig:
     trained rows (seeded from trainer.seed and the step), so the update keeps their distribution
     and size but loses their link to the images. A run that learns only when this is false learns
     from its reward, not from drift (docs/training.md)."""
+    nft: NftConfig = field(default_factory=NftConfig)
+    """diffusion_nft's settings."""
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
@@ -374,6 +410,7 @@ class AlgorithmConfig:
         if not 0.0 < self.train_timestep_fraction <= 1.0:
             _fail("algorithm.train_timestep_fraction", self.train_timestep_fraction, "must be in (0, 1]")
         _check_min("algorithm.behaviour_weight_cap", self.behaviour_weight_cap, 1.0)
+        self.nft.validate()
         return self
 
 
@@ -732,18 +769,20 @@ class FlowRLConfig:
                     f"use engine.max_batch_rows >= 2 or rollout.{name}.{field_name} <= 1",
                 )
         # Cross-slice rule: a group of one has reward == its group mean, so every advantage is 0.
-        if self.algorithm.name == "flow_grpo" and self.rollout.n < 2:
+        if self.rollout.n < 2:
             _fail(
                 "rollout.n",
                 self.rollout.n,
-                "flow_grpo compares samples within a prompt's group, so every advantage would be "
+                f"{self.algorithm.name} compares samples within a prompt's group, so every advantage would be "
                 "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
             )
+        check_algorithm(self)
+        flow_grpo = self.algorithm.name == "flow_grpo"
         if self.rollout.merge_lora:
             self._check_merge_lora()
         if self.trainer.async_rollout:
             self._check_async_rollout()
-        if self.rollout.is_decoupled and self.engine.compile and self.algorithm.old_log_prob == "rollout":
+        if flow_grpo and self.rollout.is_decoupled and self.engine.compile and self.algorithm.old_log_prob == "rollout":
             _fail(
                 "algorithm.old_log_prob",
                 "rollout",
@@ -762,6 +801,8 @@ class FlowRLConfig:
                 "it overlaps rollouts on rollout servers with training; set rollout.servers or "
                 "rollout.num_replicas, or trainer.async_rollout=false",
             )
+        if self.algorithm.name != "flow_grpo":  # decoupled PPO's needs below
+            return
         if self.algorithm.old_log_prob != "recompute":
             _fail(
                 "algorithm.old_log_prob",
@@ -787,7 +828,7 @@ class FlowRLConfig:
                 "it merges the LoRA adapter into the rollout's weights, and trainer.lora.enabled=false trains "
                 "no adapter; set rollout.merge_lora=false",
             )
-        if self.algorithm.old_log_prob != "recompute":
+        if self.algorithm.name == "flow_grpo" and self.algorithm.old_log_prob != "recompute":
             _fail(
                 "algorithm.old_log_prob",
                 self.algorithm.old_log_prob,

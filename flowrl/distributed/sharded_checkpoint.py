@@ -19,7 +19,7 @@ refuses any other file, a pickled `.metadata` above all.
 Tensors are keyed by parameter name, the optimizer state by parameter name too (DCP's own layout
 from torch.distributed.checkpoint.state_dict), so a checkpoint does not depend on how the weights
 were split. This module knows parameters, an optimizer and the averages of a
-flowrl.trainer.ema.ParameterEMA by name; what else a checkpoint holds it leaves to its caller.
+flowrl.trainer.ema.ParameterEMA (the EMA, DiffusionNFT's old policy) by name; what else a checkpoint holds it leaves to its caller.
 """
 
 from __future__ import annotations
@@ -106,11 +106,14 @@ def check_sharded_folder(folder: str | Path) -> dict:
 # --- saving and loading ---------------------------------------------------------------------------
 
 
-def _state(module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], ema) -> tuple[dict, dict, dict]:
+def _state(
+    module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], averages: dict
+) -> tuple[dict, dict, dict]:
     """(tensors, optimizer state dict, non-tensor optimizer state): what DCP saves and loads in
     place, flat: the parameters' own storage (so a load writes into the model), the optimizer's
     tensors by name (`optimizer.state.<param>.<key>`, the same tensor objects as in the optimizer
-    state dict), the EMA averages; the optimizer's parameter groups and non-tensor values go to JSON."""
+    state dict), each average's tensors (`<its name>.<param>`: `ema.`, `old_policy.`); the
+    optimizer's parameter groups and non-tensor values go to JSON."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     tensors = {f"model.{name}": param.detach() for name, param in params.items()}
@@ -125,19 +128,22 @@ def _state(module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], 
     groups = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optimizer_state["param_groups"]
     ]
-    if ema is not None:
-        tensors.update({f"ema.{name}": average for name, average in ema.averages.items()})
+    for key, kept in averages.items():
+        tensors.update({f"{key}.{name}": average for name, average in kept.averages.items()})
     return tensors, optimizer_state, {"param_groups": groups, "values": values}
 
 
-def save_sharded(folder: Path, module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], ema=None) -> None:
-    """Every rank writes its shards under folder/sharded (a collective)."""
+def save_sharded(
+    folder: Path, module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], averages: dict | None = None
+) -> None:
+    """Every rank writes its shards under folder/sharded (a collective); averages: {name:
+    flowrl.trainer.ema.ParameterEMA} kept beside the weights."""
     import torch.distributed.checkpoint as dcp
 
     from flowrl.distributed.dcp_storage import SafetensorsWriter
 
     path = Path(folder) / SHARDED_DIR
-    tensors, _, rest = _state(module, optimizer, params, ema)
+    tensors, _, rest = _state(module, optimizer, params, averages or {})
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         (path / OPTIMIZER).write_text(json.dumps(rest, indent=1))
@@ -146,9 +152,12 @@ def save_sharded(folder: Path, module: torch.nn.Module, optimizer, params: dict[
         dcp.save(tensors, storage_writer=SafetensorsWriter(path, INDEX, FORMAT), no_dist=not dist.is_initialized())
 
 
-def load_sharded(folder: Path, module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], ema=None) -> bool:
-    """Load folder/sharded into the parameters, the optimizer and `ema` (when given and saved),
-    whatever the world size it was written at; returns whether EMA averages were restored.
+def load_sharded(
+    folder: Path, module: torch.nn.Module, optimizer, params: dict[str, torch.Tensor], averages: dict | None = None
+) -> set[str]:
+    """Load folder/sharded into the parameters, the optimizer and each of `averages` ({name:
+    ParameterEMA}) that was saved, whatever the world size it was written at; returns the names
+    of the averages restored.
     ValueError when the folder is not one this module wrote (`check_sharded_folder`) or the saved
     tensors are not these parameters'."""
     import torch.distributed.checkpoint as dcp
@@ -167,8 +176,8 @@ def load_sharded(folder: Path, module: torch.nn.Module, optimizer, params: dict[
             f"checkpoint {folder}: its sharded weights do not match the trainable parameters (missing {missing}, "
             f"unexpected {extra}); resume with the trainer.lora settings the checkpoint was written with"
         )
-    ema_saved = any(key.startswith("ema.") for key in saved)
-    tensors, optimizer_state, _ = _state(module, optimizer, params, ema if ema_saved else None)
+    restored = {key for key in averages or {} if any(k.startswith(f"{key}.") for k in saved)}
+    tensors, optimizer_state, _ = _state(module, optimizer, params, {key: averages[key] for key in restored})
     try:
         rest = json.loads((path / OPTIMIZER).read_text())
         groups, values = rest["param_groups"], rest["values"]
@@ -181,7 +190,7 @@ def load_sharded(folder: Path, module: torch.nn.Module, optimizer, params: dict[
         optimizer_state["state"].setdefault(name, {}).update(per_param)
     optimizer_state["param_groups"] = groups
     set_optimizer_state_dict(module, optimizer, optimizer_state)
-    return ema is not None and ema_saved
+    return restored
 
 
 def read_full_tensors(folder: str | Path, prefix: str) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ knows the client and the trainable weights, nothing about the update or the rewa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +41,7 @@ class ColocatedRollouts:
     def __init__(self):
         self.engine = None
 
-    def bind(self, engine) -> None:
+    def bind(self, engine, published_weights=None) -> None:
         self.engine = engine
 
     @property
@@ -77,11 +78,14 @@ class DecoupledRollouts:
         self.balancer: LeastInFlightBalancer | None = None
         self.published: tuple[int, str] | None = None  # (version, checksum) every live replica serves
 
-    def bind(self, engine) -> None:
-        """Attach the trainer's engine (its adapter holds the weights to publish); connect."""
+    def bind(self, engine, published_weights=None) -> None:
+        """Attach the trainer's engine (its adapter holds the weights to publish; inside
+        `published_weights()`, when given, they hold what the replicas serve: an algorithm's old
+        policy); connect."""
         from flowrl.client import RemoteEngine
 
         self.engine = engine
+        self.published_weights = published_weights or contextlib.nullcontext
         token = None
         if self.processes is not None:
             self._urls = self.processes.wait_ready()
@@ -99,7 +103,8 @@ class DecoupledRollouts:
         """Upload the trainer's trainable weights as `version` to every live replica and wait
         until each serves it with the same checksum (replicas that fail are dropped)."""
         transformer = self.engine.adapter.transformer
-        upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
+        with self.published_weights():
+            upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
         live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
         if not live:
             raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")

@@ -6,6 +6,7 @@ Layout of `<output_dir>/checkpoints/step_000010/` (safetensors + JSON only, neve
 - `rng.safetensors`        torch CPU (and CUDA) generator states
 - `ema.safetensors`        with `trainer.ema`: the moving average of the trainable parameters, with
                            the keys of `trainable.safetensors` (its meta in state.json, "ema")
+- `old_policy.safetensors` likewise, an algorithm's own average (DiffusionNFT's old policy)
 - `lora/`                  the LoRA in diffusers format (`pipe.load_lora_weights(dir)`), when LoRA
 - `sharded/`               in place of the three tensor files above, when the weights are sharded
                            over ranks (FSDP2 full fine-tuning): every rank's shards of the weights,
@@ -304,10 +305,13 @@ def save_checkpoint(
     config: dict | None = None,
     ema=None,
     parallel: DataParallel | None = None,
+    averages: dict | None = None,
 ) -> Path:
     """Write the checkpoint of `step` (see the module docstring); returns its folder.
-    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none). parallel: how
-    the weights are kept over ranks (None: one process); every rank calls this."""
+    ema: a flowrl.trainer.ema.ParameterEMA to save beside the weights (None: none); averages:
+    other such averages by name (an algorithm's, e.g. DiffusionNFT's `old_policy`), each saved as
+    `<name>.safetensors` with its meta in state.json. parallel: how the weights are kept over
+    ranks (None: one process); every rank calls this."""
     world = parallel.world if parallel is not None else World.single()
     sharded = parallel is not None and parallel.is_sharded
     final = checkpoint_dir(output_dir, step)
@@ -318,12 +322,12 @@ def save_checkpoint(
     world.barrier()
     transformer = adapter.transformer
     state = {"step": step, "trainer": trainer_state, "config": config}
+    kept = _averages(ema, averages)
     if sharded:  # every rank writes its shards
         named = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
-        sharded_checkpoint.save_sharded(tmp, transformer, optimizer, named, ema)
+        sharded_checkpoint.save_sharded(tmp, transformer, optimizer, named, kept)
         state["optimizer"] = {"param_names": param_names}
-        if ema is not None:
-            state["ema"] = ema.meta()
+        state.update({key: average.meta() for key, average in kept.items()})
     elif world.is_main:
         save_file(
             {k: v.cpu().contiguous() for k, v in trainable_state_dict(transformer).items()},
@@ -333,9 +337,9 @@ def save_checkpoint(
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         if has_lora(transformer) and hasattr(adapter, "pipeline"):
             save_lora_for_diffusers(adapter, tmp / "lora")
-        if ema is not None:
-            ema_tensors, state["ema"] = ema.state_dict()
-            save_file(ema_tensors, str(tmp / "ema.safetensors"))
+        for key, average in kept.items():
+            tensors, state[key] = average.state_dict()
+            save_file(tensors, str(tmp / f"{key}.safetensors"))
     if world.is_main:
         rng_tensors, state["rng"] = _rng_to_files()
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
@@ -370,9 +374,11 @@ def load_checkpoint(
     verify: bool = True,
     ema=None,
     parallel: DataParallel | None = None,
+    averages: dict | None = None,
 ) -> dict:
-    """Restore weights, optimizer and RNG (and `ema`'s averages, when given and saved) from `path`;
-    return {"step", "trainer", "config", "ema_restored"}. parallel: how the weights are kept over
+    """Restore weights, optimizer and RNG (and `ema`'s and each of `averages`' values, when given
+    and saved) from `path`; return {"step", "trainer", "config", "ema_restored", "restored"
+    (the names of the averages restored)}. parallel: how the weights are kept over
     ranks (None: one process); every rank calls this, and the checkpoint may come from any world
     size (module docstring).
 
@@ -384,31 +390,41 @@ def load_checkpoint(
         _warn_unverified(path)
     state = read_checkpoint_state(path)
     named = {name: p for name, p in transformer.named_parameters() if p.requires_grad}
-    ema_restored = ema is not None and "ema" in state
+    kept = _averages(ema, averages)
     if sharded_checkpoint.is_sharded_checkpoint(path):
-        ema_restored = sharded_checkpoint.load_sharded(path, transformer, optimizer, named, ema)
-        if ema_restored:
-            ema.num_updates = int(state["ema"].get("num_updates", 0))
+        restored = sharded_checkpoint.load_sharded(path, transformer, optimizer, named, kept)
+        for key in restored:
+            kept[key].num_updates = int(state[key].get("num_updates", 0))
     else:
+        restored = {key for key in kept if key in state}
         device = str(next(transformer.parameters()).device)
         weights = _load_tensors(path, "trainable.safetensors", device)
         opt_tensors = _load_tensors(path, "optimizer.safetensors", device)
-        ema_tensors = _load_tensors(path, "ema.safetensors", device) if ema_restored else None
+        saved = {key: _load_tensors(path, f"{key}.safetensors", device) for key in restored}
         if parallel is not None and parallel.is_sharded:  # whole tensors into this rank's shards
             check_trainable_names(transformer, weights)
             sharded_checkpoint.load_full_into_sharded(
                 transformer, optimizer, weights, _optimizer_state_by_name(opt_tensors, state["optimizer"], param_names)
             )
-            ema_tensors = ema_tensors and sharded_checkpoint.shard_like(ema_tensors, named)
+            saved = {key: sharded_checkpoint.shard_like(tensors, named) for key, tensors in saved.items()}
         else:
             load_trainable_state_dict(transformer, weights)
             _optimizer_from_files(optimizer, opt_tensors, state["optimizer"], param_names)
-        if ema_restored:
-            ema.load_state_dict(ema_tensors, state["ema"])
+        for key, tensors in saved.items():
+            kept[key].load_state_dict(tensors, state[key])
     _rng_from_files(_load_tensors(path, "rng.safetensors"), state["rng"])
     return {
         "step": state["step"],
         "trainer": state["trainer"],
         "config": state.get("config"),
-        "ema_restored": ema_restored,
+        "ema_restored": "ema" in restored,
+        "restored": restored,
     }
+
+
+def _averages(ema, averages: dict | None) -> dict:
+    """Every average a checkpoint keeps, by the name its files and state entry take."""
+    kept = dict(averages or {})
+    if ema is not None:
+        kept["ema"] = ema
+    return kept

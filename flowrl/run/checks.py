@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowrl.config.algorithm_rules import check_training_rollout
 from flowrl.data.prompts import load_prompt_rows
 
 TINY_MODEL_DIRNAME = "tiny-sd3"
@@ -182,25 +183,11 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         raise ValueError(
             f"rollout.n={cfg.rollout.n} gives groups of one sample, whose advantage is always 0; use rollout.n >= 2"
         )
+    check_training_rollout(cfg)
     if cfg.algorithm.kl_beta > 0 and not cfg.trainer.lora.enabled:
         raise ValueError(
             f"algorithm.kl_beta={cfg.algorithm.kl_beta} needs a reference model, which is the LoRA-disabled "
             "transformer; set trainer.lora.enabled=true or algorithm.kl_beta=0"
-        )
-    if not cfg.rollout.sampling.logprobs and cfg.algorithm.old_log_prob == "rollout":
-        raise ValueError(
-            "rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
-            "rollout log-prob to use; set logprobs=true or old_log_prob=recompute"
-        )
-    if cfg.rollout.sampling.noise_level <= 0:
-        raise ValueError(
-            f"rollout.sampling.noise_level={cfg.rollout.sampling.noise_level}: training needs "
-            "stochastic (SDE) rollouts; use e.g. 0.7"
-        )
-    if cfg.rollout.sampling.num_inference_steps < 2:
-        raise ValueError(
-            f"rollout.sampling.num_inference_steps={cfg.rollout.sampling.num_inference_steps} leaves no "
-            "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
         )
     check_device(cfg.model)
     check_random_weights_device(cfg.model)

@@ -40,6 +40,7 @@ def save(trainer) -> Path:
         trainer.config_dict,
         ema=trainer.ema,
         parallel=trainer.parallel,
+        averages=trainer.algorithm.averages(),
     )
 
 
@@ -54,6 +55,7 @@ def restore(trainer, path: Path, say=print) -> None:
         verify=False,
         ema=trainer.ema,
         parallel=trainer.parallel,
+        averages=trainer.algorithm.averages(),
     )
     tcfg = trainer.cfg.trainer
     for group in optimizer.param_groups:
@@ -61,6 +63,12 @@ def restore(trainer, path: Path, say=print) -> None:
     if trainer.ema is not None and not restored["ema_restored"]:
         trainer.ema.reset()  # from the restored weights
         say(f"{path} holds no EMA weights: trainer.ema starts from the checkpoint's weights")
+    for name, average in trainer.algorithm.averages().items():
+        if name not in restored["restored"]:
+            average.reset()  # from the restored weights
+            say(
+                f"{path} holds no {name} weights: {trainer.algorithm.name}'s {name} starts from the checkpoint's weights"
+            )
     state = restored["trainer"]
     trainer.step = restored["step"]
     trainer.prompts.load_state_dict(state["data"])

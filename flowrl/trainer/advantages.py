@@ -100,3 +100,27 @@ def compute_group_advantages(
         num_groups=num_groups,
         mean_group_std=float(np.mean(group_stds)) if group_stds else 0.0,
     )
+
+
+def step_advantages(rewards, uids, algorithm_cfg, seed: int, step: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A training step's advantages as the group-relative algorithms take them: (values (N,),
+    keep (N,) the rows trained, metrics). Rows without a valid reward are not trained, nor, with
+    algorithm.zero_std_policy=drop, groups without spread; with algorithm.shuffle_advantages (the
+    control run) the values are permuted over the trained rows, seeded from (seed, step)."""
+    algo = algorithm_cfg
+    adv = compute_group_advantages(
+        rewards, uids, algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold
+    )
+    keep = adv.is_valid.copy()
+    if algo.zero_std_policy == "drop":
+        keep &= ~adv.is_zero_std
+    if algo.shuffle_advantages:  # the control run: the same advantages, on other rows
+        permutation = np.random.default_rng([seed, step, 11]).permutation(int(keep.sum()))
+        adv.values[keep] = adv.values[keep][permutation]
+    metrics = {
+        "adv/zero_std_ratio": adv.zero_std_ratio,
+        "adv/mean_group_std": adv.mean_group_std,
+        "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
+        "adv/num_rows_trained": int(keep.sum()),
+    }
+    return adv.values, keep, metrics

@@ -5,7 +5,7 @@ it updates the model; the trainer (flowrl.trainer.trainer) runs the phases of a 
 knows nothing of their insides:
 
     overrides = algorithm.sampling_overrides(step)        # the rollout's per-step settings
-    with algorithm.rollout_weights(version): ...          # which weights roll out
+    with algorithm.rollout_weights(version): ...          # which weights roll out (and are published)
     weights = algorithm.advantages(rows, step)            # rewards -> per-row weights, rows kept
     algorithm.score_early(...)                            # optional: work while rewards are scored
     batch = algorithm.prepare(rollout, rows, weights, step)  # the old log-prob phase
@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # algorithm.name -> "module:class" (imported when the algorithm is built).
-ALGORITHMS = {"flow_grpo": "flowrl.trainer.flow_grpo:FlowGRPO"}
+ALGORITHMS = {
+    "flow_grpo": "flowrl.trainer.flow_grpo:FlowGRPO",
+    "diffusion_nft": "flowrl.trainer.diffusion_nft:DiffusionNFT",
+}
 
 
 @dataclass
@@ -73,6 +76,16 @@ class Algorithm(ABC):
         (by default the trained ones, as they are)."""
         return contextlib.nullcontext()
 
+    def published_weights(self):
+        """A context in which the trainable parameters hold what rollout servers are to serve (by
+        default the trained weights)."""
+        return contextlib.nullcontext()
+
+    def averages(self) -> dict:
+        """The algorithm's own averages of the trainable parameters (flowrl.trainer.ema.ParameterEMA
+        by name), which checkpoints keep and restore (none by default)."""
+        return {}
+
     # -- rewards -> weights ---------------------------------------------------------------------
     @abstractmethod
     def advantages(self, rows, step: int) -> StepWeights:
@@ -106,6 +119,8 @@ class Algorithm(ABC):
 
     num_optimizer_steps: int = 0
     autocast_dtype = None
+    checkpointing = None  # trainer.gradient_checkpointing as the first update settled it (CheckpointingChoice)
+    lora_merge_s = 0.0  # the last training rollout's LoRA merge (rollout.merge_lora), in seconds
 
 
 def build_algorithm(setup: AlgorithmSetup) -> Algorithm:

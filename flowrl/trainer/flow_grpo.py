@@ -14,7 +14,6 @@ advantages, and the clipped PPO loss over the stored transitions.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -23,8 +22,9 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import TransitionSpec
 from flowrl.run.step_flops import UnitFlops, trained_steps_per_sample
-from flowrl.trainer.advantages import compute_group_advantages
+from flowrl.trainer.advantages import step_advantages
 from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
+from flowrl.trainer.merged_rollout import MergedRollout
 from flowrl.trainer.plan import seeded_generator
 from flowrl.trainer.update import PolicyUpdater
 
@@ -48,7 +48,7 @@ class FlowGRPO(Algorithm):
             setup.adapter, setup.params, cfg.algorithm, cfg.trainer, ema=setup.ema, parallel=setup.parallel
         )
         self.autocast_dtype = self.updater.autocast_dtype
-        self.lora_merge_s = 0.0  # the last training rollout's merge (rollout.merge_lora)
+        self.merged = MergedRollout(setup)  # rollout.merge_lora
 
     @property
     def optimizer(self):
@@ -75,45 +75,21 @@ class FlowGRPO(Algorithm):
         )
         return {"sde_window": window}
 
-    @contextlib.contextmanager
     def rollout_weights(self, policy_version: int):
-        """With rollout.merge_lora, the adapter merged into the weights, rounded with a seed from
-        (rollout.seed, the policy version) that every rank shares; the merge's seconds, the
-        device's included, in `lora_merge_s`."""
-        if not self.rollout.merge_lora:
-            yield
-            return
-        from flowrl.accel import merged_lora
+        """With rollout.merge_lora, the adapter merged into the weights (flowrl.trainer.merged_rollout)."""
+        return self.merged(policy_version)
 
-        world = self.setup.parallel.world
-        if self.rollout.seed is None:  # fresh randomness, rank 0's on every rank
-            seed = world.broadcast(int(np.random.SeedSequence().generate_state(1)[0]))
-        else:
-            seed = int(np.random.SeedSequence([self.rollout.seed, policy_version]).generate_state(1)[0])
-        t0 = world.device_idle_time()
-        with merged_lora(self.setup.adapter.transformer, seed, compiled=self.compiled):
-            self.lora_merge_s = world.device_idle_time() - t0
-            yield
+    @property
+    def lora_merge_s(self) -> float:
+        return self.merged.lora_merge_s
+
+    @property
+    def checkpointing(self):
+        return self.updater.checkpointing
 
     # -- rewards -> advantages ------------------------------------------------------------------
     def advantages(self, rows, step: int) -> StepWeights:
-        algo = self.algorithm
-        adv = compute_group_advantages(
-            rows.rewards, rows.uids, algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold
-        )
-        keep = adv.is_valid.copy()
-        if algo.zero_std_policy == "drop":
-            keep &= ~adv.is_zero_std
-        if algo.shuffle_advantages:  # the control run: the same advantages, on other rows
-            permutation = np.random.default_rng([self.seed, step, 11]).permutation(int(keep.sum()))
-            adv.values[keep] = adv.values[keep][permutation]
-        metrics = {
-            "adv/zero_std_ratio": adv.zero_std_ratio,
-            "adv/mean_group_std": adv.mean_group_std,
-            "adv/abs_mean": float(np.abs(adv.values[keep]).mean()) if keep.any() else 0.0,
-            "adv/num_rows_trained": int(keep.sum()),
-        }
-        return StepWeights(adv.values, keep, metrics)
+        return StepWeights(*step_advantages(rows.rewards, rows.uids, self.algorithm, self.seed, step))
 
     # -- the update ------------------------------------------------------------------------------
     @property

@@ -46,26 +46,7 @@ from flowrl import sampler
 from flowrl.config.sections import OldLogProbSource
 from flowrl.engine.output import TransitionSpec
 from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
-
-
-def _encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
-    """Per-row PromptEncodings from stacked (right-padded) embeddings: each row trimmed back to
-    its own length (last True of its mask), so the adapter pads a micro-batch exactly as the
-    engine padded its forward. Each stacked tensor goes to the device in one copy that does not
-    wait for the device (host_to_device), and the rows are views of it."""
-    mask = tensors[f"{prefix}prompt_embeds_mask"].bool()
-    width = mask.shape[1]
-    # Lengths from the host mask (no device read-back); an all-False row keeps the full width.
-    last_true = width - 1 - mask.flip(1).int().argmax(dim=1)
-    lengths = torch.where(mask.any(dim=1), last_true + 1, torch.full_like(last_true, width)).tolist()
-    embeds = host_to_device(tensors[f"{prefix}prompt_embeds"], device)
-    mask = host_to_device(mask, device)
-    pooled = tensors.get(f"{prefix}pooled_prompt_embeds")
-    pooled = None if pooled is None else host_to_device(pooled, device)
-    return [
-        PromptEncoding(embeds[row, :length], mask[row, :length], None if pooled is None else pooled[row])
-        for row, length in enumerate(lengths)
-    ]
+from flowrl.trainer.velocity import prompt_encodings
 
 
 def gather_step(tensors: dict[str, torch.Tensor], step_index: torch.Tensor, device):
@@ -127,12 +108,12 @@ def _step_inputs(
         )
     sigma_values = tensors["sigmas"][torch.arange(step_index.shape[0]), step_index].tolist()
     latents, next_latents, sigma, sigma_next = gather_step(tensors, step_index, device)
-    cond = _encodings(tensors, "", device)
+    cond = prompt_encodings(tensors, "", device)
     uncond = [None] * len(cond)
     if "negative_prompt_embeds" in tensors:
         # The engine's rule for an uncond row (adapter.rows_per_sample), row by row, on the
         # stored negative embeddings.
-        negative = _encodings(tensors, "negative_", device)
+        negative = prompt_encodings(tensors, "negative_", device)
         uncond = [neg if adapter.rows_per_sample(spec) > 1 else None for neg, spec in zip(negative, specs)]
     # sigma_1 of each row's own schedule (cached by the adapter), as the engine's step used it.
     first = [_sigma_first(adapter.sigmas(s.num_inference_steps, s.height, s.width)) for s in specs]

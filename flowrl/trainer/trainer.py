@@ -112,7 +112,7 @@ class Trainer:
         self.perf = StepPerf(units, self._matmul_peak(), self.algorithm.phase_flops)
         # Rollouts use the trainer's mixed precision, so their log-probs are the trainer's.
         self.engine.set_mixed_precision(self.algorithm.autocast_dtype)
-        self.rollout_backend.bind(self.engine)
+        self.rollout_backend.bind(self.engine, self.algorithm.published_weights)
         self.agent_loop = AgentLoop(self.rollout_backend.replicas, cfg.rollout)
         # Validation samples in this process, with the trainer's weights (or their EMA).
         decoupled = self.rollout_backend.is_decoupled
@@ -246,7 +246,7 @@ class Trainer:
 
     def _note_first_update(self) -> None:
         """Say what trainer.gradient_checkpointing=auto chose at the process's first update."""
-        choice = getattr(getattr(self.algorithm, "updater", None), "checkpointing", None)
+        choice = self.algorithm.checkpointing
         if choice is not None and choice.measured:
             note(choice.describe())
 
@@ -255,7 +255,9 @@ class Trainer:
         """The weights a training rollout runs with: the transformer's whole weights when sharded
         (flowrl.distributed.parallel), and whatever the algorithm rolls out with (e.g. the merged
         LoRA of rollout.merge_lora)."""
-        with self.parallel.rollout_weights(), self.algorithm.rollout_weights(self.policy_version):
+        # The algorithm's weights first: an average (DiffusionNFT's old policy) goes into this rank's
+        # shards before they are gathered.
+        with self.algorithm.rollout_weights(self.policy_version), self.parallel.rollout_weights():
             yield
 
     def _max_over_ranks(self, metrics: dict) -> dict:

@@ -16,7 +16,8 @@ Two phases, each a call of `PolicyUpdater`:
   log-prob (algorithm.behaviour_weight_cap); rows of the current weights train exactly as before;
 - `update(batch)`: for each optimizer step, each of its forwards (a micro-batch at one trained
   step) scores with grad, takes the ratio to its denominator, the clipped loss and the KL, and
-  backpropagates; then the gradient is clipped and one AdamW step taken (and the EMA stepped).
+  backpropagates; then the gradient is clipped and one AdamW step taken (and the EMA stepped;
+  flowrl.trainer.optim).
 
 Every valid (sample, trained step) pair of an optimizer step weighs the same: each forward's loss
 is its share of the mean over the whole step's pairs (flowrl.trainer.loss, `normalizer`), so a
@@ -47,13 +48,13 @@ from flowrl.distributed.parallel import DataParallel
 from flowrl.distributed.trained_rows import TrainedRows
 from flowrl.distributed.world import World
 from flowrl.engine.output import TransitionSpec
-from flowrl.models.base import MIXED_PRECISION_DTYPES
 from flowrl.models.lora import adapter_disabled
 from flowrl.sampler import kl_to_reference
 from flowrl.trainer.early_denominators import EarlyDenominators
 from flowrl.trainer.grad_checkpointing import CheckpointingChoice, choose_checkpointing
 from flowrl.trainer.logprob import Scoring, score_transitions
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
+from flowrl.trainer.optim import Optimization
 from flowrl.trainer.plan import Forward, Plan, plan_update
 
 _LOSS_METRICS = ("policy_loss", "clipfrac", "ratio_mean", "approx_kl", "kl")
@@ -117,12 +118,8 @@ class PolicyUpdater:
         self.algorithm = algorithm_cfg
         self.trainer = trainer_cfg
         self.ema = ema
-        self.optimizer = torch.optim.AdamW(
-            params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay
-        )
-        self.autocast_dtype = MIXED_PRECISION_DTYPES[trainer_cfg.mixed_precision]
-        self.scaler = torch.amp.GradScaler(adapter.device.type) if trainer_cfg.mixed_precision == "fp16" else None
-        self.num_optimizer_steps = 0
+        self.optim = Optimization(adapter, params, trainer_cfg, self.parallel, ema)
+        self.optimizer, self.autocast_dtype = self.optim.optimizer, self.optim.autocast_dtype
         self.records: list[UpdateRecord] = []  # the last update's optimizer steps
         # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
         self.scoring = Scoring.choose(adapter, algorithm_cfg.old_log_prob)
@@ -296,7 +293,6 @@ class PolicyUpdater:
                 self._backward(out.loss)
                 if not forward.is_padding:  # a padding forward ran only to keep pace with the other ranks
                     outputs.append(out)
-            self.parallel.reduce_gradients(self.params)
             grad_norm = self._optimizer_step()
             # The step's reads from the device, after its kernels are queued.
             step_sums, loss_sum, clipped_sum, step_ratio_max = _read_outputs(outputs)
@@ -405,23 +401,19 @@ class PolicyUpdater:
             agree_max=self.world.max,
         )
 
+    @property
+    def num_optimizer_steps(self) -> int:
+        return self.optim.num_optimizer_steps
+
+    @num_optimizer_steps.setter
+    def num_optimizer_steps(self, value: int) -> None:
+        self.optim.num_optimizer_steps = value
+
     def _backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.optim.backward(loss)
 
     def _optimizer_step(self) -> float:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self.parallel.clip_gradients(self.params, self.trainer.grad_clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.num_optimizer_steps += 1
-        if self.ema is not None:
-            self.ema.step(self.num_optimizer_steps)
-        return grad_norm
+        return self.optim.step()
 
 
 class Denominators:

@@ -316,7 +316,7 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
     """Each stacked prompt tensor reaches the device in one copy (rows are views), and every row
     is trimmed to its own length as the engine padded it; a row with an all-False mask keeps the
     full width."""
-    from flowrl.trainer.logprob import _encodings
+    from flowrl.trainer.velocity import prompt_encodings
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     embeds = torch.arange(4 * 4 * 2, dtype=torch.float32).reshape(4, 4, 2)
@@ -327,7 +327,7 @@ def test_prompt_encodings_move_once_per_micro_batch_and_trim_each_row():
         "pooled_prompt_embeds": pooled.as_subclass(_CountingTensor),
     }
     _CountingTensor.to_calls = 0
-    encodings = _encodings(tensors, "", "cpu")
+    encodings = prompt_encodings(tensors, "", "cpu")
     assert _CountingTensor.to_calls == 3  # embeds, mask, pooled: not one copy per row
     assert [e.embeds.shape[0] for e in encodings] == [3, 1, 4, 4]
     for row, e in enumerate(encodings):

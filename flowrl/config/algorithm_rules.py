@@ -1,0 +1,82 @@
+"""Which settings apply to which algorithm: `check_algorithm(cfg)` (part of the config's validation)
+refuses a setting of one algorithm given to another (a non-default value: it would be accepted
+and ignored), `check_training_rollout(cfg)` (before a training run loads its model) a training
+rollout the chosen algorithm cannot train on.
+
+FlowGRPO trains on the SDE transitions of its rollouts (their log-probs are its ratio's
+denominators); DiffusionNFT trains on the final latents of deterministic rollouts through the
+forward process, so the SDE settings are not its. Each rule names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+# Settings of one algorithm alone: algorithm.<field> -> the algorithm.
+OWN_SETTINGS = {
+    "clip_range": "flow_grpo",
+    "old_log_prob": "flow_grpo",
+    "behaviour_weight_cap": "flow_grpo",
+    "nft": "diffusion_nft",
+}
+
+# Algorithms that train on the final latents of deterministic rollouts.
+FORWARD_PROCESS = ("diffusion_nft",)
+
+
+def check_algorithm(cfg) -> None:
+    """Raise ValueError for a setting that does not apply to cfg.algorithm.name (module docstring)."""
+    algorithm, name = cfg.algorithm, cfg.algorithm.name
+    defaults = type(algorithm)()
+    for field, owner in OWN_SETTINGS.items():
+        value = getattr(algorithm, field)
+        if owner != name and value != getattr(defaults, field):
+            shown = f"algorithm.{field}={value!r}" if field != "nft" else "algorithm.nft.*"
+            raise ValueError(
+                f"{shown} is a setting of algorithm.name={owner}, and this run trains {name}; remove it "
+                f"(or set algorithm.name={owner})"
+            )
+
+
+def check_training_rollout(cfg) -> None:
+    """Raise ValueError for training rollouts the algorithm cannot train on (checked before a
+    training run loads its model; other commands may sample as they like)."""
+    if cfg.algorithm.name in FORWARD_PROCESS:
+        _check_deterministic_rollout(cfg.rollout, cfg.algorithm.name)
+    else:
+        _check_sde_rollout(cfg.rollout, cfg.algorithm)
+
+
+def _check_sde_rollout(rollout, algorithm) -> None:
+    """FlowGRPO's rollouts: SDE steps to train, whose log-probs exist where the ratio takes them."""
+    s = rollout.sampling
+    if not s.logprobs and algorithm.old_log_prob == "rollout":
+        raise ValueError(
+            "rollout.sampling.logprobs=false with algorithm.old_log_prob=rollout: there is no "
+            "rollout log-prob to use; set logprobs=true or old_log_prob=recompute"
+        )
+    if s.noise_level <= 0:
+        raise ValueError(
+            f"rollout.sampling.noise_level={s.noise_level}: {algorithm.name} trains on stochastic (SDE) "
+            "rollouts; use e.g. 0.7 (or algorithm.name=diffusion_nft, which trains on deterministic ones)"
+        )
+    if s.num_inference_steps < 2:
+        raise ValueError(
+            f"rollout.sampling.num_inference_steps={s.num_inference_steps} leaves no "
+            "SDE step to train (the last step, which ends at sigma 0, is always an ODE step); use >= 2, e.g. 10"
+        )
+
+
+def _check_deterministic_rollout(rollout, name: str) -> None:
+    """A forward-process algorithm's rollouts: a deterministic solver, no log-probs, no window."""
+    s = rollout.sampling
+    wrong = [
+        ("noise_level", s.noise_level, s.noise_level != 0.0, "0.0 (flowrl's deterministic solver, Euler's ODE step)"),
+        ("logprobs", s.logprobs, s.logprobs, "false (nothing scores the rollout's steps)"),
+        ("sde_window", s.sde_window, s.sde_window is not None, "null (the rollout keeps its final latent alone)"),
+        ("sde_window_size", s.sde_window_size, s.sde_window_size is not None, "null"),
+    ]
+    for field, value, is_wrong, fix in wrong:
+        if is_wrong:
+            raise ValueError(
+                f"rollout.sampling.{field}={value!r}: algorithm.name={name} trains on the final images of "
+                f"deterministic rollouts; set rollout.sampling.{field}={fix}"
+            )
