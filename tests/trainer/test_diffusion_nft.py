@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from flowrl.run.checkpoint import latest_checkpoint
 from flowrl.trainer.nft_loss import nft_loss, optimality_weight
-from flowrl.trainer.old_policy import OldPolicy
+from flowrl.trainer.scheduled_average import ScheduledAverage
 
 NFT = (
     "algorithm.name=diffusion_nft",
@@ -79,7 +79,7 @@ def _return_decay(step, flat, rate, uphold):
 @pytest.mark.parametrize("flat,rate,top", [(0, 0.001, 0.5), (75, 0.0075, 0.999), (2, 0.3, 0.8)])
 def test_old_policy_follows_the_reference_schedule(flat, rate, top):
     param = torch.nn.Parameter(torch.zeros(3))
-    old = OldPolicy({"w": param}, flat, rate, top)
+    old = ScheduledAverage({"w": param}, flat, rate, top)
     expected = torch.zeros(3, dtype=torch.float64)
     for t in range(1, 200, 7):
         with torch.no_grad():
