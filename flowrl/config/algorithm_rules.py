@@ -10,29 +10,30 @@ forward process, so the SDE settings are not its. Each rule names the field, the
 
 from __future__ import annotations
 
-# Settings of one algorithm alone: algorithm.<field> -> the algorithm.
+# Settings of some algorithms alone: algorithm.<field> -> the algorithms it applies to.
 OWN_SETTINGS = {
-    "clip_range": "flow_grpo",
-    "old_log_prob": "flow_grpo",
-    "behaviour_weight_cap": "flow_grpo",
-    "nft": "diffusion_nft",
+    "clip_range": ("flow_grpo", "awm"),
+    "old_log_prob": ("flow_grpo",),
+    "behaviour_weight_cap": ("flow_grpo",),
+    "nft": ("diffusion_nft",),
+    "awm": ("awm",),
 }
 
 # Algorithms that train on the final latents of deterministic rollouts.
-FORWARD_PROCESS = ("diffusion_nft",)
+FORWARD_PROCESS = ("diffusion_nft", "awm")
 
 
 def check_algorithm(cfg) -> None:
     """Raise ValueError for a setting that does not apply to cfg.algorithm.name (module docstring)."""
     algorithm, name = cfg.algorithm, cfg.algorithm.name
     defaults = type(algorithm)()
-    for field, owner in OWN_SETTINGS.items():
+    for field, owners in OWN_SETTINGS.items():
         value = getattr(algorithm, field)
-        if owner != name and value != getattr(defaults, field):
-            shown = f"algorithm.{field}={value!r}" if field != "nft" else "algorithm.nft.*"
+        if name not in owners and value != getattr(defaults, field):
+            shown = f"algorithm.{field}.*" if field in ("nft", "awm") else f"algorithm.{field}={value!r}"
             raise ValueError(
-                f"{shown} is a setting of algorithm.name={owner}, and this run trains {name}; remove it "
-                f"(or set algorithm.name={owner})"
+                f"{shown} is a setting of algorithm.name={' or '.join(owners)}, and this run trains {name}; "
+                f"remove it (or set algorithm.name={owners[0]})"
             )
 
 

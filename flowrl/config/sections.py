@@ -36,7 +36,7 @@ from flowrl.config.algorithm_rules import check_algorithm
 from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
-AlgorithmName = Literal["flow_grpo", "diffusion_nft"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
+AlgorithmName = Literal["flow_grpo", "diffusion_nft", "awm"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
 StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -349,6 +349,38 @@ class NftConfig:
 
 
 @dataclass
+class AwmConfig:
+    """AWM's own settings (algorithm.name=awm; arXiv 2509.25050, scxue/advantage_weighted_matching
+    config/dgx_awm.py, its GenEval setting's values by default)."""
+
+    weighting: Literal["ghuber", "uniform", "t", "t2", "huber"] = "ghuber"
+    """How the flow-matching error l at noise level t becomes the surrogate log-prob -w(l, t):
+    `ghuber` t ((l + 1e-10)^p - 1e-10^p) / p, `uniform` l, `t` t l, `t2` t^2 l, `huber`
+    t (sqrt(l + 1e-10) - 1e-5) (flowrl/trainer/awm_loss.py)."""
+    ghuber_power: float = 0.25
+    """p of the `ghuber` weighting."""
+    advantage_max: float = 1.0
+    """Advantages clamped to +-algorithm.adv_clip_max are rescaled to +-advantage_max."""
+    ema_kl_beta: float = 1.0
+    """Weight of the KL on the velocity to the EMA policy, mean((v - v_ema)^2) ("mimic TRPO")."""
+    ema_decay_rate: float = 0.001
+    """The EMA policy follows the trained weights with decay min(ema_decay_max, ema_decay_rate * t)
+    after optimizer step t (the reference's `linear` kl_ema_decay)."""
+    ema_decay_max: float = 0.3
+    """The EMA policy's decay ceiling, in [0, 1)."""
+
+    def validate(self) -> "AwmConfig":
+        check_choices(self, "algorithm.awm")
+        _check_min("algorithm.awm.ghuber_power", self.ghuber_power, 0.0, strict=True)
+        _check_min("algorithm.awm.advantage_max", self.advantage_max, 0.0, strict=True)
+        _check_min("algorithm.awm.ema_kl_beta", self.ema_kl_beta, 0.0)
+        _check_min("algorithm.awm.ema_decay_rate", self.ema_decay_rate, 0.0)
+        if not 0.0 <= self.ema_decay_max < 1.0:
+            _fail("algorithm.awm.ema_decay_max", self.ema_decay_max, "must be in [0, 1), e.g. 0.3")
+        return self
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL algorithm (flowrl.trainer's registry) and its objective's settings. The settings
     shared by every algorithm come first; those of one algorithm say so, and another algorithm
@@ -358,7 +390,9 @@ class AlgorithmConfig:
     """The algorithm: `flow_grpo` (SDE rollouts with per-step log-probs, group-relative
     advantages, the clipped PPO loss; flowrl/trainer/flow_grpo.py), `diffusion_nft` (deterministic
     rollouts from an older copy of the weights, trained on the final images through the forward
-    process; flowrl/trainer/diffusion_nft.py)."""
+    process; flowrl/trainer/diffusion_nft.py), `awm` (deterministic rollouts from the trained
+    weights, the flow-matching loss on their final images weighted by the advantage;
+    flowrl/trainer/awm.py)."""
     std_mode: StdMode = "global"
     """Advantage = (r - group mean) / (std + std_eps): `global` takes the std over the whole batch
     (the Flow-GRPO default), `group` the std of the row's own group."""
@@ -377,13 +411,14 @@ class AlgorithmConfig:
     """Weight of the KL to the reference (the same model with the LoRA disabled; needs LoRA).
     flow_grpo: Flow-GRPO's, mean((mu - mu_ref)^2) / (2 std_t^2) with the diffusion coefficient
     std_t, so the published betas apply as they are; diffusion_nft: the reference's, on the
-    velocity, mean((v - v_ref)^2) (it uses 1e-4)."""
+    velocity, mean((v - v_ref)^2) (it uses 1e-4); awm: the same (it uses 0.001 for GenEval, 0.003
+    for OCR)."""
     train_timestep_fraction: float = 1.0
     """Fraction of each sample's steps that are trained (a random subset per sample): of its
     SDE-window steps (flow_grpo), of its rollout's timesteps (diffusion_nft: the reference trains
-    int(0.99 T) of T)."""
+    int(0.99 T) of T; awm: 6 of the first int(0.9 T))."""
     clip_range: float = 1e-4
-    """flow_grpo: the PPO ratio clip epsilon."""
+    """flow_grpo, awm: the PPO ratio clip epsilon (AWM's reference uses 1)."""
     old_log_prob: OldLogProbSource = "rollout"
     """flow_grpo: the PPO denominator: the rollout's log-probs (`rollout`), or a recompute by the
     trainer before the update (`recompute`: the first optimizer step's samples take theirs from its
@@ -400,6 +435,8 @@ class AlgorithmConfig:
     from its reward, not from drift (docs/training.md)."""
     nft: NftConfig = field(default_factory=NftConfig)
     """diffusion_nft's settings."""
+    awm: AwmConfig = field(default_factory=AwmConfig)
+    """awm's settings."""
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
@@ -411,6 +448,7 @@ class AlgorithmConfig:
             _fail("algorithm.train_timestep_fraction", self.train_timestep_fraction, "must be in (0, 1]")
         _check_min("algorithm.behaviour_weight_cap", self.behaviour_weight_cap, 1.0)
         self.nft.validate()
+        self.awm.validate()
         return self
 
 

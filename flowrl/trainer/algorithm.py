@@ -29,6 +29,7 @@ import numpy as np
 ALGORITHMS = {
     "flow_grpo": "flowrl.trainer.flow_grpo:FlowGRPO",
     "diffusion_nft": "flowrl.trainer.diffusion_nft:DiffusionNFT",
+    "awm": "flowrl.trainer.awm:AWM",
 }
 
 
