@@ -17,10 +17,11 @@ OWN_SETTINGS = {
     "behaviour_weight_cap": ("flow_grpo",),
     "nft": ("diffusion_nft",),
     "awm": ("awm",),
+    "dpo": ("online_dpo",),
 }
 
 # Algorithms that train on the final latents of deterministic rollouts.
-FORWARD_PROCESS = ("diffusion_nft", "awm")
+FORWARD_PROCESS = ("diffusion_nft", "awm", "online_dpo")
 
 
 def check_algorithm(cfg) -> None:
@@ -30,11 +31,17 @@ def check_algorithm(cfg) -> None:
     for field, owners in OWN_SETTINGS.items():
         value = getattr(algorithm, field)
         if name not in owners and value != getattr(defaults, field):
-            shown = f"algorithm.{field}.*" if field in ("nft", "awm") else f"algorithm.{field}={value!r}"
+            shown = f"algorithm.{field}.*" if field in ("nft", "awm", "dpo") else f"algorithm.{field}={value!r}"
             raise ValueError(
                 f"{shown} is a setting of algorithm.name={' or '.join(owners)}, and this run trains {name}; "
                 f"remove it (or set algorithm.name={owners[0]})"
             )
+    if name == "online_dpo" and algorithm.dpo.ref_update_every == 0 and not cfg.trainer.lora.enabled:
+        raise ValueError(
+            "algorithm.dpo.ref_update_every=0 takes the LoRA-disabled model as the reference, and "
+            "trainer.lora.enabled=false trains no adapter; set algorithm.dpo.ref_update_every=K > 0 (a "
+            "snapshot of the trained weights every K steps, e.g. 40) or trainer.lora.enabled=true"
+        )
 
 
 def check_training_rollout(cfg) -> None:

@@ -36,7 +36,9 @@ from flowrl.config.algorithm_rules import check_algorithm
 from flowrl.sampling_params import MAX_SEED, SamplingParams
 
 # Choice lists that code outside this module needs too.
-AlgorithmName = Literal["flow_grpo", "diffusion_nft", "awm"]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
+AlgorithmName = Literal[
+    "flow_grpo", "diffusion_nft", "awm", "online_dpo"
+]  # the algorithms registered in flowrl.trainer (ALGORITHMS)
 StdMode = Literal["global", "group"]
 OldLogProbSource = Literal["rollout", "recompute"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -381,6 +383,25 @@ class AwmConfig:
 
 
 @dataclass
+class DpoConfig:
+    """online_dpo's own settings (arXiv 2311.12908; flow_grpo config/dpo.py, verl-omni's online
+    Qwen-Image recipe)."""
+
+    beta: float = 100.0
+    """beta of the DPO loss -log sigmoid(-(beta / 2) (diff_chosen - diff_rejected)) (flow_grpo and
+    verl-omni's online recipe: 100; their offline defaults: 2000)."""
+    ref_update_every: int = 0
+    """0: the reference is the LoRA-disabled model (needs LoRA) and rollouts use the trained
+    weights (verl-omni); K > 0: the reference is a snapshot of the trained weights taken every K
+    training steps, which the rollouts use too (flow_grpo's ref_update_step, e.g. 40)."""
+
+    def validate(self) -> "DpoConfig":
+        _check_min("algorithm.dpo.beta", self.beta, 0.0, strict=True)
+        _check_min("algorithm.dpo.ref_update_every", self.ref_update_every, 0)
+        return self
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL algorithm (flowrl.trainer's registry) and its objective's settings. The settings
     shared by every algorithm come first; those of one algorithm say so, and another algorithm
@@ -392,7 +413,8 @@ class AlgorithmConfig:
     rollouts from an older copy of the weights, trained on the final images through the forward
     process; flowrl/trainer/diffusion_nft.py), `awm` (deterministic rollouts from the trained
     weights, the flow-matching loss on their final images weighted by the advantage;
-    flowrl/trainer/awm.py)."""
+    flowrl/trainer/awm.py), `online_dpo` (deterministic rollouts, each group's best and worst
+    sample a preference pair for Diffusion-DPO's loss; flowrl/trainer/online_dpo.py)."""
     std_mode: StdMode = "global"
     """Advantage = (r - group mean) / (std + std_eps): `global` takes the std over the whole batch
     (the Flow-GRPO default), `group` the std of the row's own group."""
@@ -437,6 +459,8 @@ class AlgorithmConfig:
     """diffusion_nft's settings."""
     awm: AwmConfig = field(default_factory=AwmConfig)
     """awm's settings."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """online_dpo's settings."""
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
@@ -449,6 +473,7 @@ class AlgorithmConfig:
         _check_min("algorithm.behaviour_weight_cap", self.behaviour_weight_cap, 1.0)
         self.nft.validate()
         self.awm.validate()
+        self.dpo.validate()
         return self
 
 

@@ -30,6 +30,7 @@ ALGORITHMS = {
     "flow_grpo": "flowrl.trainer.flow_grpo:FlowGRPO",
     "diffusion_nft": "flowrl.trainer.diffusion_nft:DiffusionNFT",
     "awm": "flowrl.trainer.awm:AWM",
+    "online_dpo": "flowrl.trainer.online_dpo:OnlineDPO",
 }
 
 

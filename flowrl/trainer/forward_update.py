@@ -106,11 +106,18 @@ class ForwardProcessAlgorithm(Algorithm):
 
     @abstractmethod
     def pair_loss(self, velocity: torch.Tensor, pair: Pair) -> dict[str, torch.Tensor]:
-        """{"loss": (B,), and each of metric_names: (B,)} for the pair's rows."""
+        """{"loss": (B,), and each of metric_names: (B,)} for the pair's B planned rows (a
+        share of the optimizer step's mean each)."""
 
     def after_update(self) -> dict:
         """After the step's optimizer steps (the averages move); returns metrics."""
         return {}
+
+    def widen(self, forward: Forward) -> tuple[Forward, torch.Tensor]:
+        """The rows a planned forward runs (by default its own) and, for each, which of the
+        planned rows' noise it takes (online DPO adds each chosen row's rejected partner, on the
+        same noise and timestep)."""
+        return forward, torch.arange(len(forward.rows))
 
     def reference_kl_pass(self) -> list[tuple[str, object]]:
         """The LoRA-disabled reference's velocity, when algorithm.kl_beta weighs a KL to it."""
@@ -148,8 +155,9 @@ class ForwardProcessAlgorithm(Algorithm):
 
     def _pair(self, batch: PairBatch, forward: Forward, x0, advantages, noise) -> Pair:
         device = self.setup.adapter.device
+        forward, take = self.widen(forward)
         sigma = host_to_device(batch.timesteps[forward.rows, forward.step_index], device)
-        x0, noise = host_to_device(x0[forward.rows], device), host_to_device(noise, device)
+        x0, noise = host_to_device(x0[forward.rows], device), host_to_device(noise[take], device)
         return Pair(
             forward, renoise(x0, sigma, noise), x0, noise, sigma, host_to_device(advantages[forward.rows], device)
         )
@@ -203,7 +211,7 @@ class ForwardProcessAlgorithm(Algorithm):
                 self.optim.backward(out["loss"].sum() * weight / normalizer)
                 if not pair.forward.is_padding:
                     outputs.append(torch.stack([out[name].detach().float().sum() for name in names]))
-                    count += len(pair.forward.rows)
+                    count += out["loss"].shape[0]
             grad_norms.append(self.optim.step())
             if outputs:  # read once per optimizer step, after its kernels are queued
                 for name, value in zip(names, torch.stack(outputs).sum(dim=0).cpu().tolist()):
