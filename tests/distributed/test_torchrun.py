@@ -20,6 +20,7 @@ from distributed_runs import (
     metrics,
     one_thread,
     torchrun,
+    train_one_process,
 )
 
 from flowrl.config import config_to_dict
@@ -127,3 +128,27 @@ def test_generate_reads_the_sharded_checkpoints_of_a_two_rank_run(full_two_ranks
     final = full_two_ranks.output / "final" / "transformer"
     run = generate("run", "--run", str(full_two_ranks.output))
     assert np.array_equal(run, generate("final", "--model", str(tiny_sd3_path), "--transformer", str(final)))
+
+
+NFT = (
+    "algorithm.name=diffusion_nft",
+    "algorithm.old_log_prob=rollout",  # the FlowGRPO default: BASE's recompute is not an NFT setting
+    "rollout.sampling.noise_level=0",
+    "rollout.sampling.logprobs=false",
+    "rollout.sampling.sde_window_size=null",
+    "algorithm.train_timestep_fraction=0.5",
+    "algorithm.nft.old_decay_rate=0.3",
+    "algorithm.nft.old_decay_max=0.9",
+)
+
+
+def test_diffusion_nft_sharded_over_two_ranks_equals_one_process(full_args, tmp_path):
+    """DiffusionNFT's old policy (an average kept in each rank's shards, swapped in before the
+    rollout gathers the weights), its per-pair noise (drawn by each sample's index among every
+    rank's) and its update over FSDP2 compute what one process does."""
+    args = (*full_args, *NFT, "trainer.val_every=0", "trainer.save_every=2")
+    one = train_one_process(args, tmp_path / "one")
+    two = check_launch(torchrun(args, tmp_path / "two")).output
+    assert_same_training(two, one)
+    for rank_run in (one, two):
+        assert (rank_run / "checkpoints" / "step_000002").is_dir()

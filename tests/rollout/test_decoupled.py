@@ -212,3 +212,43 @@ def test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit(build_
     assert summary["steps"] == 2 and sizes == [(8, 8), (8, 8)]  # every sample of both steps
     assert balancer.is_dropped == [True, False] and balancer.num_resent >= 1
     assert all(p.poll() is not None for p in processes.processes)  # fit stopped the survivor too
+
+
+def test_diffusion_nft_replicas_serve_the_old_policy(
+    make_cfg, rollout_servers, tiny_sd3_path, monkeypatch, build_trainer
+):
+    """DiffusionNFT rolls out with its old policy: after each update the replica serves the old
+    policy's weights (checksum), not the trained ones, and the run equals the colocated one."""
+    monkeypatch.setenv(wire.ADMIN_TOKEN_ENV, TOKEN)
+    nft = (
+        *RUN,
+        "algorithm.name=diffusion_nft",
+        "rollout.sampling.noise_level=0",
+        "rollout.sampling.logprobs=false",
+        "algorithm.nft.old_decay_rate=0.4",
+        "algorithm.nft.old_decay_max=0.9",
+    )
+    urls = rollout_servers(tiny_sd3_path, count=1, admin_token=TOKEN)
+    decoupled = build_trainer(make_cfg(*nft, servers_override(urls), output="decoupled"))
+    served = []
+    publish = decoupled.rollout_backend.publish
+
+    def recording(version):
+        publish(version)
+        transformer = decoupled.adapter.transformer
+        with decoupled.algorithm.old.applied():
+            old = wire.weights_sha256(trainable_state_dict(transformer))
+        trained = wire.weights_sha256(trainable_state_dict(transformer))
+        served.append((old, trained, decoupled.rollout_backend.balancer.live_replicas[0].weights_info()))
+
+    decoupled.rollout_backend.publish = recording
+    decoupled.rollouts.backend = decoupled.rollout_backend
+    remote = run_steps(decoupled, 2)
+    colocated = run_steps(build_trainer(make_cfg(*nft, output="colocated")), 2)
+    assert len(served) == 2
+    for old, trained, info in served:
+        assert info["weights_sha256"] == old != trained
+    for a, b in zip(remote, colocated):
+        for key in ("reward/mean", "actor/policy_loss", "actor/old_deviation"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    decoupled.rollout_backend.close()
