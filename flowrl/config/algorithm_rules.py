@@ -10,6 +10,8 @@ forward process, so the SDE settings are not its. Each rule names the field, the
 
 from __future__ import annotations
 
+import dataclasses
+
 # Settings of some algorithms alone: algorithm.<field> -> the algorithms it applies to.
 OWN_SETTINGS = {
     "clip_range": ("flow_grpo", "awm"),
@@ -29,19 +31,29 @@ def check_algorithm(cfg) -> None:
     algorithm, name = cfg.algorithm, cfg.algorithm.name
     defaults = type(algorithm)()
     for field, owners in OWN_SETTINGS.items():
-        value = getattr(algorithm, field)
-        if name not in owners and value != getattr(defaults, field):
-            shown = f"algorithm.{field}.*" if field in ("nft", "awm", "dpo") else f"algorithm.{field}={value!r}"
-            raise ValueError(
-                f"{shown} is a setting of algorithm.name={' or '.join(owners)}, and this run trains {name}; "
-                f"remove it (or set algorithm.name={owners[0]})"
-            )
+        if name in owners:
+            continue
+        for key, value, default in _values(f"algorithm.{field}", getattr(algorithm, field), getattr(defaults, field)):
+            if value != default:
+                raise ValueError(
+                    f"{key}={value!r} is a setting of algorithm.name={' or '.join(owners)}, and this run trains "
+                    f"{name}; remove it (or set algorithm.name={owners[0]})"
+                )
     if name == "online_dpo" and algorithm.dpo.ref_update_every == 0 and not cfg.trainer.lora.enabled:
         raise ValueError(
             "algorithm.dpo.ref_update_every=0 takes the LoRA-disabled model as the reference, and "
             "trainer.lora.enabled=false trains no adapter; set algorithm.dpo.ref_update_every=K > 0 (a "
             "snapshot of the trained weights every K steps, e.g. 40) or trainer.lora.enabled=true"
         )
+
+
+def _values(key: str, value, default):
+    """(key, value, default) of a setting, or of each field of a section of settings."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _values(f"{key}.{f.name}", getattr(value, f.name), getattr(default, f.name))
+    else:
+        yield key, value, default
 
 
 def check_training_rollout(cfg) -> None:

@@ -257,7 +257,7 @@ def test_settings_it_cannot_use_are_refused_before_loading(make_cfg, overrides, 
 
 
 def test_nft_settings_are_refused_for_flow_grpo(make_cfg):
-    with pytest.raises(ValueError, match=r"algorithm\.nft\.\* is a setting of algorithm\.name=diffusion_nft"):
+    with pytest.raises(ValueError, match=r"algorithm\.nft\.beta=0\.1 is a setting of algorithm\.name=diffusion_nft"):
         make_cfg("algorithm.nft.beta=0.1")
 
 
