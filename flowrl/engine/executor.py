@@ -14,7 +14,6 @@ scheduler.py's choice) nor about training: it runs the device work it is handed.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import DiffusionOutput, TransitionSpec
 from flowrl.engine.sample import SampleState
-from flowrl.models.base import FlowModelAdapter, host_to_device, rows_to_device
+from flowrl.models.base import FlowModelAdapter, host_to_device, mixed_precision, rows_to_device
 
 
 class Executor:
@@ -70,12 +69,7 @@ class Executor:
         ).unbind(0)
         # 2. one guided forward for every row (CFG rows inside the adapter; a guidance-distilled
         #    model also takes guidance_scale for its guidance embedding)
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with mixed_precision(self.device, self.autocast_dtype):
             velocity = self.adapter.velocity(
                 latents,
                 sigma,

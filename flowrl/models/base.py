@@ -33,6 +33,7 @@ flowrl.models.registry.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -48,6 +49,13 @@ MIXED_PRECISION_DTYPES: dict[MixedPrecision, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+
+
+def mixed_precision(device: torch.device, dtype: torch.dtype | None):
+    """The torch.autocast context of `dtype` on `device` (MIXED_PRECISION_DTYPES' values; None: a
+    context that changes nothing): the one way the engine's and the trainer's forwards enter it."""
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
 
 # How SamplingParams.guidance_scale acts on a family (see the module docstring).
 GuidanceKind = Literal["cfg", "distilled"]

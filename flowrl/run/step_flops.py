@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flowrl.models.base import MIXED_PRECISION_DTYPES
+from flowrl.models.base import MIXED_PRECISION_DTYPES, mixed_precision
 from flowrl.models.lora import apply_trainable, has_lora
 from flowrl.run.flops import count_flops, decode_flops_per_image, transformer_flops_per_row
 
@@ -125,8 +125,7 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
         transformer.disable_gradient_checkpointing()
 
     def forward_backward():
-        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with torch.enable_grad(), autocast:
+        with torch.enable_grad(), mixed_precision(device, autocast_dtype):
             velocity = adapter.velocity(latents, sigma, cond, uncond, cfg_scale, s.height, s.width, **guidance)
         velocity.float().square().mean().backward()
 

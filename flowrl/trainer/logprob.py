@@ -45,7 +45,7 @@ import torch
 from flowrl import sampler
 from flowrl.config.sections import OldLogProbSource
 from flowrl.engine.output import TransitionSpec
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device, mixed_precision
 from flowrl.trainer.velocity import prompt_encodings
 
 
@@ -250,12 +250,7 @@ def _score(adapter: FlowModelAdapter, inputs: _StepInputs, autocast_dtype: torch
     """One pass of score_transitions, with grad if grad is enabled: the guided velocity the
     engine used for these rows (CFG rows in the same forward), then the SDE step's log-prob."""
     device = adapter.device
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
+    with mixed_precision(device, autocast_dtype):
         velocity = adapter.velocity(
             inputs.latents,
             inputs.sigma,

@@ -12,13 +12,12 @@ encodings from here too.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 
 from flowrl.engine.output import TransitionSpec
-from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device
+from flowrl.models.base import FlowModelAdapter, PromptEncoding, host_to_device, mixed_precision
 
 
 def prompt_encodings(tensors: dict[str, torch.Tensor], prefix: str, device) -> list[PromptEncoding]:
@@ -67,12 +66,7 @@ def conditional_velocity(
     guidance = host_to_device(torch.tensor([s.guidance_scale for s in specs], dtype=torch.float32), device)
     cond = prompt_encodings(tensors, "", device)
     sigma_values = sigma.tolist()
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
+    with mixed_precision(device, autocast_dtype):
         velocity = adapter.velocity(
             latents,
             host_to_device(sigma.float(), device),

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from resume_runs import assert_resumed_as_straight
 
 from flowrl.trainer.awm_loss import awm_advantages, awm_policy_loss, surrogate_log_prob
 
@@ -88,13 +89,6 @@ def test_policy_loss_and_its_gradient_equal_the_reference():
 
 
 def test_a_run_is_on_policy_and_resumes_with_its_ema_policy(build_trainer, make_cfg):
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from flowrl.run.checkpoint import latest_checkpoint
-
     small = (
         *AWM,
         "trainer.lora.enabled=true",
@@ -104,28 +98,9 @@ def test_a_run_is_on_policy_and_resumes_with_its_ema_policy(build_trainer, make_
         "algorithm.awm.ema_decay_rate=0.3",
         "algorithm.awm.ema_decay_max=0.6",
     )
-    straight = make_cfg(*small, "trainer.total_steps=3", "trainer.save_every=3", output="straight")
-    build_trainer(straight).fit()
-    first = make_cfg(*small, "trainer.total_steps=1", "trainer.save_every=1", output="resumed")
-    build_trainer(first).fit()
-    second = make_cfg(*small, "trainer.total_steps=3", "trainer.save_every=3", "trainer.resume=auto", output="resumed")
-    build_trainer(second).fit()
-
-    def rows(cfg):
-        lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
-        return [r for r in map(json.loads, lines) if "reward/mean" in r]
-
-    a, b = rows(straight), rows(second)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b):
-        for key in ("reward/mean", "actor/policy_loss", "actor/kl", "actor/ema_kl", "actor/grad_norm", "actor/ratio"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-9), (ra["step"], key)
+    keys = ("reward/mean", "actor/policy_loss", "actor/kl", "actor/ema_kl", "actor/grad_norm", "actor/ratio")
+    a = assert_resumed_as_straight(build_trainer, make_cfg, small, keys, ("trainable", "ema_policy"))
     assert a[-1]["actor/ema_kl"] > 0 and a[-1]["actor/ratio"] != 1.0  # the second optimizer step moved
-    for name in ("trainable", "ema_policy"):
-        wa = load_file(str(latest_checkpoint(straight.trainer.output_dir) / f"{name}.safetensors"))
-        wb = load_file(str(latest_checkpoint(second.trainer.output_dir) / f"{name}.safetensors"))
-        for key in wa:
-            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-7)
 
 
 def test_the_first_optimizer_step_has_ratio_one(build_trainer, make_cfg):

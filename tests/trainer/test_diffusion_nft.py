@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from resume_runs import assert_resumed_as_straight
 
-from flowrl.run.checkpoint import latest_checkpoint
 from flowrl.trainer.nft_loss import nft_loss, optimality_weight
 from flowrl.trainer.scheduled_average import ScheduledAverage
 
@@ -140,26 +139,9 @@ def test_resume_equals_straight_run(build_trainer, make_cfg):
         "algorithm.nft.old_decay_rate=0.3",
         "algorithm.nft.old_decay_max=0.9",
     )
-    straight = make_cfg(*small, "trainer.total_steps=3", "trainer.save_every=3", output="straight")
-    build_trainer(straight).fit()
-    first = make_cfg(*small, "trainer.total_steps=1", "trainer.save_every=1", output="resumed")
-    build_trainer(first).fit()
-    second = make_cfg(*small, "trainer.total_steps=3", "trainer.save_every=3", "trainer.resume=auto", output="resumed")
-    build_trainer(second).fit()
-    a, b = (
-        _metrics(Path(straight.trainer.output_dir) / "metrics.jsonl"),
-        _metrics(Path(second.trainer.output_dir) / "metrics.jsonl"),
-    )
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b):
-        for key in ("reward/mean", "actor/policy_loss", "actor/kl", "actor/old_deviation", "actor/grad_norm"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-9), (ra["step"], key)
+    keys = ("reward/mean", "actor/policy_loss", "actor/kl", "actor/old_deviation", "actor/grad_norm")
+    a = assert_resumed_as_straight(build_trainer, make_cfg, small, keys, ("trainable", "old_policy"))
     assert a[-1]["actor/old_deviation"] > 0  # the old policy lags the trained weights
-    for name in ("trainable", "old_policy"):
-        wa = load_file(str(latest_checkpoint(straight.trainer.output_dir) / f"{name}.safetensors"))
-        wb = load_file(str(latest_checkpoint(second.trainer.output_dir) / f"{name}.safetensors"))
-        for key in wa:
-            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-7)
 
 
 def test_an_update_is_the_mean_of_the_pairs_losses(build_trainer, make_cfg, monkeypatch):
