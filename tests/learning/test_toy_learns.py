@@ -29,6 +29,18 @@ def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
         assert partial["above_control"], shown
 
 
+@pytest.mark.parametrize("algorithm", ["nft", "awm", "dpo"])
+def test_forward_process_algorithms_end_above_their_controls(algorithm, tmp_path):
+    """DiffusionNFT, AWM and online DPO (recipes/toy_cpu_<algorithm>.yaml) for 20 steps each, with
+    their controls: each run ends above its control prompt by prompt (about a minute each)."""
+    report = run_learning(
+        f"recipes/toy_cpu_{algorithm}.yaml", [(algorithm, ())], 20, 20, tmp_path, samples_per_prompt=1, say=lambda _: None
+    )
+    partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
+    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    assert partial["control_gap_interval"]["ci95"][0] > 0, shown
+
+
 @pytest.mark.slow
 def test_the_readme_quotes_what_its_main_job_prints(tmp_path, capsys):
     """The README's command (a) trains recipes/toy_cpu_full.yaml; the held-out partial and strict
