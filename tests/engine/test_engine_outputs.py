@@ -114,7 +114,7 @@ def test_prompt_is_encoded_once(engine, params):
     assert stats["num_prompt_cache_hits"] >= 1
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
 def test_sde_types_produce_finite_logprobs(engine, params, sde_type):
     out = engine.generate("a cat", params.replace(sde_type=sde_type, noise_level=0.5))
     assert torch.isfinite(out.all_log_probs).all()
