@@ -172,3 +172,15 @@ def draw_sde_window(
     lo, hi = window_range if window_range is not None else (0, num_steps - 1)
     start = int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())
     return (start, start + size)
+
+
+def progressive_sde_window(
+    num_steps: int, size: int, window_range: tuple[int, int] | None, position: int, shift: int
+) -> tuple[int, int]:
+    """MixGRPO's progressive window: the `position`-th (from 0) of the windows of `size` steps
+    starting at lo, lo + shift, lo + 2 * shift, ..., starting over at lo once a window would end
+    past hi ([lo, hi): window_range, default every step but the last)."""
+    lo, hi = window_range if window_range is not None else (0, num_steps - 1)
+    count = (hi - size - lo) // shift + 1
+    start = lo + (position % count) * shift
+    return (start, start + size)

@@ -237,11 +237,20 @@ class RolloutConfig:
     """SamplingParams of training rollouts (SDE, log-probs on); its fields are listed below."""
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
     """SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs)."""
-    sde_window_draw: Literal["step", "row"] = "step"
+    sde_window_draw: Literal["step", "row", "progressive"] = "step"
     """How a drawn SDE window (sampling.sde_window_size) falls on a training step's rows: `step`, one
     window per training step, drawn from (trainer.seed, step) and shared by every row (flow_grpo
-    draws one per process and step); `row`, each row its own, drawn from the row's seed
-    (verl-omni)."""
+    draws one per process and step; MixGRPO's `random`); `row`, each row its own, drawn from the
+    row's seed (verl-omni); `progressive`, MixGRPO's schedule, shared by every row: the window starts
+    at the low end of sampling.sde_window_range (default 0), moves by sde_window_shift steps every
+    sde_window_shift_every training steps, and starts over at the low end once it would no longer
+    fit in the range."""
+    sde_window_shift_every: int = 25
+    """`progressive` windows only: training steps between two moves of the window (MixGRPO's
+    iters_per_group: 25, 20 for MixGRPO-Flash)."""
+    sde_window_shift: int = 1
+    """`progressive` windows only: denoising steps the window moves by (MixGRPO's
+    prog_overlap_step)."""
     merge_lora: bool = False
     """Training rollouts compute each adapted projection with the merged weight W + s B A,
     stochastically rounded to the model's dtype and made once per rollout (with engine.compile, in
@@ -278,6 +287,7 @@ class RolloutConfig:
             if value is not None and not 0 <= value <= MAX_SEED:
                 _fail(f"rollout.{name}", value, f"must be in [0, {MAX_SEED}]")
         self._validate_replicas()
+        self._validate_window_schedule()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
@@ -294,6 +304,27 @@ class RolloutConfig:
                     f"and leave rollout.{name}.seed=null",
                 )
         return self
+
+    def _validate_window_schedule(self) -> None:
+        """sde_window_draw=progressive's needs; its two settings only with it."""
+        _check_min("rollout.sde_window_shift_every", self.sde_window_shift_every, 1)
+        _check_min("rollout.sde_window_shift", self.sde_window_shift, 1)
+        if self.sde_window_draw != "progressive":
+            for name, default in (("sde_window_shift_every", 25), ("sde_window_shift", 1)):
+                if getattr(self, name) != default:
+                    _fail(
+                        f"rollout.{name}",
+                        getattr(self, name),
+                        f"it moves progressive windows only (rollout.sde_window_draw is {self.sde_window_draw!r}); "
+                        f"set rollout.sde_window_draw=progressive or leave rollout.{name} at {default}",
+                    )
+        elif self.sampling.sde_window is not None or self.sampling.sde_window_size is None:
+            _fail(
+                "rollout.sde_window_draw",
+                "progressive",
+                "a progressive window needs its length and no fixed window: set rollout.sampling.sde_window_size "
+                "(e.g. 4, MixGRPO's) and rollout.sampling.sde_window=null",
+            )
 
     def _validate_replicas(self) -> None:
         _check_min("rollout.num_replicas", self.num_replicas, 0)

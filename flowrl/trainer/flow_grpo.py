@@ -2,8 +2,8 @@
 advantages, and the clipped PPO loss over the stored transitions.
 
 - Rollouts: an SDE window (`rollout.sampling.sde_window_size`) drawn once per training step from
-  (trainer.seed, step) and shared by every row, or one per row from its seed
-  (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
+  (trainer.seed, step) and shared by every row, one per row from its seed, or moved by MixGRPO's
+  progressive schedule (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
   into its weights (flowrl.accel.merged_lora).
 - Advantages: (r - group mean) / (std + eps), clamped (flowrl.trainer.advantages); rows with no
   valid reward are not trained, nor, with `algorithm.zero_std_policy=drop`, groups without spread;
@@ -65,11 +65,18 @@ class FlowGRPO(Algorithm):
     # -- rollouts --------------------------------------------------------------------------------
     def sampling_overrides(self, step: int) -> dict | None:
         """The step's SDE window: explicit, one drawn from (trainer.seed, step) for every row
-        (rollout.sde_window_draw=step), or left to the engine, which draws each row's from its own
-        seed (`row`) or uses its default (no window size)."""
-        s = self.rollout.sampling
-        if s.sde_window is not None or s.sde_window_size is None or self.rollout.sde_window_draw == "row":
+        (rollout.sde_window_draw=step), MixGRPO's progressive one for every row (`progressive`), or
+        left to the engine, which draws each row's from its own seed (`row`) or uses its default
+        (no window size)."""
+        s, draw = self.rollout.sampling, self.rollout.sde_window_draw
+        if s.sde_window is not None or s.sde_window_size is None or draw == "row":
             return None if s.sde_window is None else {"sde_window": tuple(s.sde_window)}
+        if draw == "progressive":  # steps count from 1: the first sde_window_shift_every share position 0
+            position = (step - 1) // self.rollout.sde_window_shift_every
+            window = sampler.progressive_sde_window(
+                s.num_inference_steps, s.sde_window_size, s.sde_window_range, position, self.rollout.sde_window_shift
+            )
+            return {"sde_window": window}
         window = sampler.draw_sde_window(
             s.num_inference_steps, s.sde_window_size, s.sde_window_range, seeded_generator(self.seed, step, 7)
         )
