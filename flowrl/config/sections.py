@@ -385,6 +385,26 @@ class AlgorithmConfig:
     forwards; the rest are re-scored)."""
     train_timestep_fraction: float = 1.0
     """Fraction of each sample's SDE-window steps that are trained (a random subset per sample)."""
+    policy_loss: Literal["ppo_clip", "grpo_guard", "dppo"] = "ppo_clip"
+    """The per-step objective (flowrl/trainer/objectives.py): `ppo_clip` (Flow-GRPO's clipped
+    ratio), `grpo_guard` (GRPO-Guard: the ratio normalised per step by RatioNorm, PPO-clipped,
+    each step's loss divided by its -dt; sde_type sde or dance) or `dppo` (Flow-DPPO: no clip, a step
+    dropped when the old-to-new KL of its Gaussian means reaches dppo_tau and its ratio moves with
+    the advantage). Both compare the step's mean with the old policy's, which the trainer
+    recomputes: they need old_log_prob=recompute, and act from the second optimizer step of a
+    rollout batch on (trainer.updates_per_step or update_epochs > 1)."""
+    dppo_tau: float = 1e-5
+    """`dppo` only: the divergence at which a step that moves with its advantage is dropped
+    (Flow-DPPO's tau)."""
+    kl_type: Literal["mean", "velocity"] = "mean"
+    """The form of the KL to the reference (kl_beta > 0): `mean`, Flow-GRPO's on the step's mean
+    (kl_beta's docstring); `velocity`, mean((v - v_ref)^2) on the guided velocity, as Flow-Factory's
+    v-based KL, DiffusionNFT and AWM have it (flow_grpo's maintainer's advice without CFG)."""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """With several reward components: `sum`, advantages of the weighted sum of the rewards;
+    `gdpo`, each component normalised in its group first (std per std_mode), the normalised
+    components summed with their weights, the sum normalised over the batch (GDPO; Flow-Factory's
+    advantage_aggregation, MixGRPO's advantage_aggr). Needs reward.components with two or more."""
     behaviour_weight_cap: float = 5.0
     """Decoupled PPO (AReaL, arXiv 2505.24298; verl's rollout correction) for samples drawn by older
     weights than the update starts from (trainer.async_rollout): their clipped objective, centred on
@@ -398,6 +418,7 @@ class AlgorithmConfig:
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
+        self._validate_variants()
         for name in ("std_eps", "adv_clip_max", "clip_range"):
             _check_min(f"algorithm.{name}", getattr(self, name), 0.0, strict=True)
         _check_min("algorithm.kl_beta", self.kl_beta, 0.0)
@@ -406,6 +427,32 @@ class AlgorithmConfig:
             _fail("algorithm.train_timestep_fraction", self.train_timestep_fraction, "must be in (0, 1]")
         _check_min("algorithm.behaviour_weight_cap", self.behaviour_weight_cap, 1.0)
         return self
+
+    def _validate_variants(self) -> None:
+        """The FlowGRPO variants' settings (policy_loss, dppo_tau, kl_type): each only where it acts."""
+        _check_min("algorithm.dppo_tau", self.dppo_tau, 0.0, strict=True)
+        if self.policy_loss != "dppo" and self.dppo_tau != 1e-5:
+            _fail("algorithm.dppo_tau", self.dppo_tau, "it is Flow-DPPO's threshold; set algorithm.policy_loss=dppo")
+        if self.policy_loss == "dppo" and self.clip_range != 1e-4:
+            _fail(
+                "algorithm.clip_range",
+                self.clip_range,
+                "algorithm.policy_loss=dppo clips no ratio (it drops steps past algorithm.dppo_tau); "
+                "leave algorithm.clip_range at 1e-4",
+            )
+        if self.policy_loss != "ppo_clip" and self.old_log_prob != "recompute":
+            _fail(
+                "algorithm.old_log_prob",
+                self.old_log_prob,
+                f"algorithm.policy_loss={self.policy_loss} compares each step's mean with the old policy's, which "
+                "the trainer recomputes (rollouts return no means); set algorithm.old_log_prob=recompute",
+            )
+        if self.kl_type == "velocity" and self.kl_beta == 0:
+            _fail(
+                "algorithm.kl_type",
+                self.kl_type,
+                "there is no KL term with algorithm.kl_beta=0; set algorithm.kl_beta > 0 (e.g. 1e-4) or kl_type=mean",
+            )
 
 
 @dataclass
@@ -770,6 +817,7 @@ class FlowRLConfig:
                 "flow_grpo compares samples within a prompt's group, so every advantage would be "
                 "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
             )
+        self._check_flow_grpo_variants()
         if self.rollout.merge_lora:
             self._check_merge_lora()
         if self.trainer.async_rollout:
@@ -783,6 +831,24 @@ class FlowRLConfig:
                 "algorithm.old_log_prob=recompute (the trainer scores both sides) or engine.compile=false",
             )
         return self
+
+    def _check_flow_grpo_variants(self) -> None:
+        """What the FlowGRPO variants of algorithm need of the other slices (their docstrings)."""
+        algo, sde_type = self.algorithm, self.rollout.sampling.sde_type
+        if algo.policy_loss == "grpo_guard" and sde_type == "cps":
+            _fail(
+                "rollout.sampling.sde_type",
+                sde_type,
+                "algorithm.policy_loss=grpo_guard normalises Gaussian log-probs, and the cps step's drops its "
+                "constants; use sde_type=sde or dance",
+            )
+        if algo.advantage_aggregation == "gdpo" and len(self.reward.components) < 2:
+            _fail(
+                "algorithm.advantage_aggregation",
+                "gdpo",
+                "it normalises each reward component on its own and needs reward.components with two or more "
+                "rewards; give them, or set algorithm.advantage_aggregation=sum",
+            )
 
     def _check_async_rollout(self) -> None:
         """trainer.async_rollout's needs (TrainerConfig's docstring)."""

@@ -5,7 +5,8 @@ advantages, and the clipped PPO loss over the stored transitions.
   (trainer.seed, step) and shared by every row, one per row from its seed, or moved by MixGRPO's
   progressive schedule (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
   into its weights (flowrl.accel.merged_lora).
-- Advantages: (r - group mean) / (std + eps), clamped (flowrl.trainer.advantages); rows with no
+- Advantages: (r - group mean) / (std + eps), clamped, or with several rewards each normalised
+  before their weighted sum (`algorithm.advantage_aggregation=gdpo`; flowrl.trainer.advantages); rows with no
   valid reward are not trained, nor, with `algorithm.zero_std_policy=drop`, groups without spread;
   `algorithm.shuffle_advantages` permutes them over the trained rows (the control run).
 - Update: flowrl.trainer.update (the old log-prob phase, then the optimizer steps); rows drawn by
@@ -23,7 +24,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import TransitionSpec
 from flowrl.run.step_flops import UnitFlops, trained_steps_per_sample
-from flowrl.trainer.advantages import compute_group_advantages
+from flowrl.trainer.advantages import compute_gdpo_advantages, compute_group_advantages
 from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
 from flowrl.trainer.plan import seeded_generator
 from flowrl.trainer.update import PolicyUpdater
@@ -49,6 +50,12 @@ class FlowGRPO(Algorithm):
         )
         self.autocast_dtype = self.updater.autocast_dtype
         self.lora_merge_s = 0.0  # the last training rollout's merge (rollout.merge_lora)
+        # algorithm.advantage_aggregation=gdpo: each reward component's weight, by its label.
+        self.component_weights = (
+            {c.get("label") or c["name"]: c["weight"] for c in cfg.reward.resolved_components()}
+            if cfg.algorithm.advantage_aggregation == "gdpo"
+            else None
+        )
 
     @property
     def optimizer(self):
@@ -105,9 +112,15 @@ class FlowGRPO(Algorithm):
     # -- rewards -> advantages ------------------------------------------------------------------
     def advantages(self, rows, step: int) -> StepWeights:
         algo = self.algorithm
-        adv = compute_group_advantages(
-            rows.rewards, rows.uids, algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold
-        )
+        settings = (algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold)
+        if self.component_weights is None:
+            adv = compute_group_advantages(rows.rewards, rows.uids, *settings)
+        else:
+            missing = sorted(set(self.component_weights) - set(rows.components))
+            if missing:
+                raise ValueError(f"algorithm.advantage_aggregation=gdpo: the reward returned no scores for {missing}")
+            scores = {name: rows.components[name] for name in self.component_weights}
+            adv = compute_gdpo_advantages(scores, self.component_weights, rows.uids, *settings)
         keep = adv.is_valid.copy()
         if algo.zero_std_policy == "drop":
             keep &= ~adv.is_zero_std
