@@ -73,6 +73,10 @@ class SamplingParams:
     config it stays null: per-row seeds come from rollout.seed / rollout.val_seed."""
     logprobs: bool = True
     """Record the per-step log-prob of the window steps."""
+    shared_initial_noise: bool = False
+    """The samples of one request (generate_batched's n samples of a prompt) all start from the
+    noise of its first sample; each still draws its own SDE noise (DanceGRPO's init_same_noise). A
+    request of one sample starts from its own noise either way."""
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -96,6 +100,8 @@ class SamplingParams:
             _fail("negative_prompt", self.negative_prompt, "must be a string or None (the empty prompt)")
         if not isinstance(self.logprobs, bool):
             _fail("logprobs", self.logprobs, "must be True or False")
+        if not isinstance(self.shared_initial_noise, bool):
+            _fail("shared_initial_noise", self.shared_initial_noise, "must be True or False")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED - (num_samples - 1))
         if self.noise_level < 0.0:

@@ -296,6 +296,19 @@ class RolloutConfig:
                 params.validate(size_multiple=16)
             except ValueError as error:
                 raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
+            if name == "sampling" and params.shared_initial_noise and not self.enable_batched_diffusion:
+                _fail(
+                    "rollout.sampling.shared_initial_noise",
+                    True,
+                    "a group shares its starting noise through one batched call per group; set "
+                    "rollout.enable_batched_diffusion=true",
+                )
+            if name == "val_sampling" and params.shared_initial_noise:
+                _fail(
+                    "rollout.val_sampling.shared_initial_noise",
+                    True,
+                    "validation draws one sample per prompt, which has no group to share with; leave it false",
+                )
             if params.seed is not None:
                 _fail(
                     f"rollout.{name}.seed",

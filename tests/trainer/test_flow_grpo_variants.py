@@ -160,3 +160,17 @@ def test_gdpo_trains_on_the_reward_components_by_label(build_trainer, make_cfg):
     metrics = trainer.train_step()
     assert metrics["adv/num_rows_trained"] > 0 and metrics["actor/num_optimizer_steps"] == 1
     assert "reward/small/mean" in metrics and "reward/image_contrast/mean" in metrics
+
+
+def test_shared_initial_noise_is_shared_within_each_group(build_trainer, make_cfg, take_rollout):
+    trainer = build_trainer(
+        make_cfg("rollout.n=3", "trainer.prompts_per_step=2", "rollout.sampling.shared_initial_noise=true")
+    )
+    tensors, _ = take_rollout(trainer)
+    start = tensors["all_latents"][:, 0]  # the default window starts at step 0: the starting noise
+    assert torch.equal(start[0], start[1]) and torch.equal(start[0], start[2])
+    assert torch.equal(start[3], start[4]) and torch.equal(start[3], start[5])
+    assert not torch.equal(start[0], start[3])
+    assert not torch.equal(tensors["all_latents"][0, 1], tensors["all_latents"][1, 1])  # own SDE noise
+    with pytest.raises(ValueError, match=r"shared_initial_noise=True .*enable_batched_diffusion=true"):
+        make_cfg("rollout.sampling.shared_initial_noise=true", "rollout.enable_batched_diffusion=false")
