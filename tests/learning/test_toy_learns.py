@@ -36,7 +36,13 @@ def test_flowgrpo_variants_end_above_their_shuffled_advantage_controls(variant, 
     against its control's 0.418, guard 0.541 against 0.464); their faster siblings are the formula and
     plumbing tests of tests/trainer/test_objectives.py and test_flow_grpo_variants.py."""
     report = run_learning(
-        f"recipes/toy_cpu_{variant}.yaml", [(variant, ())], STEPS, STEPS, tmp_path, samples_per_prompt=1, say=lambda _: None
+        f"recipes/toy_cpu_{variant}.yaml",
+        [(variant, ())],
+        STEPS,
+        STEPS,
+        tmp_path,
+        samples_per_prompt=1,
+        say=lambda _: None,
     )
     partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
     shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
