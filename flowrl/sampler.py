@@ -38,14 +38,16 @@ class StepResult:
     """next_latents (B, ...); log_prob (B,) (undefined where std == 0: those rows are ODE steps);
     mean (B, ...) the Gaussian mean; std (B,) the transition std; kl_std (B,) the std the KL term
     divides by (`kl_to_reference`): for "sde" the diffusion coefficient std_t = a * sqrt(s / (1 - s))
-    without the step's sqrt(-dt), as Flow-GRPO's KL (and the betas tuned with it) has it; for
-    "cps" the transition std itself."""
+    without the step's sqrt(-dt), as Flow-GRPO's KL (and the betas tuned with it) has it (for
+    "dance" its constant a); for "cps" the transition std itself. velocity (B, ...): the velocity
+    the step took (float32), for a KL on the velocity."""
 
     next_latents: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     kl_std: torch.Tensor
+    velocity: torch.Tensor | None = None
 
 
 def _per_row(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,9 @@ def sde_step(
     """One denoising step with the log-prob of the transition.
 
     latents, velocity: (B, ...) (cast to float32). sigma, sigma_next: (B,) noise levels.
-    noise_level: a, float or (B,). sde_type: "sde" (Flow-GRPO) or "cps" (coefficient-preserving).
+    noise_level: a, float or (B,). sde_type: "sde" (Flow-GRPO), "dance" (DanceGRPO: "sde"'s mean
+        with the constant diffusion coefficient a, std = a * sqrt(s - s')) or "cps"
+        (coefficient-preserving).
     noise: standard normal (B, ...) used to sample next latents (None with next_latents given).
     next_latents: score these instead of sampling (training recompute).
     sigma_first_step: for "sde", the schedule's second sigma (sigma_1), used in place of s in
@@ -100,6 +104,10 @@ def sde_step(
             s_den = torch.where(s >= 1.0, _per_row(sigma_first_step, x), s)
         # where(): a = 0 (ODE rows) must give std 0 even where the ratio is infinite.
         std_t = torch.where(a > 0, a * torch.sqrt(s / (1.0 - s_den)), torch.zeros_like(s))
+    elif sde_type == "dance":
+        # DanceGRPO: the same drift with a constant diffusion coefficient eta = a, finite at s = 1.
+        std_t = a.expand_as(s)
+    if sde_type in ("sde", "dance"):
         mean = x + v * dt + (std_t**2 / (2.0 * s)) * (x + (1.0 - s) * v) * dt
         std = std_t * torch.sqrt(-dt)
         kl_std = std_t
@@ -117,7 +125,7 @@ def sde_step(
         nxt = next_latents.float()
 
     diff_sq = (nxt - mean) ** 2
-    if sde_type == "sde":
+    if sde_type in ("sde", "dance"):
         # Rows with std == 0 (ODE rows) get a harmless std of 1 here; their log-prob is unused.
         safe_std = torch.where(std > 0, std, torch.ones_like(std))
         log_prob = -diff_sq / (2.0 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
@@ -130,6 +138,7 @@ def sde_step(
         mean=mean,
         std=std.reshape(-1),
         kl_std=kl_std.reshape(-1),
+        velocity=v,
     )
 
 
@@ -162,4 +171,16 @@ def draw_sde_window(
     """Draw start ~ U{lo .. hi - size} and return [start, start + size)."""
     lo, hi = window_range if window_range is not None else (0, num_steps - 1)
     start = int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())
+    return (start, start + size)
+
+
+def progressive_sde_window(
+    num_steps: int, size: int, window_range: tuple[int, int] | None, position: int, shift: int
+) -> tuple[int, int]:
+    """MixGRPO's progressive window: the `position`-th (from 0) of the windows of `size` steps
+    starting at lo, lo + shift, lo + 2 * shift, ..., starting over at lo once a window would end
+    past hi ([lo, hi): window_range, default every step but the last)."""
+    lo, hi = window_range if window_range is not None else (0, num_steps - 1)
+    count = (hi - size - lo) // shift + 1
+    start = lo + (position % count) * shift
     return (start, start + size)

@@ -18,8 +18,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-# "sde": Flow-GRPO's SDE step; "cps": the coefficient-preserving step (FLOWGRPO.md section 1).
-SdeType = Literal["sde", "cps"]
+# "sde": Flow-GRPO's SDE step; "cps": the coefficient-preserving step (FLOWGRPO.md section 1);
+# "dance": DanceGRPO's step, "sde"'s mean with a constant diffusion coefficient (ALGORITHMS.md 1.1).
+SdeType = Literal["sde", "cps", "dance"]
 
 # Limits for any model, so an absurd request fails at once instead of in a giant allocation: a
 # side of MAX_IMAGE_SIDE pixels, MAX_IMAGE_PIXELS pixels per image (a 2048 x 4096 image), and
@@ -54,9 +55,11 @@ class SamplingParams:
     negative_prompt: str | None = None
     """Text of the uncond row, when there is one (null means the empty string)."""
     noise_level: float = 0.7
-    """The SDE noise level a; 0 makes every step the Euler ODE step."""
+    """The SDE noise level a; 0 makes every step the Euler ODE step. For `dance` it is DanceGRPO's
+    eta (transition std eta * sqrt(sigma - sigma'); 0.3 in its FLUX recipe)."""
     sde_type: SdeType = "sde"
-    """`sde` (Flow-GRPO's step) or `cps` (coefficient-preserving)."""
+    """`sde` (Flow-GRPO's step), `cps` (coefficient-preserving) or `dance` (DanceGRPO's: the `sde`
+    mean with a constant diffusion coefficient, finite at sigma 1)."""
     sde_window: tuple[int, int] | None = None
     """Explicit [start, end) step indices that are stochastic; null lets sde_window_size choose."""
     sde_window_size: int | None = None
@@ -71,6 +74,10 @@ class SamplingParams:
     config it stays null: per-row seeds come from rollout.seed / rollout.val_seed."""
     logprobs: bool = True
     """Record the per-step log-prob of the window steps."""
+    shared_initial_noise: bool = False
+    """The samples of one request (generate_batched's n samples of a prompt) all start from the
+    noise of its first sample; each still draws its own SDE noise (DanceGRPO's init_same_noise). A
+    request of one sample starts from its own noise either way."""
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -94,6 +101,8 @@ class SamplingParams:
             _fail("negative_prompt", self.negative_prompt, "must be a string or None (the empty prompt)")
         if not isinstance(self.logprobs, bool):
             _fail("logprobs", self.logprobs, "must be True or False")
+        if not isinstance(self.shared_initial_noise, bool):
+            _fail("shared_initial_noise", self.shared_initial_noise, "must be True or False")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED - (num_samples - 1))
         if self.noise_level < 0.0:

@@ -14,7 +14,7 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
 def test_noise_level_zero_is_the_euler_ode_step(sde_type):
     x, v, eps = rand(3, 4, 5, seed=1), rand(3, 4, 5, seed=2), rand(3, 4, 5, seed=3)
     s = torch.tensor([1.0, 0.6, 0.3])
@@ -57,6 +57,42 @@ def test_first_step_uses_sigma_one_in_the_denominator():
     assert abs(out.std.item() - expected_std) < 1e-5 and torch.isfinite(out.log_prob).all()
 
 
+def _dance_grpo_step(v, x, eta, sigma, sigma_next, prev_sample):
+    """DanceGRPO's `flux_step` (fastvideo/train_grpo_flux.py; MixGRPO's `dance_grpo_step`) for one
+    row, in its own terms: the score estimate from the predicted x0, the Langevin correction of the
+    Euler mean, std eta * sqrt(delta_t), and its log-prob (whose normalising terms its code drops:
+    they cancel in every ratio)."""
+    dsigma = sigma_next - sigma
+    x0 = x - sigma * v
+    score = -(x - x0 * (1 - sigma)) / sigma**2
+    mean = x + dsigma * v + (-0.5 * eta**2 * score) * dsigma
+    std = eta * math.sqrt(sigma - sigma_next)
+    log_prob = (-((prev_sample - mean) ** 2) / (2 * std**2)).mean()
+    return mean, std, log_prob
+
+
+def test_dance_step_is_dance_grpos():
+    """The "dance" kernel's mean and std equal DanceGRPO's, and its log-prob is that Gaussian's
+    with the normaliser: DanceGRPO's (constants dropped) plus -log(std) - log sqrt(2 pi)."""
+    x, v, eps = rand(4, 2, 3, 3, seed=30), rand(4, 2, 3, 3, seed=31), rand(4, 2, 3, 3, seed=32)
+    s = torch.tensor([1.0, 0.8, 0.45, 0.2])  # sigma 1 included: dance needs no sigma_1 substitute
+    s_next = torch.tensor([0.8, 0.45, 0.2, 0.05])
+    eta = 0.3
+    out = sampler.sde_step(x, v, s, s_next, eta, "dance", noise=eps)
+    for row in range(4):
+        mean, std, log_prob = _dance_grpo_step(
+            v[row], x[row], eta, float(s[row]), float(s_next[row]), out.next_latents[row]
+        )
+        torch.testing.assert_close(out.mean[row], mean, atol=1e-6, rtol=0)
+        assert abs(float(out.std[row]) - std) < 1e-6
+        normaliser = -math.log(std) - 0.5 * math.log(2 * math.pi)
+        assert abs(float(out.log_prob[row]) - (float(log_prob) + normaliser)) < 1e-5
+        torch.testing.assert_close(out.next_latents[row], mean + std * eps[row], atol=1e-6, rtol=0)
+    assert torch.equal(out.kl_std, torch.full((4,), eta))  # the KL divides by the constant eta
+    reference = torch.distributions.Normal(out.mean, out.std.view(-1, 1, 1, 1)).log_prob(out.next_latents)
+    torch.testing.assert_close(out.log_prob, reference.mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-6)
+
+
 def test_cps_logprob_is_negative_squared_distance():
     x, v, eps = rand(2, 6, seed=10), rand(2, 6, seed=11), rand(2, 6, seed=12)
     s, s_next = torch.tensor([0.8, 0.5]), torch.tensor([0.6, 0.2])
@@ -66,7 +102,7 @@ def test_cps_logprob_is_negative_squared_distance():
     torch.testing.assert_close(out.log_prob, -((out.next_latents - out.mean) ** 2).mean(dim=1))
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
 def test_scoring_a_sampled_latent_reproduces_its_logprob(sde_type):
     """The trainer path (next_latents=) gives the rollout path's log-prob for the same numbers."""
     x, v, eps = rand(3, 16, seed=13), rand(3, 16, seed=14), rand(3, 16, seed=15)

@@ -240,11 +240,20 @@ class RolloutConfig:
     """SamplingParams of training rollouts (SDE, log-probs on); its fields are listed below."""
     val_sampling: SamplingParams = field(default_factory=_default_val_sampling)
     """SamplingParams of validation rollouts (ODE: noise_level 0, no log-probs)."""
-    sde_window_draw: Literal["step", "row"] = "step"
+    sde_window_draw: Literal["step", "row", "progressive"] = "step"
     """How a drawn SDE window (sampling.sde_window_size) falls on a training step's rows: `step`, one
     window per training step, drawn from (trainer.seed, step) and shared by every row (flow_grpo
-    draws one per process and step); `row`, each row its own, drawn from the row's seed
-    (verl-omni)."""
+    draws one per process and step; MixGRPO's `random`); `row`, each row its own, drawn from the
+    row's seed (verl-omni); `progressive`, MixGRPO's schedule, shared by every row: the window starts
+    at the low end of sampling.sde_window_range (default 0), moves by sde_window_shift steps every
+    sde_window_shift_every training steps, and starts over at the low end once it would no longer
+    fit in the range."""
+    sde_window_shift_every: int = 25
+    """`progressive` windows only: training steps between two moves of the window (MixGRPO's
+    iters_per_group: 25, 20 for MixGRPO-Flash)."""
+    sde_window_shift: int = 1
+    """`progressive` windows only: denoising steps the window moves by (MixGRPO's
+    prog_overlap_step)."""
     merge_lora: bool = False
     """Training rollouts compute each adapted projection with the merged weight W + s B A,
     stochastically rounded to the model's dtype and made once per rollout (with engine.compile, in
@@ -281,6 +290,7 @@ class RolloutConfig:
             if value is not None and not 0 <= value <= MAX_SEED:
                 _fail(f"rollout.{name}", value, f"must be in [0, {MAX_SEED}]")
         self._validate_replicas()
+        self._validate_window_schedule()
         for name in ("sampling", "val_sampling"):
             params = getattr(self, name)
             try:
@@ -289,6 +299,19 @@ class RolloutConfig:
                 params.validate(size_multiple=16)
             except ValueError as error:
                 raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
+            if name == "sampling" and params.shared_initial_noise and not self.enable_batched_diffusion:
+                _fail(
+                    "rollout.sampling.shared_initial_noise",
+                    True,
+                    "a group shares its starting noise through one batched call per group; set "
+                    "rollout.enable_batched_diffusion=true",
+                )
+            if name == "val_sampling" and params.shared_initial_noise:
+                _fail(
+                    "rollout.val_sampling.shared_initial_noise",
+                    True,
+                    "validation draws one sample per prompt, which has no group to share with; leave it false",
+                )
             if params.seed is not None:
                 _fail(
                     f"rollout.{name}.seed",
@@ -297,6 +320,27 @@ class RolloutConfig:
                     f"and leave rollout.{name}.seed=null",
                 )
         return self
+
+    def _validate_window_schedule(self) -> None:
+        """sde_window_draw=progressive's needs; its two settings only with it."""
+        _check_min("rollout.sde_window_shift_every", self.sde_window_shift_every, 1)
+        _check_min("rollout.sde_window_shift", self.sde_window_shift, 1)
+        if self.sde_window_draw != "progressive":
+            for name, default in (("sde_window_shift_every", 25), ("sde_window_shift", 1)):
+                if getattr(self, name) != default:
+                    _fail(
+                        f"rollout.{name}",
+                        getattr(self, name),
+                        f"it moves progressive windows only (rollout.sde_window_draw is {self.sde_window_draw!r}); "
+                        f"set rollout.sde_window_draw=progressive or leave rollout.{name} at {default}",
+                    )
+        elif self.sampling.sde_window is not None or self.sampling.sde_window_size is None:
+            _fail(
+                "rollout.sde_window_draw",
+                "progressive",
+                "a progressive window needs its length and no fixed window: set rollout.sampling.sde_window_size "
+                "(e.g. 4, MixGRPO's) and rollout.sampling.sde_window=null",
+            )
 
     def _validate_replicas(self) -> None:
         _check_min("rollout.num_replicas", self.num_replicas, 0)
@@ -445,6 +489,26 @@ class AlgorithmConfig:
     """flow_grpo: the PPO denominator: the rollout's log-probs (`rollout`), or a recompute by the
     trainer before the update (`recompute`: the first optimizer step's samples take theirs from its
     own forwards; the rest are re-scored)."""
+    policy_loss: Literal["ppo_clip", "grpo_guard", "dppo"] = "ppo_clip"
+    """flow_grpo: the per-step objective (flowrl/trainer/objectives.py): `ppo_clip` (Flow-GRPO's clipped
+    ratio), `grpo_guard` (GRPO-Guard: the ratio normalised per step by RatioNorm, PPO-clipped,
+    each step's loss divided by its -dt; sde_type sde or dance) or `dppo` (Flow-DPPO: no clip, a step
+    dropped when the old-to-new KL of its Gaussian means reaches dppo_tau and its ratio moves with
+    the advantage). Both compare the step's mean with the old policy's, which the trainer
+    recomputes: they need old_log_prob=recompute, and act from the second optimizer step of a
+    rollout batch on (trainer.updates_per_step or update_epochs > 1)."""
+    dppo_tau: float = 1e-5
+    """flow_grpo, `dppo` only: the divergence at which a step that moves with its advantage is dropped
+    (Flow-DPPO's tau)."""
+    kl_type: Literal["mean", "velocity"] = "mean"
+    """flow_grpo: the form of the KL to the reference (kl_beta > 0): `mean`, Flow-GRPO's on the step's mean
+    (kl_beta's docstring); `velocity`, mean((v - v_ref)^2) on the guided velocity, as Flow-Factory's
+    v-based KL, DiffusionNFT and AWM have it (flow_grpo's maintainer's advice without CFG)."""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """flow_grpo, diffusion_nft, awm: with several reward components: `sum`, advantages of the weighted sum of the rewards;
+    `gdpo`, each component normalised in its group first (std per std_mode), the normalised
+    components summed with their weights, the sum normalised over the batch (GDPO; Flow-Factory's
+    advantage_aggregation, MixGRPO's advantage_aggr). Needs reward.components with two or more."""
     behaviour_weight_cap: float = 5.0
     """flow_grpo: decoupled PPO (AReaL, arXiv 2505.24298; verl's rollout correction) for samples drawn by older
     weights than the update starts from (trainer.async_rollout): their clipped objective, centred on
@@ -464,6 +528,7 @@ class AlgorithmConfig:
 
     def validate(self) -> "AlgorithmConfig":
         check_choices(self, "algorithm")
+        self._validate_variants()
         for name in ("std_eps", "adv_clip_max", "clip_range"):
             _check_min(f"algorithm.{name}", getattr(self, name), 0.0, strict=True)
         _check_min("algorithm.kl_beta", self.kl_beta, 0.0)
@@ -475,6 +540,32 @@ class AlgorithmConfig:
         self.awm.validate()
         self.dpo.validate()
         return self
+
+    def _validate_variants(self) -> None:
+        """The FlowGRPO variants' settings (policy_loss, dppo_tau, kl_type): each only where it acts."""
+        _check_min("algorithm.dppo_tau", self.dppo_tau, 0.0, strict=True)
+        if self.policy_loss != "dppo" and self.dppo_tau != 1e-5:
+            _fail("algorithm.dppo_tau", self.dppo_tau, "it is Flow-DPPO's threshold; set algorithm.policy_loss=dppo")
+        if self.policy_loss == "dppo" and self.clip_range != 1e-4:
+            _fail(
+                "algorithm.clip_range",
+                self.clip_range,
+                "algorithm.policy_loss=dppo clips no ratio (it drops steps past algorithm.dppo_tau); "
+                "leave algorithm.clip_range at 1e-4",
+            )
+        if self.policy_loss != "ppo_clip" and self.old_log_prob != "recompute":
+            _fail(
+                "algorithm.old_log_prob",
+                self.old_log_prob,
+                f"algorithm.policy_loss={self.policy_loss} compares each step's mean with the old policy's, which "
+                "the trainer recomputes (rollouts return no means); set algorithm.old_log_prob=recompute",
+            )
+        if self.kl_type == "velocity" and self.kl_beta == 0:
+            _fail(
+                "algorithm.kl_type",
+                self.kl_type,
+                "there is no KL term with algorithm.kl_beta=0; set algorithm.kl_beta > 0 (e.g. 1e-4) or kl_type=mean",
+            )
 
 
 @dataclass
@@ -840,6 +931,7 @@ class FlowRLConfig:
                 "0; use rollout.n >= 2 (e.g. 4 on CPU, 16 on GPU)",
             )
         check_algorithm(self)
+        self._check_flow_grpo_variants()
         flow_grpo = self.algorithm.name == "flow_grpo"
         if self.rollout.merge_lora:
             self._check_merge_lora()
@@ -854,6 +946,24 @@ class FlowRLConfig:
                 "algorithm.old_log_prob=recompute (the trainer scores both sides) or engine.compile=false",
             )
         return self
+
+    def _check_flow_grpo_variants(self) -> None:
+        """What the FlowGRPO variants of algorithm need of the other slices (their docstrings)."""
+        algo, sde_type = self.algorithm, self.rollout.sampling.sde_type
+        if algo.policy_loss == "grpo_guard" and sde_type == "cps":
+            _fail(
+                "rollout.sampling.sde_type",
+                sde_type,
+                "algorithm.policy_loss=grpo_guard normalises Gaussian log-probs, and the cps step's drops its "
+                "constants; use sde_type=sde or dance",
+            )
+        if algo.advantage_aggregation == "gdpo" and len(self.reward.components) < 2:
+            _fail(
+                "algorithm.advantage_aggregation",
+                "gdpo",
+                "it normalises each reward component on its own and needs reward.components with two or more "
+                "rewards; give them, or set algorithm.advantage_aggregation=sum",
+            )
 
     def _check_async_rollout(self) -> None:
         """trainer.async_rollout's needs (TrainerConfig's docstring)."""

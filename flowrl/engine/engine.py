@@ -231,6 +231,7 @@ class DiffusionEngine(EngineAPI):
                 prompt=prompt,
                 params=params,
                 seed=base_seed + j,
+                noise_seed=base_seed if params.shared_initial_noise else base_seed + j,
                 sde_window=self._choose_window(params, base_seed + j),
                 future=Future(),
                 num_rows=num_rows,

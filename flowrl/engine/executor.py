@@ -43,11 +43,16 @@ class Executor:
         return host_to_device(torch.tensor(rows, dtype=torch.float32), self.device)
 
     def prepare(self, sample: SampleState) -> None:
-        """Admission: the sample's generator, schedule and starting noise."""
+        """Admission: the sample's generator, schedule and starting noise (drawn from its own
+        generator; with a shared starting noise, replaced by its request's first sample's, so its
+        own SDE noise is what it would be without)."""
         p = sample.params
         sample.generator = torch.Generator(device=self.device).manual_seed(sample.seed)
         sample.sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width).tolist()
         sample.latents = self.adapter.initial_noise(p.height, p.width, sample.generator)
+        if sample.noise_seed is not None and sample.noise_seed != sample.seed:
+            shared = torch.Generator(device=self.device).manual_seed(sample.noise_seed)
+            sample.latents = self.adapter.initial_noise(p.height, p.width, shared)
 
     @torch.no_grad()
     def step(self, group: list[SampleState]) -> int:

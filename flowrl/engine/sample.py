@@ -32,6 +32,9 @@ class SampleState:
     # `adapter.rows_per_sample(params)`, which the engine asks when it creates the sample; the
     # scheduler and the executor read it here.
     num_rows: int = 1
+    # The seed whose generator draws the starting noise: the sample's own, or its request's first
+    # sample's (SamplingParams.shared_initial_noise).
+    noise_seed: int | None = None
     sample_id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     # Filled at admission (engine thread).

@@ -179,6 +179,12 @@ class AgentLoop:
                 for start in range(0, len(batch), n):
                     futures += self.balancer.submit_batched(prompts[start], n, params[start])
         else:
+            if params[0].shared_initial_noise and not validation:
+                raise ValueError(
+                    "rollout.sampling.shared_initial_noise=true shares a group's starting noise through one batched "
+                    f"call per group, which these rows cannot take ({reason}); set "
+                    "rollout.sampling.shared_initial_noise=false or make the groups batchable"
+                )
             one_call = self._one_call_fits(params, 1)
             # Validation batches hold one row per prompt, so the fallback is expected there.
             if not validation and reason not in self._logged_reasons:

@@ -13,6 +13,9 @@ them (`algorithm.zero_std_policy=drop`).
 NaN rewards (an optional reward that failed on a row) are excluded from every mean and std and
 their rows get advantage 0 and `is_valid=False`, so they never move the policy.
 
+With several reward components, `compute_gdpo_advantages` normalises each one within its group
+before the weighted sum (GDPO), so that one high-variance reward does not drown the others.
+
 This module is numpy only: it knows nothing about models or tensors on devices (from flowrl it
 takes only the `StdMode` choice list of the config).
 """
@@ -102,15 +105,24 @@ def compute_group_advantages(
     )
 
 
-def step_advantages(rewards, uids, algorithm_cfg, seed: int, step: int) -> tuple[np.ndarray, np.ndarray, dict]:
+def step_advantages(rows, algorithm_cfg, seed: int, step: int, component_weights: dict | None = None):
     """A training step's advantages as the group-relative algorithms take them: (values (N,),
-    keep (N,) the rows trained, metrics). Rows without a valid reward are not trained, nor, with
-    algorithm.zero_std_policy=drop, groups without spread; with algorithm.shuffle_advantages (the
-    control run) the values are permuted over the trained rows, seeded from (seed, step)."""
+    keep (N,) the rows trained, metrics), from `rows` (flowrl.distributed.step_rows.StepRows:
+    rewards, uids, components). component_weights: {component: weight} with
+    algorithm.advantage_aggregation=gdpo (`gdpo_weights`), else None. Rows without a valid reward
+    are not trained, nor, with algorithm.zero_std_policy=drop, groups without spread; with
+    algorithm.shuffle_advantages (the control run) the values are permuted over the trained rows,
+    seeded from (seed, step)."""
     algo = algorithm_cfg
-    adv = compute_group_advantages(
-        rewards, uids, algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold
-    )
+    settings = (algo.std_mode, algo.std_eps, algo.adv_clip_max, algo.zero_std_threshold)
+    if component_weights is None:
+        adv = compute_group_advantages(rows.rewards, rows.uids, *settings)
+    else:
+        missing = sorted(set(component_weights) - set(rows.components))
+        if missing:
+            raise ValueError(f"algorithm.advantage_aggregation=gdpo: the reward returned no scores for {missing}")
+        scores = {name: rows.components[name] for name in component_weights}
+        adv = compute_gdpo_advantages(scores, component_weights, rows.uids, *settings)
     keep = adv.is_valid.copy()
     if algo.zero_std_policy == "drop":
         keep &= ~adv.is_zero_std
@@ -124,3 +136,52 @@ def step_advantages(rewards, uids, algorithm_cfg, seed: int, step: int) -> tuple
         "adv/num_rows_trained": int(keep.sum()),
     }
     return adv.values, keep, metrics
+
+
+def gdpo_weights(cfg) -> dict | None:
+    """{component label: weight} of the reward's components with algorithm.advantage_aggregation
+    = gdpo, else None."""
+    if cfg.algorithm.advantage_aggregation != "gdpo":
+        return None
+    return {c.get("label") or c["name"]: c["weight"] for c in cfg.reward.resolved_components()}
+
+
+def compute_gdpo_advantages(
+    components: dict[str, np.ndarray],
+    weights: dict[str, float],
+    uids: Sequence,
+    std_mode: StdMode = "global",
+    std_eps: float = 1e-4,
+    adv_clip_max: float = 5.0,
+    zero_std_threshold: float = 1e-6,
+) -> Advantages:
+    """GDPO's advantages of several rewards (algorithm.advantage_aggregation=gdpo): each component
+    k normalised on its own as above (unclamped), A_k = (r_k - group mean) / (std_k + std_eps),
+    then summed with the component weights and normalised over the batch,
+        A = (sum_k w_k A_k - mean) / (std + std_eps),  clamped to +-adv_clip_max,
+    the batch mean and std taken over the rows that carry signal. A row is valid when every
+    component scored it; a group has no spread (advantage exactly 0) when no component has.
+    mean_group_std is the mean over components of their mean group std."""
+    if set(components) != set(weights):
+        raise ValueError(f"reward components {sorted(components)} and weights {sorted(weights)} differ")
+    parts = {
+        name: compute_group_advantages(scores, uids, std_mode, std_eps, np.inf, zero_std_threshold)
+        for name, scores in components.items()
+    }
+    is_valid = np.logical_and.reduce([part.is_valid for part in parts.values()])
+    is_zero_std = np.logical_and.reduce([part.is_zero_std for part in parts.values()])
+    combined = sum(weights[name] * part.values.astype(np.float64) for name, part in parts.items())
+    signal = is_valid & ~is_zero_std
+    values = np.zeros(len(is_valid))
+    if signal.any():
+        values[signal] = (combined[signal] - combined[signal].mean()) / (combined[signal].std() + std_eps)
+    groups = group_rows(uids)
+    zero_std_groups = sum(bool(is_zero_std[rows].all()) for rows in groups.values())
+    return Advantages(
+        values=np.clip(values, -adv_clip_max, adv_clip_max).astype(np.float32),
+        is_valid=is_valid,
+        is_zero_std=is_zero_std,
+        zero_std_ratio=zero_std_groups / len(groups) if groups else 0.0,
+        num_groups=len(groups),
+        mean_group_std=float(np.mean([part.mean_group_std for part in parts.values()])),
+    )

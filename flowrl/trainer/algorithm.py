@@ -37,7 +37,7 @@ ALGORITHMS = {
 @dataclass
 class AlgorithmSetup:
     """What an algorithm trains with. cfg holds the slices it reads: `algorithm`, `trainer`,
-    `rollout` and `engine` (an algorithm reads nothing else)."""
+    `rollout`, `engine` and `reward` (its components' weights; an algorithm reads nothing else)."""
 
     adapter: object
     params: list

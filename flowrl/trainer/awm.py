@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.run.step_flops import UnitFlops
-from flowrl.trainer.advantages import step_advantages
+from flowrl.trainer.advantages import gdpo_weights, step_advantages
 from flowrl.trainer.algorithm import AlgorithmSetup, StepWeights
 from flowrl.trainer.awm_loss import awm_advantages, awm_policy_loss, surrogate_log_prob, velocity_kl
 from flowrl.trainer.diffusion_nft import phase_flops as forward_process_flops
@@ -44,7 +44,7 @@ class AWM(ForwardProcessAlgorithm):
         return self.merged(policy_version)
 
     def advantages(self, rows, step: int) -> StepWeights:
-        return StepWeights(*step_advantages(rows.rewards, rows.uids, self.algorithm, self.seed, step))
+        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, gdpo_weights(self.setup.cfg)))
 
     def reference_passes(self) -> list[tuple[str, object]]:
         passes = [("start", current_weights), *self.reference_kl_pass()]

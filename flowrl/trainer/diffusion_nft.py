@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from flowrl.run.step_flops import UnitFlops
-from flowrl.trainer.advantages import step_advantages
+from flowrl.trainer.advantages import gdpo_weights, step_advantages
 from flowrl.trainer.algorithm import AlgorithmSetup, StepWeights
 from flowrl.trainer.forward_process import trained_pairs_per_sample
 from flowrl.trainer.forward_update import ForwardProcessAlgorithm, Pair
@@ -55,7 +55,7 @@ class DiffusionNFT(ForwardProcessAlgorithm):
 
     # -- rewards -> advantages ------------------------------------------------------------------
     def advantages(self, rows, step: int) -> StepWeights:
-        return StepWeights(*step_advantages(rows.rewards, rows.uids, self.algorithm, self.seed, step))
+        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, gdpo_weights(self.setup.cfg)))
 
     # -- the update ------------------------------------------------------------------------------
     def reference_passes(self) -> list[tuple[str, object]]:

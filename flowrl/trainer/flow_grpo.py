@@ -2,10 +2,11 @@
 advantages, and the clipped PPO loss over the stored transitions.
 
 - Rollouts: an SDE window (`rollout.sampling.sde_window_size`) drawn once per training step from
-  (trainer.seed, step) and shared by every row, or one per row from its seed
-  (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
+  (trainer.seed, step) and shared by every row, one per row from its seed, or moved by MixGRPO's
+  progressive schedule (`rollout.sde_window_draw`); with `rollout.merge_lora` the rollout samples with the adapter merged
   into its weights (flowrl.accel.merged_lora).
-- Advantages: (r - group mean) / (std + eps), clamped (flowrl.trainer.advantages); rows with no
+- Advantages: (r - group mean) / (std + eps), clamped, or with several rewards each normalised
+  before their weighted sum (`algorithm.advantage_aggregation=gdpo`; flowrl.trainer.advantages); rows with no
   valid reward are not trained, nor, with `algorithm.zero_std_policy=drop`, groups without spread;
   `algorithm.shuffle_advantages` permutes them over the trained rows (the control run).
 - Update: flowrl.trainer.update (the old log-prob phase, then the optimizer steps); rows drawn by
@@ -22,7 +23,7 @@ import torch
 from flowrl import sampler
 from flowrl.engine.output import TransitionSpec
 from flowrl.run.step_flops import UnitFlops, trained_steps_per_sample
-from flowrl.trainer.advantages import step_advantages
+from flowrl.trainer.advantages import gdpo_weights, step_advantages
 from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
 from flowrl.trainer.merged_rollout import MergedRollout
 from flowrl.trainer.plan import seeded_generator
@@ -49,6 +50,7 @@ class FlowGRPO(Algorithm):
         )
         self.autocast_dtype = self.updater.autocast_dtype
         self.merged = MergedRollout(setup)  # rollout.merge_lora
+        self.component_weights = gdpo_weights(cfg)  # algorithm.advantage_aggregation=gdpo
 
     @property
     def optimizer(self):
@@ -65,11 +67,18 @@ class FlowGRPO(Algorithm):
     # -- rollouts --------------------------------------------------------------------------------
     def sampling_overrides(self, step: int) -> dict | None:
         """The step's SDE window: explicit, one drawn from (trainer.seed, step) for every row
-        (rollout.sde_window_draw=step), or left to the engine, which draws each row's from its own
-        seed (`row`) or uses its default (no window size)."""
-        s = self.rollout.sampling
-        if s.sde_window is not None or s.sde_window_size is None or self.rollout.sde_window_draw == "row":
+        (rollout.sde_window_draw=step), MixGRPO's progressive one for every row (`progressive`), or
+        left to the engine, which draws each row's from its own seed (`row`) or uses its default
+        (no window size)."""
+        s, draw = self.rollout.sampling, self.rollout.sde_window_draw
+        if s.sde_window is not None or s.sde_window_size is None or draw == "row":
             return None if s.sde_window is None else {"sde_window": tuple(s.sde_window)}
+        if draw == "progressive":  # steps count from 1: the first sde_window_shift_every share position 0
+            position = (step - 1) // self.rollout.sde_window_shift_every
+            window = sampler.progressive_sde_window(
+                s.num_inference_steps, s.sde_window_size, s.sde_window_range, position, self.rollout.sde_window_shift
+            )
+            return {"sde_window": window}
         window = sampler.draw_sde_window(
             s.num_inference_steps, s.sde_window_size, s.sde_window_range, seeded_generator(self.seed, step, 7)
         )
@@ -89,7 +98,7 @@ class FlowGRPO(Algorithm):
 
     # -- rewards -> advantages ------------------------------------------------------------------
     def advantages(self, rows, step: int) -> StepWeights:
-        return StepWeights(*step_advantages(rows.rewards, rows.uids, self.algorithm, self.seed, step))
+        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, self.component_weights))
 
     # -- the update ------------------------------------------------------------------------------
     @property

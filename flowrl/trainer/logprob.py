@@ -243,6 +243,7 @@ def with_values(
         mean=graded.mean if mean is None else mean + (graded.mean - graded.mean.detach()),
         std=graded.std,
         kl_std=graded.kl_std,
+        velocity=graded.velocity,
     )
 
 

@@ -15,7 +15,10 @@ that is optimized divides the weighted sums by `normalizer` when given: the weig
 that step's mean and every pair weighs the same however the rows were cut into micro-batches.
 
 Metrics follow the Flow-GRPO reference: clipfrac = share of rows with |ratio - 1| > eps,
-approx_kl = 0.5 * mean((log_prob - old_log_prob)^2).
+approx_kl = 0.5 * mean((log_prob - old_log_prob)^2). The other objectives of
+`algorithm.policy_loss` (flowrl.trainer.objectives) hand in their own per-row terms and ratios in
+place of the clipped ones; clipfrac is then the share their trust region acted on (DPPO: dropped),
+and divergence the mean old-to-new divergence D they measured.
 
 This module is pure tensor math: the log-probs come from `flowrl.trainer.logprob`.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.models.base import host_to_device
+from flowrl.trainer.objectives import Surrogate, ppo_clip
 
 
 @dataclass
@@ -35,7 +39,8 @@ class PolicyLossOutput:
     when one is given). The metrics are detached 0-d tensors on the loss's device, means over this
     call's counted rows (with none: the on-policy values, ratio 1 and the rest 0): reading them
     waits for the device, so a loop of forwards reads them once, after the loop. num_rows: the
-    counted rows, a host int (from host weights: no device read). behaviour_weight /
+    counted rows, a host int (from host weights: no device read). divergence: the mean D of
+    flowrl.trainer.objectives (0 where the objective measures none). behaviour_weight /
     behaviour_capped: with a behaviour log-prob, the mean weight and the share of rows the cap
     truncated (else None)."""
 
@@ -47,6 +52,7 @@ class PolicyLossOutput:
     approx_kl: torch.Tensor
     kl: torch.Tensor
     num_rows: int
+    divergence: torch.Tensor | None = None
     behaviour_weight: torch.Tensor | None = None
     behaviour_capped: torch.Tensor | None = None
 
@@ -66,6 +72,7 @@ def clipped_policy_loss(
     normalizer: float | None = None,
     behaviour_log_prob: torch.Tensor | None = None,
     behaviour_weight_cap: float = 5.0,
+    surrogate: Surrogate | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss of one trained step; every tensor is (B,).
 
@@ -73,7 +80,8 @@ def clipped_policy_loss(
     0 for excluded rows (None: all count). normalizer: what the loss's weighted sums divide by
     (module docstring); None: this call's own weight, a plain weighted mean. behaviour_log_prob:
     the log-probs of the policy that drew each row, for decoupled PPO (module docstring; None: the
-    rows were drawn by the old_log_prob policy, plain PPO). Nothing here waits
+    rows were drawn by the old_log_prob policy, plain PPO). surrogate: the per-row objective of another
+    algorithm.policy_loss (flowrl.trainer.objectives; None: the clipped ratio above). Nothing here waits
     for the device when `weights` is a host tensor (or None): host inputs are copied to the
     log-prob's device without blocking.
     """
@@ -86,10 +94,10 @@ def clipped_policy_loss(
     advantages = host_to_device(advantages, device, torch.float32)
     weights = torch.ones_like(log_prob) if weights is None else host_to_device(weights, device, torch.float32)
 
-    ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    surrogate = torch.maximum(unclipped, clipped)
+    if surrogate is None:
+        surrogate = ppo_clip(log_prob, old_log_prob, advantages, clip_range)
+    ratio, acted, divergence = surrogate.ratio, surrogate.acted, surrogate.divergence
+    surrogate = surrogate.terms
     behaviour_weight = None
     if behaviour_log_prob is not None:
         behaviour_log_prob = host_to_device(behaviour_log_prob.detach(), device, torch.float32)
@@ -111,12 +119,13 @@ def clipped_policy_loss(
         return PolicyLossOutput(
             loss=loss,
             policy_loss=_weighted_mean(surrogate, weights).detach(),
-            clipfrac=(((ratio - 1.0).abs() > clip_range).float() * share).sum(),
+            clipfrac=(acted.float() * share).sum(),
             ratio_mean=ratio_mean,
             ratio_max=ratio_max,
             approx_kl=0.5 * (delta**2 * share).sum(),
             kl=torch.zeros((), device=device) if kl is None else _weighted_mean(kl.float(), weights).detach(),
             num_rows=num_rows,
+            divergence=torch.zeros((), device=device) if divergence is None else (divergence.float() * share).sum(),
             behaviour_weight=None if behaviour_weight is None else (behaviour_weight * share).sum(),
             behaviour_capped=None
             if behaviour_weight is None

@@ -15,9 +15,11 @@ Two phases, each a call of `PolicyUpdater`:
   weights and each such row is weighted by its truncated behaviour weight against its rollout
   log-prob (algorithm.behaviour_weight_cap); rows of the current weights train exactly as before;
 - `update(batch)`: for each optimizer step, each of its forwards (a micro-batch at one trained
-  step) scores with grad, takes the ratio to its denominator, the clipped loss and the KL, and
-  backpropagates; then the gradient is clipped and one AdamW step taken (and the EMA stepped;
-  flowrl.trainer.optim).
+  step) scores with grad, takes the ratio to its denominator, the objective of
+  `algorithm.policy_loss` (flowrl.trainer.objectives: the clipped loss, or GRPO-Guard's or
+  Flow-DPPO's, which also compare the step's mean with the old policy's, recomputed and kept beside
+  the denominators) and the KL, and backpropagates; then the gradient is clipped and one AdamW step
+  taken (and the EMA stepped; flowrl.trainer.optim).
 
 Every valid (sample, trained step) pair of an optimizer step weighs the same: each forward's loss
 is its share of the mean over the whole step's pairs (flowrl.trainer.loss, `normalizer`), so a
@@ -27,7 +29,8 @@ one-process update (up to the rounding of smaller forwards).
 
 What changes between the calls of the inner loop is chosen before it: where a scored log-prob's
 value comes from (flowrl.trainer.logprob.Scoring), each optimizer step's denominators (its own
-first log-probs, or the prepared ones), the KL term (none, or to the LoRA-disabled reference), and
+first log-probs, or the prepared ones), the objective, the KL term (none, or to the LoRA-disabled
+reference, on the step's mean or on the velocity), and
 which gaps are recorded. The rollout-vs-trainer log-prob gap is measured on transitions scored by
 the policy that produced them: the recompute, or (rollout mode) the first optimizer step's forwards.
 
@@ -54,10 +57,11 @@ from flowrl.trainer.early_denominators import EarlyDenominators
 from flowrl.trainer.grad_checkpointing import CheckpointingChoice, choose_checkpointing
 from flowrl.trainer.logprob import Scoring, score_transitions
 from flowrl.trainer.loss import PolicyLossOutput, clipped_policy_loss
+from flowrl.trainer.objectives import Objective
 from flowrl.trainer.optim import Optimization
 from flowrl.trainer.plan import Forward, Plan, plan_update
 
-_LOSS_METRICS = ("policy_loss", "clipfrac", "ratio_mean", "approx_kl", "kl")
+_LOSS_METRICS = ("policy_loss", "clipfrac", "ratio_mean", "approx_kl", "kl", "divergence")
 _BEHAVIOUR_METRICS = ("behaviour_weight", "behaviour_capped")
 
 
@@ -66,7 +70,9 @@ class UpdateBatch:
     """A step's update as `prepare` leaves it: this rank's tensors, specs and advantages, the plan,
     the denominators known before the update (N, K), the rollout's log-probs at the trained steps
     (None without), the gaps measured so far, the share of the recompute's forwards scored
-    early (None without a recompute), and which rows older weights drew (N,) (None: none did)."""
+    early (None without a recompute), and which rows older weights drew (N,) (None: none did);
+    old_means: the old policy's step means (N, K, *latent) on the host, beside the denominators,
+    for an objective that needs them (flowrl.trainer.objectives; else None)."""
 
     tensors: dict[str, torch.Tensor]
     advantages: torch.Tensor
@@ -77,6 +83,7 @@ class UpdateBatch:
     gaps: list[torch.Tensor] = field(default_factory=list)
     early_share: float | None = None
     stale: torch.Tensor | None = None
+    old_means: torch.Tensor | None = None
 
     def behaviour_log_prob(self, forward: Forward, old: torch.Tensor) -> torch.Tensor | None:
         """The behaviour policy's log-probs of `forward`'s rows for decoupled PPO: the rollout's
@@ -123,7 +130,8 @@ class PolicyUpdater:
         self.records: list[UpdateRecord] = []  # the last update's optimizer steps
         # Read once: the trainer compiles the model (and injects LoRA) before building the updater.
         self.scoring = Scoring.choose(adapter, algorithm_cfg.old_log_prob)
-        self.kl = ReferenceKL(self) if algorithm_cfg.kl_beta > 0 else None
+        self.objective = Objective.choose(algorithm_cfg)  # algorithm.policy_loss
+        self.kl = ReferenceKL(self, algorithm_cfg.kl_type) if algorithm_cfg.kl_beta > 0 else None
         # trainer.gradient_checkpointing: "auto" is measured at this process's first update.
         self.checkpointing: CheckpointingChoice | None = None
         self.early: EarlyDenominators | None = None  # score_early's, for the next update
@@ -154,6 +162,8 @@ class PolicyUpdater:
             rollout_log_probs = rollout_log_probs.gather(1, plan.train_steps).float()
         batch = UpdateBatch(tensors, advantages, weights, plan, torch.zeros(plan.train_steps.shape), rollout_log_probs)
         batch.stale = self._stale_rows(policy_versions, rollout_log_probs)
+        if self.objective.needs_old_means:
+            batch.old_means = torch.zeros(*plan.train_steps.shape, *tensors["all_latents"].shape[2:])
         if self.algorithm.old_log_prob == "rollout":
             if rollout_log_probs is None:
                 raise ValueError(
@@ -203,19 +213,23 @@ class PolicyUpdater:
         if early is not None and (early.step, early.optimizer_steps) != (step, self.num_optimizer_steps):
             early = None  # scored for another step, or with other weights
         recomputed = torch.zeros(batch.old.shape[0], dtype=torch.bool)
-        scored, taken = [], 0
+        scored, means, taken = [], [], 0
         forwards = batch.plan.recompute_forwards()
         with self.scoring.recompute_mode(self.adapter.transformer):
             for forward in forwards:
                 log_prob = None if early is None or forward.is_padding else early.take(forward.rows, forward.step_index)
                 taken += log_prob is not None
                 if log_prob is None:
-                    log_prob = self._score_denominator(batch.tensors, forward)
+                    log_prob, mean = self._score_denominator(batch.tensors, forward)
+                    if batch.old_means is not None and not forward.is_padding:
+                        means.append((forward, mean))
                 if not forward.is_padding:
                     scored.append((forward, log_prob))
                     recomputed[forward.rows] = True
         for forward, values in _to_host(scored):  # read after every recompute forward is queued
             batch.old[forward.rows, forward.k] = values
+        for forward, mean in means:
+            batch.old_means[forward.rows, forward.k] = mean.float().cpu()
         if batch.stale is not None:  # a stale row's gap is the weights' change, not the graphs'
             recomputed &= ~batch.stale
         if batch.rollout_log_probs is not None and recomputed.any():
@@ -225,12 +239,14 @@ class PolicyUpdater:
     @property
     def scores_early(self) -> bool:
         """Whether `score_early` scores anything (flowrl.trainer.early_denominators): a recompute
-        with optimizer steps after the first, checkpointing settled, weights not sharded."""
+        with optimizer steps after the first, checkpointing settled, weights not sharded, and an
+        objective that needs no old means."""
         return (
             self.algorithm.old_log_prob == "recompute"
             and self.trainer.updates_per_step > 1
             and self.checkpointing is not None
             and not self.parallel.pads_micro_batches
+            and not self.objective.needs_old_means  # the early scores keep no means
         )
 
     def score_early(self, tensors, specs, step: int, trained: TrainedRows, keep_going) -> None:
@@ -250,7 +266,7 @@ class PolicyUpdater:
                     queued.pop(0).synchronize()
                 if not keep_going():
                     break
-                early.put(forward.rows, forward.step_index, self._score_denominator(tensors, forward))
+                early.put(forward.rows, forward.step_index, self._score_denominator(tensors, forward)[0])
                 if self.adapter.device.type == "cuda":
                     queued.append(torch.cuda.Event())
                     queued[-1].record()
@@ -277,6 +293,10 @@ class PolicyUpdater:
             for forward in plan.step_forwards(index):
                 scored = self.score_with_grad(batch.tensors, forward, self.scoring.values)
                 old = denominators.of(forward, scored.log_prob)
+                old_mean = denominators.mean_of(forward, scored.mean)
+                surrogate = self.objective(
+                    scored, old, old_mean, batch.advantages[forward.rows], _neg_dt(batch, forward)
+                )
                 kl = None if self.kl is None else self.kl(batch.tensors, forward, scored)
                 out = clipped_policy_loss(
                     scored.log_prob,
@@ -289,6 +309,7 @@ class PolicyUpdater:
                     normalizer=normalizer,
                     behaviour_log_prob=batch.behaviour_log_prob(forward, old),
                     behaviour_weight_cap=self.algorithm.behaviour_weight_cap,
+                    surrogate=surrogate,
                 )
                 self._backward(out.loss)
                 if not forward.is_padding:  # a padding forward ran only to keep pace with the other ranks
@@ -331,6 +352,8 @@ class PolicyUpdater:
         ratio_max, gap_max = self.world.max([ratio_max, float(gap.max()) if gap.numel() else -math.inf])
         totals = dict(zip(sums, totals))
         metrics = {f"actor/{name}": totals[name] / max(count, 1) for name in _LOSS_METRICS}
+        if not self.objective.needs_old_means:  # ppo_clip measures no mean divergence
+            del metrics["actor/divergence"]
         if step_clipfracs:
             later = step_clipfracs[1:] or step_clipfracs
             metrics["actor/clipfrac"] = float(np.mean(later))
@@ -364,13 +387,16 @@ class PolicyUpdater:
             values_from_no_grad=values == "value_pass",
         )
 
-    def _score_denominator(self, tensors, forward: Forward) -> torch.Tensor:
-        """The recompute's log-probs of `forward`, from the graph the update's values come from:
-        the no-grad one, or the grad one (run with grad, its autograd graph dropped)."""
+    def _score_denominator(self, tensors, forward: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recompute's log-probs and step means of `forward`, from the graph the update's
+        values come from: the no-grad one, or the grad one (run with grad, its autograd graph
+        dropped)."""
         if not self.scoring.recompute_with_grad:
-            return self.score_no_grad(tensors, forward).log_prob
+            scored = self.score_no_grad(tensors, forward)
+            return scored.log_prob, scored.mean
         with torch.enable_grad():
-            return self.score_with_grad(tensors, forward, "grad_pass").log_prob.detach()
+            scored = self.score_with_grad(tensors, forward, "grad_pass")
+            return scored.log_prob.detach(), scored.mean.detach()
 
     def score_no_grad(self, tensors, forward: Forward):
         mb = {name: t[forward.rows] for name, t in tensors.items()}
@@ -425,6 +451,7 @@ class Denominators:
         self.batch = batch
         self.measure_gap = measure_gap
         self.seen: list[tuple[Forward, torch.Tensor]] = []
+        self.seen_means: list[tuple[Forward, torch.Tensor]] = []  # OwnDenominators' step means
 
     def of(self, forward: Forward, log_prob: torch.Tensor) -> torch.Tensor:
         if forward.is_padding:  # weight 0: any finite denominator; its own log-prob is one
@@ -432,6 +459,14 @@ class Denominators:
         if self.measure_gap:
             self.seen.append((forward, log_prob.detach()))
         return self.batch.old[forward.rows, forward.k]
+
+    def mean_of(self, forward: Forward, mean: torch.Tensor) -> torch.Tensor | None:
+        """The old policy's step means of `forward`'s rows (None when the objective needs none)."""
+        if self.batch.old_means is None:
+            return None
+        if forward.is_padding:
+            return mean.detach()
+        return self.batch.old_means[forward.rows, forward.k]
 
     def gaps(self) -> list[torch.Tensor]:
         """|trainer - rollout| of the forwards kept, read from the device once."""
@@ -450,10 +485,21 @@ class OwnDenominators(Denominators):
             self.seen.append((forward, own))
         return own
 
+    def mean_of(self, forward: Forward, mean: torch.Tensor) -> torch.Tensor | None:
+        """Its own step means too, kept as its rows' old means for the later epochs."""
+        if self.batch.old_means is None:
+            return None
+        own = mean.detach()
+        if not forward.is_padding:
+            self.seen_means.append((forward, own))
+        return own
+
     def gaps(self) -> list[torch.Tensor]:
         """Keeps the values as the later epochs' denominators of these rows; |trainer - rollout| of
         the rows the current weights drew (a stale row's difference is the weights' change)."""
         batch, gaps = self.batch, []
+        for forward, mean in self.seen_means:  # after the step's kernels are queued
+            batch.old_means[forward.rows, forward.k] = mean.float().cpu()
         for forward, values in _to_host(self.seen):
             batch.old[forward.rows, forward.k] = values
             if batch.rollout_log_probs is not None:
@@ -464,15 +510,25 @@ class OwnDenominators(Denominators):
 
 class ReferenceKL:
     """The KL term to the reference policy: the same transformer with its LoRA adapter disabled,
-    scored without grad at the forward's transitions (flowrl.sampler.kl_to_reference)."""
+    scored without grad at the forward's transitions; on the step's mean (algorithm.kl_type=mean,
+    flowrl.sampler.kl_to_reference) or on the guided velocity (`velocity`: mean((v - v_ref)^2))."""
 
-    def __init__(self, updater: PolicyUpdater):
+    def __init__(self, updater: PolicyUpdater, kl_type: str = "mean"):
         self.updater = updater
+        self.kl_type = kl_type
 
     def __call__(self, tensors, forward: Forward, scored) -> torch.Tensor:
         with torch.no_grad(), adapter_disabled(self.updater.adapter.transformer):
-            reference = self.updater.score_no_grad(tensors, forward).mean
-        return kl_to_reference(scored, reference)
+            reference = self.updater.score_no_grad(tensors, forward)
+        if self.kl_type == "velocity":
+            return ((scored.velocity - reference.velocity.float()) ** 2).reshape(len(forward.rows), -1).mean(dim=1)
+        return kl_to_reference(scored, reference.mean)
+
+
+def _neg_dt(batch: UpdateBatch, forward: Forward) -> torch.Tensor:
+    """-dt = sigma - sigma' of `forward`'s rows at their trained steps (B,), on the host."""
+    rows, step = forward.rows, forward.step_index
+    return batch.tensors["sigmas"][rows, step] - batch.tensors["next_sigmas"][rows, step]
 
 
 def _probe_rows(tensors: dict[str, torch.Tensor], specs: Sequence[TransitionSpec], count: int) -> torch.Tensor:

@@ -46,6 +46,20 @@ def test_batched_sample_j_equals_solo_seed_plus_j(engine, params):
         assert (out.image.int() - solo.image.int()).abs().max() <= 1
 
 
+def test_shared_initial_noise_starts_a_request_from_its_first_samples_noise(engine, params):
+    """DanceGRPO's init_same_noise: one starting latent per request, the SDE noise each sample's own;
+    the first sample is the one a plain request draws."""
+    shared = engine.generate_batched("a red sign with text", 3, params.replace(shared_initial_noise=True))
+    plain = engine.generate_batched("a red sign with text", 3, params)
+    assert shared[0].sde_window[0] == 0  # all_latents[:, 0] is the starting noise
+    for j in range(3):
+        assert torch.equal(shared[j].all_latents[0], plain[0].all_latents[0])
+    torch.testing.assert_close(shared[0].all_latents, plain[0].all_latents, atol=ATOL, rtol=0)
+    assert not torch.equal(plain[1].all_latents[0], plain[0].all_latents[0])
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert (shared[a].all_latents[-1] - shared[b].all_latents[-1]).abs().max() > 1e-2
+
+
 def test_cfg_rows_share_the_forward_and_match_solo(engine, params):
     cfg = params.replace(guidance_scale=4.0, negative_prompt="blurry")
     engine.reset_stats()
@@ -114,7 +128,7 @@ def test_prompt_is_encoded_once(engine, params):
     assert stats["num_prompt_cache_hits"] >= 1
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
 def test_sde_types_produce_finite_logprobs(engine, params, sde_type):
     out = engine.generate("a cat", params.replace(sde_type=sde_type, noise_level=0.5))
     assert torch.isfinite(out.all_log_probs).all()

@@ -88,3 +88,46 @@ def test_shuffled_advantage_control_permutes_the_trained_rows_advantages(build_t
     assert np.array_equal(np.sort(plain), np.sort(shuffled))
     assert not np.array_equal(plain, shuffled)
     assert np.array_equal(shuffled, again)
+
+
+def _flow_factory_gdpo(rewards: dict, weights: dict, group_of: np.ndarray) -> np.ndarray:
+    """Flow-Factory's AdvantageProcessor.compute_gdpo, restated: per reward and group
+    (r - mean) / max(std, 1e-6) times its weight, summed, then (x - mean) / std over the batch."""
+    parts = []
+    for key, scores in rewards.items():
+        adv = np.zeros_like(scores)
+        for group in np.unique(group_of):
+            mask = group_of == group
+            adv[mask] = (scores[mask] - scores[mask].mean()) / max(scores[mask].std(), 1e-6)
+        parts.append(adv * weights[key])
+    combined = np.sum(parts, axis=0)
+    return (combined - combined.mean()) / combined.std()
+
+
+def test_gdpo_is_flow_factorys_and_differs_from_the_weighted_sum():
+    from flowrl.trainer.advantages import compute_gdpo_advantages
+
+    rng = np.random.default_rng(0)
+    group_of = np.repeat(np.arange(4), 6)
+    uids = [f"p{g}" for g in group_of]
+    # Two rewards of very different spreads: the weighted sum is dominated by the wide one.
+    rewards = {"wide": rng.normal(0, 10.0, 24), "narrow": rng.normal(0, 0.01, 24)}
+    weights = {"wide": 1.0, "narrow": 2.0}
+    expected = _flow_factory_gdpo(rewards, weights, group_of)
+    adv = compute_gdpo_advantages(rewards, weights, uids, "group", std_eps=1e-12, adv_clip_max=100.0)
+    np.testing.assert_allclose(adv.values, expected, atol=1e-6, rtol=0)
+    assert adv.is_valid.all() and not adv.is_zero_std.any()
+    summed = compute_group_advantages(rewards["wide"] + 2.0 * rewards["narrow"], uids, "group", 1e-12, 100.0)
+    assert np.abs(summed.values - adv.values).max() > 0.1  # the narrow reward now counts
+
+
+def test_gdpo_rows_without_signal_get_zero():
+    from flowrl.trainer.advantages import compute_gdpo_advantages
+
+    uids = ["a"] * 3 + ["b"] * 3
+    rewards = {"x": np.array([1.0, 1.0, 1.0, 0.0, 1.0, np.nan]), "y": np.array([2.0, 2.0, 2.0, 3.0, 1.0, 2.0])}
+    adv = compute_gdpo_advantages(rewards, {"x": 1.0, "y": 1.0}, uids)
+    assert adv.is_zero_std.tolist() == [True] * 3 + [False] * 3  # group a: no spread in either reward
+    assert adv.values[:3].tolist() == [0.0] * 3 and adv.values[5] == 0.0  # row 5: x failed (NaN)
+    assert not adv.is_valid[5] and adv.zero_std_ratio == 0.5
+    assert adv.values[3] != 0.0 and adv.values[4] != 0.0

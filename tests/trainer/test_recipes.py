@@ -71,3 +71,25 @@ def test_recipe_takes_the_reference_settings_and_says_where_it_differs(recipe, t
     header = _header(recipe)
     assert "# Reference: " in header and "# Intentional differences:" in header
     assert header.count("\n# - ") >= 3  # one bullet per difference
+
+
+@pytest.mark.parametrize(
+    "recipe, settings",
+    [
+        ("toy_cpu_dance", {"rollout.sampling.sde_type": "dance", "algorithm.std_mode": "group"}),
+        ("toy_cpu_guard", {"algorithm.policy_loss": "grpo_guard", "trainer.updates_per_step": 2}),
+        ("flux_dev_dancegrpo_lora", {"rollout.sampling.sde_type": "dance", "rollout.sampling.noise_level": 0.3}),
+        ("qwen_image_mixgrpo_lora", {"rollout.sde_window_draw": "progressive", "rollout.sampling.sde_window_size": 4}),
+        ("sd35_medium_ocr_guard_lora", {"algorithm.policy_loss": "grpo_guard", "algorithm.clip_range": 2e-6}),
+        ("sd35_medium_ocr_dppo_lora", {"algorithm.policy_loss": "dppo", "algorithm.dppo_tau": 1e-5}),
+    ],
+)
+def test_variant_recipes_load_set_their_variant_and_name_their_reference(recipe, settings):
+    cfg = load_config(str(RECIPES / f"{recipe}.yaml"))
+    for key, value in settings.items():
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert node == value, key
+    header = _header(recipe)
+    assert "Reference:" in header and "Intentional differences" in header

@@ -16,6 +16,7 @@ OVERRIDES = [
     {"noise_level": 1.0, "guidance_scale": 3.5},
     {"num_inference_steps": 4},
     {"sde_type": "cps", "noise_level": 0.8},
+    {"sde_type": "dance", "noise_level": 0.3},
 ]
 
 
@@ -23,7 +24,7 @@ def _trainer(build_trainer, make_cfg, old_log_prob):
     return build_trainer(
         make_cfg(
             "rollout.n=2",
-            "trainer.prompts_per_step=4",
+            "trainer.prompts_per_step=5",
             "trainer.micro_batch_size=8",
             "rollout.sampling.guidance_scale=2.0",
             "rollout.sampling.negative_prompt=blurry",
@@ -53,7 +54,7 @@ def test_per_row_overrides_are_rescored_as_they_were_sampled(build_trainer, make
     assert (right - stored).abs().max() < 1e-5
     assert (wrong - stored).abs().min() > 1e-3
     metrics = trainer.algorithm.updater.prepare_and_update(
-        tensors, specs, torch.linspace(-1.0, 1.0, 8), torch.ones(8), step=1
+        tensors, specs, torch.linspace(-1.0, 1.0, 10), torch.ones(10), step=1
     )
     assert metrics["actor/logprob_gap_max"] < 1e-5  # CPU float32
     if old_log_prob == "recompute":  # on-policy first update: exactly 1, nothing clipped
@@ -65,9 +66,9 @@ def test_rows_of_different_step_types_are_scored_in_separate_micro_batches(build
     trainer = _trainer(build_trainer, make_cfg, "recompute")
     tensors, specs = take_rollout(trainer, OVERRIDES)
     plan = trainer.algorithm.updater.plan(tensors, specs, step=1)
-    [micro_batches] = plan.optimizer_steps  # one optimizer step, 8 rows, micro-batches of up to 8
-    assert sorted(len(rows) for rows in micro_batches) == [2, 6]
+    [micro_batches] = plan.optimizer_steps  # one optimizer step, 10 rows, micro-batches of up to 8
+    assert sorted(len(rows) for rows in micro_batches) == [2, 2, 6]
     for rows in micro_batches:
         assert len({specs[i].group_key for i in rows.tolist()}) == 1
     with pytest.raises(ValueError, match="group_key"):
-        score_transitions(trainer.adapter, tensors, torch.zeros(8, dtype=torch.long), specs)
+        score_transitions(trainer.adapter, tensors, torch.zeros(10, dtype=torch.long), specs)
