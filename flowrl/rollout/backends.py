@@ -8,7 +8,9 @@
   failover). Publishing a version uploads the trainable weights (the LoRA, or the full
   transformer) to every live replica through the client (flowrl.client.weights: encoded once,
   checked by checksum on arrival): the next rollout request is sent only after every replica
-  serves that version with that checksum.
+  serves that version with that checksum. With `rollout.backend=ray` the replicas are engine
+  actors (`actors`: flowrl.rollout.ray_rollouts.EngineActors) and the weights travel through
+  Ray's object store.
 
 `open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
 replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
@@ -68,9 +70,10 @@ class DecoupledRollouts:
 
     is_decoupled = True
 
-    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None):
+    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None, actors=None):
         self.config = rollout_cfg
         self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
+        self.actors = actors  # flowrl.rollout.ray_rollouts.EngineActors (rollout.backend=ray), or None
         self._urls = list(urls or [])
         self.engine = None
         self.clients: list = []
@@ -79,17 +82,18 @@ class DecoupledRollouts:
 
     def bind(self, engine) -> None:
         """Attach the trainer's engine (its adapter holds the weights to publish); connect."""
+        self.engine = engine
+        self.clients = self.actors.connect(self.config) if self.actors is not None else self._connect_servers()
+        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+
+    def _connect_servers(self) -> list:
         from flowrl.client import RemoteEngine
 
-        self.engine = engine
         token = None
         if self.processes is not None:
             self._urls = self.processes.wait_ready()
             token = self.processes.admin_token
-        self.clients = [
-            RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls
-        ]
-        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+        return [RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls]
 
     @property
     def replicas(self) -> LeastInFlightBalancer:
@@ -100,6 +104,8 @@ class DecoupledRollouts:
         until each serves it with the same checksum (replicas that fail are dropped)."""
         transformer = self.engine.adapter.transformer
         upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
+        if self.actors is not None:
+            upload = self.actors.stored(upload)  # put once in the object store, read by every actor
         live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
         if not live:
             raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
@@ -135,6 +141,8 @@ class DecoupledRollouts:
             client.close()
         if self.processes is not None:
             self.processes.stop()
+        if self.actors is not None:
+            self.actors.close()
 
 
 def _unless_down(call):
@@ -150,6 +158,10 @@ def open_rollout_backend(cfg, output_dir: str | Path):
     rollout = cfg.rollout
     if not rollout.is_decoupled:
         return ColocatedRollouts()
+    if rollout.backend == "ray":
+        from flowrl.rollout.ray_rollouts import open_engine_actors
+
+        return DecoupledRollouts(rollout, actors=open_engine_actors(cfg))
     if rollout.servers:
         return DecoupledRollouts(rollout, urls=rollout.servers)
     from flowrl.client import ReplicaProcesses
