@@ -259,27 +259,30 @@ class RolloutConfig:
     """The device of each started replica (one per replica, e.g. [cuda:1, cuda:2]); empty: every
     replica on model.device."""
     request_timeout_s: float = 600.0
-    """How long a rollout request may take on a server (queueing included) before the replica
-    counts as down."""
+    """How long a rollout request may take on a server or engine actor (queueing included) before
+    the replica counts as down."""
     max_replica_failures: int = 2
     """A replica down this many times in a row is dropped for the rest of the run (its requests go
     to the others; with none left the step fails)."""
-    # --- rollouts on Ray (docs/ray.md) ---
-    backend: Literal["http", "ray"] = "http"
-    """What the replicas of decoupled training are: `http`, `flowrl serve` servers (rollout.servers,
-    or rollout.num_replicas processes started here); `ray`, flowrl engine actors on a Ray cluster
-    (rollout.ray_actors by name, or rollout.num_replicas actors started here, one GPU each when
-    model.device is a GPU). The cluster: the one at RAY_ADDRESS, else a local Ray on 127.0.0.1."""
+    # --- rollouts on Ray engine actors (docs/ray.md) ---
+    num_ray_actors: int = 0
+    """flowrl engine actors the trainer starts on a Ray cluster (model.path, one GPU each when
+    model.device is a GPU) and kills on exit, instead of `flowrl serve` replicas; 0: none. The
+    cluster: the Ray this process joined, else the one at RAY_ADDRESS, else a local Ray on
+    127.0.0.1."""
     ray_actors: list[str] = field(default_factory=list)
     """Names of flowrl EngineActors already running on the Ray cluster (`NAME`, or
-    `NAMESPACE/NAME` for an actor of another namespace), all serving the trainer's model; needs
-    rollout.backend=ray."""
+    `NAMESPACE/NAME` for an actor of another namespace), all serving the trainer's model."""
 
     @property
     def is_decoupled(self) -> bool:
-        """Whether training rollouts run on replicas (rollout.servers, rollout.num_replicas or
-        rollout.ray_actors)."""
-        return bool(self.servers) or self.num_replicas > 0 or bool(self.ray_actors)
+        """Whether training rollouts run on replicas (rollout.servers, rollout.num_replicas or Ray's)."""
+        return bool(self.servers) or self.num_replicas > 0 or self.is_on_ray
+
+    @property
+    def is_on_ray(self) -> bool:
+        """Whether the replicas are engine actors (rollout.num_ray_actors or rollout.ray_actors)."""
+        return self.num_ray_actors > 0 or bool(self.ray_actors)
 
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
@@ -333,27 +336,17 @@ class RolloutConfig:
         self._validate_ray()
 
     def _validate_ray(self) -> None:
-        if self.backend == "http":
-            if self.ray_actors:
-                _fail("rollout.ray_actors", self.ray_actors, "name engine actors with rollout.backend=ray")
-            return
+        _check_min("rollout.num_ray_actors", self.num_ray_actors, 0)
         for index, name in enumerate(self.ray_actors):
             if not isinstance(name, str) or not name.strip("/") or name.count("/") > 1:
                 _fail(f"rollout.ray_actors.{index}", name, "give an actor's name, or NAMESPACE/NAME")
-        given = [f"rollout.{k}" for k in ("servers", "replica_devices") if getattr(self, k)]
-        if given:
+        given = [key for key in ("servers", "num_replicas", "num_ray_actors", "ray_actors") if getattr(self, key)]
+        if self.is_on_ray and len(given) > 1:
             _fail(
-                given[0],
-                getattr(self, given[0].split(".")[1]),
-                "rollout.backend=ray rolls out on engine actors that Ray places; leave it empty (or use "
-                "rollout.backend=http for `flowrl serve` replicas)",
-            )
-        if bool(self.ray_actors) == (self.num_replicas > 0):
-            _fail(
-                "rollout.backend",
-                self.backend,
-                f"give rollout.num_replicas (engine actors started here) or rollout.ray_actors (actors already "
-                f"running), exactly one (now num_replicas={self.num_replicas}, ray_actors={self.ray_actors})",
+                f"rollout.{given[-1]}",
+                getattr(self, given[-1]),
+                f"rollout.{given[0]} is set too; give one of rollout.servers, rollout.num_replicas "
+                "(`flowrl serve` replicas), rollout.num_ray_actors or rollout.ray_actors (engine actors)",
             )
 
 

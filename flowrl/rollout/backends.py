@@ -8,9 +8,9 @@
   failover). Publishing a version uploads the trainable weights (the LoRA, or the full
   transformer) to every live replica through the client (flowrl.client.weights: encoded once,
   checked by checksum on arrival): the next rollout request is sent only after every replica
-  serves that version with that checksum. With `rollout.backend=ray` the replicas are engine
-  actors (`actors`: flowrl.rollout.ray_rollouts.EngineActors) and the weights travel through
-  Ray's object store.
+  serves that version with that checksum. With `rollout.num_ray_actors` or `rollout.ray_actors`
+  the replicas are engine actors (`actors`: flowrl.rollout.ray_rollouts.EngineActors) and the
+  weights travel through Ray's object store.
 
 `open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
 replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
@@ -73,7 +73,7 @@ class DecoupledRollouts:
     def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None, actors=None):
         self.config = rollout_cfg
         self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
-        self.actors = actors  # flowrl.rollout.ray_rollouts.EngineActors (rollout.backend=ray), or None
+        self.actors = actors  # flowrl.rollout.ray_rollouts.EngineActors (rollout.is_on_ray), or None
         self._urls = list(urls or [])
         self.engine = None
         self.clients: list = []
@@ -158,7 +158,7 @@ def open_rollout_backend(cfg, output_dir: str | Path):
     rollout = cfg.rollout
     if not rollout.is_decoupled:
         return ColocatedRollouts()
-    if rollout.backend == "ray":
+    if rollout.is_on_ray:
         from flowrl.rollout.ray_rollouts import open_engine_actors
 
         return DecoupledRollouts(rollout, actors=open_engine_actors(cfg))

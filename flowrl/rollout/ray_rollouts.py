@@ -1,9 +1,9 @@
-"""Decoupled training on Ray (`rollout.backend=ray`): the replicas are EngineActors.
+"""Decoupled training on Ray: the replicas are EngineActors (rollout.num_ray_actors, ray_actors).
 
 `open_engine_actors(cfg)` joins the Ray cluster (the one this process joined, else the one at
 RAY_ADDRESS) or starts a local Ray bound to 127.0.0.1 as the launcher does
 (flowrl.distributed.ray_launcher), then looks up the actors named in `rollout.ray_actors`, or
-starts `rollout.num_replicas` EngineActors of the trainer's model and sampling settings (one GPU
+starts `rollout.num_ray_actors` EngineActors of the trainer's model and sampling settings (one GPU
 each when model.device is a GPU). They load their model while the trainer loads its own.
 
 flowrl.rollout.backends.DecoupledRollouts drives them as it drives HTTP replicas (groups balanced
@@ -122,17 +122,17 @@ def _named_actor(ray, index: int, entry: str):
 
 
 def _start_actors(cfg, ray) -> list:
-    """rollout.num_replicas EngineActors of the trainer's model, dtype, mixed precision, text
+    """rollout.num_ray_actors EngineActors of the trainer's model, dtype, mixed precision, text
     length and engine batch limits (eager, as started `flowrl serve` replicas run)."""
     from flowrl.rollout.ray_actor import EngineActor
     from flowrl.run.checks import engine_options, resolve_model_path
 
-    count = cfg.rollout.num_replicas
+    count = cfg.rollout.num_ray_actors
     on_gpu = cfg.model.resolve_device() != "cpu"
     if on_gpu and ray.cluster_resources().get("GPU", 0) < count:
         raise ValueError(
-            f"rollout.num_replicas={count} engine actors need a GPU each but the Ray cluster has "
-            f"{ray.cluster_resources().get('GPU', 0):g} beside the trainer's; lower rollout.num_replicas, "
+            f"rollout.num_ray_actors={count} engine actors need a GPU each but the Ray cluster has "
+            f"{ray.cluster_resources().get('GPU', 0):g} beside the trainer's; lower rollout.num_ray_actors, "
             "or use a cluster with more GPUs (RAY_ADDRESS)"
         )
     settings = dict(
