@@ -243,7 +243,7 @@ def check_loopback_only():
     return assert_listens_on_loopback_only
 
 
-# --- a local Ray (tests/distributed/test_ray.py, tests/rollout/test_ray.py) ---
+# --- a local Ray (tests/distributed/test_ray.py, tests/rollout/test_ray_engine.py) ---
 
 # Set before Ray is imported (it reads them then): a local node on the loopback alone, offline.
 LOCAL_RAY_ENV = {

@@ -53,12 +53,12 @@ class EngineActor:
     ):
         import torch
 
-        from flowrl.config.sections import is_device_name, resolve_device
+        from flowrl.config.sections import resolve_device
         from flowrl.engine.engine import DiffusionEngine
         from flowrl.models.base import MIXED_PRECISION_DTYPES
         from flowrl.models.registry import load_adapter
 
-        if device not in ("auto", "cpu", "cuda") or not is_device_name(device):
+        if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={device!r} must be 'auto', 'cpu' or 'cuda' (the GPU Ray gives the actor)")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={dtype!r} must be 'float32', 'bfloat16' or 'float16'")

@@ -22,9 +22,10 @@ import sys
 class EngineActors:
     """The engine actors of a run (module docstring). actors: (name, ActorHandle) pairs."""
 
-    def __init__(self, actors: list, started: bool, owns_ray: bool):
+    def __init__(self, actors: list, started: bool, joined_here: bool):
         self.actors = actors
-        self.started, self.owns_ray = started, owns_ray
+        self.started = started  # the actors are the run's: killed on close
+        self.joined_here = joined_here  # Ray was started or connected to here: shut down (disconnected) on close
 
     def connect(self, rollout_cfg) -> list:
         """A RayEngine per actor (rollout.request_timeout_s per call), once each serves."""
@@ -53,35 +54,35 @@ class EngineActors:
             for _, actor in self.actors:
                 ray.kill(actor)
         self.actors = []
-        if self.owns_ray and ray.is_initialized():
+        if self.joined_here and ray.is_initialized():
             ray.shutdown()
 
 
 def open_engine_actors(cfg) -> EngineActors:
     """The actors of `cfg.rollout` (module docstring); those started here begin loading now."""
     rollout = cfg.rollout
-    ray, owns_ray = _join_ray(cfg.model.resolve_device())
+    ray, joined_here = _join_ray(cfg.model.resolve_device())
     try:
         if rollout.ray_actors:
             named = [(name, _named_actor(ray, i, name)) for i, name in enumerate(rollout.ray_actors)]
-            return EngineActors(named, started=False, owns_ray=owns_ray)
-        return EngineActors(_start_actors(cfg, ray), started=True, owns_ray=owns_ray)
+            return EngineActors(named, started=False, joined_here=joined_here)
+        return EngineActors(_start_actors(cfg, ray), started=True, joined_here=joined_here)
     except BaseException:
-        if owns_ray:
+        if joined_here:
             ray.shutdown()
         raise
 
 
 def _join_ray(device: str):
-    """(ray, whether this process started it): the Ray this process joined, the cluster at
-    RAY_ADDRESS, or a local Ray on 127.0.0.1 that sees every GPU but the trainer's."""
+    """(ray, whether it was joined here): the Ray this process joined, the cluster at RAY_ADDRESS,
+    or a local Ray on 127.0.0.1 that sees every GPU but the trainer's."""
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return sys.modules["ray"], False
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
         ray.init(runtime_env={"worker_process_setup_hook": "flowrl.console.quiet_third_party"})
-        return ray, False
+        return ray, True
     from flowrl.distributed.ray_launcher import start_local_ray
 
     if device == "cpu":
@@ -144,5 +145,5 @@ def _start_actors(cfg, ray) -> list:
     )
     path = str(resolve_model_path(cfg.model))
     options = {"num_gpus": 1} if on_gpu else {"num_cpus": 0}
-    names = [f"flowrl-rollout-{i}" for i in range(count)]
-    return [(name, EngineActor.options(name=name, **options).remote(path, **settings)) for name in names]
+    # Labels, not Ray names: a later run in the same namespace never finds a name still taken.
+    return [(f"flowrl-rollout-{i}", EngineActor.options(**options).remote(path, **settings)) for i in range(count)]
