@@ -104,12 +104,14 @@ def no_flowrl_threads_left():
         )
 
 
-# Test folders whose tests run on one pytest-xdist worker, one after another: folder -> group name.
+# Test folders (or files) whose tests run on one pytest-xdist worker, one after another: path -> group name.
 SAME_WORKER_FOLDERS = {
     # The distributed tests share session runs (tests/distributed/conftest.py: one-process
     # references and torchrun launches, which would otherwise run once per worker) and start
     # process groups and a local Ray of their own.
     "tests/distributed/": "distributed",
+    # One local Ray, one engine actor and one colocated reference run for the file, not one per worker.
+    "tests/rollout/test_ray_engine.py": "ray_engine",
 }
 
 
