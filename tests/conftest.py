@@ -5,6 +5,7 @@ and a check that no test leaves an engine or reward thread running."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 
 # A hub id that slips into a test must fail at once instead of hanging on DNS retries.
@@ -103,12 +104,14 @@ def no_flowrl_threads_left():
         )
 
 
-# Test folders whose tests run on one pytest-xdist worker, one after another: folder -> group name.
+# Test folders (or files) whose tests run on one pytest-xdist worker, one after another: path -> group name.
 SAME_WORKER_FOLDERS = {
     # The distributed tests share session runs (tests/distributed/conftest.py: one-process
     # references and torchrun launches, which would otherwise run once per worker) and start
     # process groups and a local Ray of their own.
     "tests/distributed/": "distributed",
+    # One local Ray, one engine actor and one colocated reference run for the file, not one per worker.
+    "tests/rollout/test_ray_engine.py": "ray_engine",
 }
 
 
@@ -240,6 +243,40 @@ def assert_listens_on_loopback_only(root: int | None = None) -> None:
 def check_loopback_only():
     """check_loopback_only(root=None): assert_listens_on_loopback_only, as a fixture."""
     return assert_listens_on_loopback_only
+
+
+# --- a local Ray (tests/distributed/test_ray.py, tests/rollout/test_ray_engine.py) ---
+
+# Set before Ray is imported (it reads them then): a local node on the loopback alone, offline.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+
+@pytest.fixture(scope="module")  # shut down after the file: later tests see none of Ray's sockets or threads
+def local_ray():
+    """A local Ray bound to 127.0.0.1 for one test file (its start costs seconds), as flowrl starts its own."""
+    saved = {name: os.environ.get(name) for name in [*LOCAL_RAY_ENV, "RAY_TMPDIR"]}
+    # A short folder of its own: Ray's socket paths (AF_UNIX, at most 107 bytes) would be too long
+    # under pytest's tmp_path of an xdist worker (/tmp/pytest-of-USER/pytest-N/popen-gwK/...).
+    ray_tmp = tempfile.TemporaryDirectory(prefix="ray", ignore_cleanup_errors=True)
+    os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=ray_tmp.name)
+    import ray
+
+    # As flowrl's own local Ray (flowrl.distributed.ray_launcher): the same quiet Ray processes.
+    hook = {"worker_process_setup_hook": "flowrl.console.quiet_local_ray_worker"}
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, runtime_env=hook)
+    yield ray
+    ray.shutdown()
+    ray_tmp.cleanup()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # --- a run's fixtures: tiny training configs and runs (the trainer, run and eval tests) ---

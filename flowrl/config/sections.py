@@ -271,16 +271,30 @@ class RolloutConfig:
     """The device of each started replica (one per replica, e.g. [cuda:1, cuda:2]); empty: every
     replica on model.device."""
     request_timeout_s: float = 600.0
-    """How long a rollout request may take on a server (queueing included) before the replica
-    counts as down."""
+    """How long a rollout request may take on a server or engine actor (queueing included) before
+    the replica counts as down."""
     max_replica_failures: int = 2
     """A replica down this many times in a row is dropped for the rest of the run (its requests go
     to the others; with none left the step fails)."""
+    # --- rollouts on Ray engine actors (docs/ray.md) ---
+    num_ray_actors: int = 0
+    """flowrl engine actors the trainer starts on a Ray cluster (model.path, one GPU each when
+    model.device is a GPU) and kills on exit, instead of `flowrl serve` replicas; 0: none. The
+    cluster: the Ray this process joined, else the one at RAY_ADDRESS, else a local Ray on
+    127.0.0.1."""
+    ray_actors: list[str] = field(default_factory=list)
+    """Names of flowrl EngineActors already running on the Ray cluster (`NAME`, or
+    `NAMESPACE/NAME` for an actor of another namespace), all serving the trainer's model."""
 
     @property
     def is_decoupled(self) -> bool:
-        """Whether training rollouts run on rollout servers (rollout.servers or rollout.num_replicas)."""
-        return bool(self.servers) or self.num_replicas > 0
+        """Whether training rollouts run on replicas (rollout.servers, rollout.num_replicas or Ray's)."""
+        return bool(self.servers) or self.num_replicas > 0 or self.is_on_ray
+
+    @property
+    def is_on_ray(self) -> bool:
+        """Whether the replicas are engine actors (rollout.num_ray_actors or rollout.ray_actors)."""
+        return self.num_ray_actors > 0 or bool(self.ray_actors)
 
     def validate(self) -> "RolloutConfig":
         _check_min("rollout.n", self.n, 1)
@@ -366,6 +380,21 @@ class RolloutConfig:
         for index, device in enumerate(self.replica_devices):
             if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
                 _fail(f"rollout.replica_devices.{index}", device, "use 'cpu', 'cuda' or 'cuda:N'")
+        self._validate_ray()
+
+    def _validate_ray(self) -> None:
+        _check_min("rollout.num_ray_actors", self.num_ray_actors, 0)
+        for index, name in enumerate(self.ray_actors):
+            if not isinstance(name, str) or not name.strip("/") or name.count("/") > 1:
+                _fail(f"rollout.ray_actors.{index}", name, "give an actor's name, or NAMESPACE/NAME")
+        given = [key for key in ("servers", "num_replicas", "num_ray_actors", "ray_actors") if getattr(self, key)]
+        if self.is_on_ray and len(given) > 1:
+            _fail(
+                f"rollout.{given[-1]}",
+                getattr(self, given[-1]),
+                f"rollout.{given[0]} is set too; give one of rollout.servers, rollout.num_replicas "
+                "(`flowrl serve` replicas), rollout.num_ray_actors or rollout.ray_actors (engine actors)",
+            )
 
 
 @dataclass

@@ -81,15 +81,17 @@ def _check_rollout_servers(cfg: FlowRLConfig, world_size: int) -> None:
     rollout = cfg.rollout
     if not rollout.is_decoupled:
         return
-    setting = (
-        f"rollout.servers={rollout.servers!r}" if rollout.servers else f"rollout.num_replicas={rollout.num_replicas}"
+    setting = next(
+        f"rollout.{key}={getattr(rollout, key)!r}"
+        for key in ("servers", "num_replicas", "num_ray_actors", "ray_actors")
+        if getattr(rollout, key)
     )
     also = " and trainer.async_rollout=true" if cfg.trainer.async_rollout else ""
     raise ValueError(
         f"{setting}{also} with data-parallel training over {world_size} rank(s) (distributed.launcher="
         f"{cfg.distributed.launcher!r}) is not supported: rollout servers take their weights from one trainer "
         "process; train in one process (distributed.launcher=none, no torchrun), or roll out on the ranks "
-        "themselves (rollout.servers=[] rollout.num_replicas=0 trainer.async_rollout=false)"
+        "themselves (rollout.servers=[] rollout.num_replicas=0 rollout.num_ray_actors=0 rollout.ray_actors=[] trainer.async_rollout=false)"
     )
 
 

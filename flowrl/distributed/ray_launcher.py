@@ -49,8 +49,9 @@ def _loopback_interface() -> str:
     return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
 
 
-def _start_local_ray():
-    """A Ray on this machine alone, bound to 127.0.0.1; returns the ray module."""
+def start_local_ray(object_store_memory: int = LOCAL_OBJECT_STORE_BYTES, **init_options):
+    """A Ray on this machine alone, bound to 127.0.0.1; returns the ray module. init_options: more
+    `ray.init` arguments (flowrl.rollout's engine actors give the GPUs the trainer leaves them)."""
     if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         print(
             "warning: Ray was imported before flowrl could set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so the local "
@@ -63,7 +64,8 @@ def _start_local_ray():
 
     ray.init(
         include_dashboard=False,
-        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        object_store_memory=object_store_memory,
+        **init_options,
         # Every Ray process of the run: no third-party notices, none of the State API's (flowrl.console).
         runtime_env={"worker_process_setup_hook": "flowrl.console.quiet_local_ray_worker"},
     )
@@ -96,7 +98,7 @@ def launch_on_ray(cfg: FlowRLConfig, run_rank: RankFunction) -> int:
     if joined:
         import ray
     elif dcfg.address is None:
-        ray = _start_local_ray()
+        ray = start_local_ray()
     else:
         import ray
 

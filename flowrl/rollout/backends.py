@@ -8,7 +8,9 @@
   failover). Publishing a version uploads the trainable weights (the LoRA, or the full
   transformer) to every live replica through the client (flowrl.client.weights: encoded once,
   checked by checksum on arrival): the next rollout request is sent only after every replica
-  serves that version with that checksum.
+  serves that version with that checksum. With `rollout.num_ray_actors` or `rollout.ray_actors`
+  the replicas are engine actors (`actors`: flowrl.rollout.ray_rollouts.EngineActors) and the
+  weights travel through Ray's object store.
 
 `open_rollout_backend(cfg, output_dir)` is called before the trainer loads its model (started
 replicas load theirs meanwhile); `bind(engine)` then attaches the trainer's engine. The backend
@@ -69,9 +71,10 @@ class DecoupledRollouts:
 
     is_decoupled = True
 
-    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None):
+    def __init__(self, rollout_cfg, urls: list[str] | None = None, processes=None, actors=None):
         self.config = rollout_cfg
         self.processes = processes  # flowrl.client.ReplicaProcesses started for this run, or None
+        self.actors = actors  # flowrl.rollout.ray_rollouts.EngineActors (rollout.is_on_ray), or None
         self._urls = list(urls or [])
         self.engine = None
         self.clients: list = []
@@ -82,18 +85,19 @@ class DecoupledRollouts:
         """Attach the trainer's engine (its adapter holds the weights to publish; inside
         `published_weights()`, when given, they hold what the replicas serve: an algorithm's old
         policy); connect."""
-        from flowrl.client import RemoteEngine
-
         self.engine = engine
         self.published_weights = published_weights or contextlib.nullcontext
+        self.clients = self.actors.connect(self.config) if self.actors is not None else self._connect_servers()
+        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+
+    def _connect_servers(self) -> list:
+        from flowrl.client import RemoteEngine
+
         token = None
         if self.processes is not None:
             self._urls = self.processes.wait_ready()
             token = self.processes.admin_token
-        self.clients = [
-            RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls
-        ]
-        self.balancer = LeastInFlightBalancer(self.clients, self.config.max_replica_failures)
+        return [RemoteEngine(url, timeout_s=self.config.request_timeout_s, admin_token=token) for url in self._urls]
 
     @property
     def replicas(self) -> LeastInFlightBalancer:
@@ -105,6 +109,8 @@ class DecoupledRollouts:
         transformer = self.engine.adapter.transformer
         with self.published_weights():
             upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
+        if self.actors is not None:
+            upload = self.actors.stored(upload)  # put once in the object store, read by every actor
         live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]
         if not live:
             raise NoReplicaLeftError("no rollout replica is left to publish the new weights to")
@@ -140,6 +146,8 @@ class DecoupledRollouts:
             client.close()
         if self.processes is not None:
             self.processes.stop()
+        if self.actors is not None:
+            self.actors.close()
 
 
 def _unless_down(call):
@@ -155,6 +163,10 @@ def open_rollout_backend(cfg, output_dir: str | Path):
     rollout = cfg.rollout
     if not rollout.is_decoupled:
         return ColocatedRollouts()
+    if rollout.is_on_ray:
+        from flowrl.rollout.ray_rollouts import open_engine_actors
+
+        return DecoupledRollouts(rollout, actors=open_engine_actors(cfg))
     if rollout.servers:
         return DecoupledRollouts(rollout, urls=rollout.servers)
     from flowrl.client import ReplicaProcesses

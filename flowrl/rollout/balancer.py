@@ -2,7 +2,7 @@
 
 A replica is anything with `submit(prompt, params) -> Future` and, for groups,
 `submit_batched(prompt, n, params) -> list[Future]` (an in-process DiffusionEngine, or a
-`flowrl.client.RemoteEngine`). The balancer counts samples handed to each
+`flowrl.client.RemoteEngine`, or a `flowrl.rollout.ray_engine.RayEngine`). The balancer counts samples handed to each
 replica and not yet finished, and gives each request to the live replica with the fewest (ties:
 the lowest index), so work spreads evenly even when replicas run at different speeds. A batched
 request (one prompt's group) always goes to one replica as one call, and so do the prompts of a
@@ -36,9 +36,9 @@ class NoReplicaLeftError(RuntimeError):
 
 
 def replica_name(replica, index: int) -> str:
-    """How messages name a replica: a remote client's URL, else its index."""
-    url = getattr(replica, "url", None)
-    return f"replica {index} ({url})" if url else f"replica {index}"
+    """How messages name a replica: a remote client's URL or an engine actor's name, else its index."""
+    label = getattr(replica, "url", None) or getattr(replica, "name", None)
+    return f"replica {index} ({label})" if label else f"replica {index}"
 
 
 @dataclass

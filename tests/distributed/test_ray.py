@@ -16,36 +16,6 @@ from distributed_runs import assert_same_final, metrics, trained_metrics
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'ray[train]')")
 
-# Set before Ray is imported (it reads them then): a local node on the loopback alone, offline.
-LOCAL_RAY_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
-
-
-@pytest.fixture(scope="module")  # shut down after this file: later tests see none of Ray's sockets or threads
-def local_ray():
-    saved = {name: os.environ.get(name) for name in [*LOCAL_RAY_ENV, "RAY_TMPDIR"]}
-    # A short folder of its own: Ray's socket paths (AF_UNIX, at most 107 bytes) would be too long
-    # under pytest's tmp_path of an xdist worker (/tmp/pytest-of-USER/pytest-N/popen-gwK/...).
-    ray_tmp = tempfile.TemporaryDirectory(prefix="ray", ignore_cleanup_errors=True)
-    os.environ.update(LOCAL_RAY_ENV, RAY_TMPDIR=ray_tmp.name)
-    import ray
-
-    # As flowrl's own local Ray (flowrl.distributed.ray_launcher): the same quiet Ray processes.
-    hook = {"worker_process_setup_hook": "flowrl.console.quiet_local_ray_worker"}
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, runtime_env=hook)
-    yield ray
-    ray.shutdown()
-    ray_tmp.cleanup()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
 
 def _ip(address: str):
     ip = ipaddress.ip_address(address)
