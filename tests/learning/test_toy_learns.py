@@ -1,4 +1,5 @@
-"""FlowGRPO on the committed toy model (docs/learning.md), as `flowrl bench learn` measures it:
+"""The algorithms on the committed toy model (docs/learning.md), as `flowrl bench learn` measures
+it. FlowGRPO:
 each recipe (full fine-tuning, LoRA) trains 40 steps, and so does its control with the advantages
 shuffled; on the 192 held-out prompts the run ends above its control, prompt by prompt (a paired
 95% interval above zero), and full fine-tuning also with non-overlapping intervals (measured: full
@@ -6,7 +7,10 @@ shuffled; on the 192 held-out prompts the run ends above its control, prompt by 
 gain over the base is not asserted: at 40 steps it is small (+0.02, +0.01) and within its interval
 of zero. The project's target, +0.10 held-out partial score over the base within a CI budget, is not
 reached yet (full: about +0.04 in 60 steps; LoRA: about 0); docs/learning.md has the numbers and
-what was tried. Each test takes about 1.5 minutes on one thread; the two run on separate workers."""
+what was tried. Each test takes about 1.5 minutes on one thread; the two run on separate workers.
+DiffusionNFT, AWM and online DPO (their toy recipes) train 20 steps each and end above their
+controls prompt by prompt (measured at 20 steps: paired gaps [+0.046, +0.128], [+0.139, +0.226],
+[+0.011, +0.082]; benchmarks/results/2026-12-05_algorithms_toy-cpu.md)."""
 
 from __future__ import annotations
 
