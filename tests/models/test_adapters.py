@@ -33,6 +33,7 @@ def test_ode_engine_matches_the_diffusers_pipeline(family, cfg, tiny_sd3_path, t
         num_inference_steps=steps,
         noise_level=0.0,
         logprobs=False,
+        sde_window=(0, steps - 1),  # keep the trajectory (an ODE request without one keeps the final latent)
         seed=3,
         guidance_scale=scale if cfg else 1.0,
         negative_prompt=negative if cfg else None,

@@ -44,6 +44,7 @@ def _ode(guidance_scale=3.5, true_cfg_scale=1.0, steps=5):
         num_inference_steps=steps,
         noise_level=0.0,
         logprobs=False,
+        sde_window=(0, steps - 1),  # keep the trajectory (an ODE request without one keeps the final latent)
         seed=3,
         guidance_scale=guidance_scale,
         true_cfg_scale=true_cfg_scale,

@@ -14,7 +14,10 @@ from flowrl.run.checkpoint import latest_checkpoint
 from flowrl.run.config import load_train_config
 
 PROMPT, NEGATIVE = "a photo of a cat", "blurry"
-ODE = SamplingParams(height=64, width=64, num_inference_steps=5, noise_level=0.0, logprobs=False, seed=3)
+# sde_window keeps the trajectory (an ODE request without one keeps the final latent alone).
+ODE = SamplingParams(
+    height=64, width=64, num_inference_steps=5, noise_level=0.0, logprobs=False, sde_window=(0, 4), seed=3
+)
 
 
 @pytest.fixture(scope="module")
