@@ -21,13 +21,19 @@ from flowrl.bench.learn import final_comparison, run_learning
 STEPS = 40
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
+def learned(recipe: str, name: str, steps: int, tmp_path) -> tuple[dict, dict]:
+    """(the partial score's final comparison, what to show when an assertion fails) of
+    `recipes/<recipe>.yaml` trained `steps` steps against its control."""
     report = run_learning(
-        f"recipes/toy_cpu_{mode}.yaml", [(mode, ())], STEPS, STEPS, tmp_path, samples_per_prompt=1, say=lambda _: None
+        f"recipes/{recipe}.yaml", [(name, ())], steps, steps, tmp_path, samples_per_prompt=1, say=lambda _: None
     )
     partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
-    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    return partial, {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
+    partial, shown = learned(f"toy_cpu_{mode}", mode, STEPS, tmp_path)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
     if mode == "full":
         assert partial["above_control"], shown
@@ -37,17 +43,7 @@ def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
 def test_forward_process_algorithms_end_above_their_controls(algorithm, tmp_path):
     """DiffusionNFT, AWM and online DPO (recipes/toy_cpu_<algorithm>.yaml) for 20 steps each, with
     their controls: each run ends above its control prompt by prompt (about a minute each)."""
-    report = run_learning(
-        f"recipes/toy_cpu_{algorithm}.yaml",
-        [(algorithm, ())],
-        20,
-        20,
-        tmp_path,
-        samples_per_prompt=1,
-        say=lambda _: None,
-    )
-    partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
-    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    partial, shown = learned(f"toy_cpu_{algorithm}", algorithm, 20, tmp_path)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
 
 
@@ -57,17 +53,7 @@ def test_flowgrpo_variants_end_above_their_shuffled_advantage_controls(variant, 
     """DanceGRPO's and GRPO-Guard's toy recipes (docs/learning.md: measured at 40 steps, dance 0.500
     against its control's 0.418, guard 0.541 against 0.464); their faster siblings are the formula and
     plumbing tests of tests/trainer/test_objectives.py and test_flow_grpo_variants.py."""
-    report = run_learning(
-        f"recipes/toy_cpu_{variant}.yaml",
-        [(variant, ())],
-        STEPS,
-        STEPS,
-        tmp_path,
-        samples_per_prompt=1,
-        say=lambda _: None,
-    )
-    partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
-    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    partial, shown = learned(f"toy_cpu_{variant}", variant, STEPS, tmp_path)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
 
 
