@@ -142,10 +142,13 @@ NFT = (
 )
 
 
+@pytest.mark.slow
 def test_diffusion_nft_sharded_over_two_ranks_equals_one_process(full_args, tmp_path):
     """DiffusionNFT's old policy (an average kept in each rank's shards, swapped in before the
     rollout gathers the weights), its per-pair noise (drawn by each sample's index among every
-    rank's) and its update over FSDP2 compute what one process does."""
+    rank's) and its update over FSDP2 compute what one process does (about a minute; its faster
+    siblings: the sharded FlowGRPO run above, and tests/trainer/test_diffusion_nft.py's rollouts
+    from the old policy and update as the mean of its pairs' losses in one process)."""
     args = (*full_args, *NFT, "trainer.val_every=0", "trainer.save_every=2")
     one = train_one_process(args, tmp_path / "one")
     two = check_launch(torchrun(args, tmp_path / "two")).output
