@@ -88,6 +88,21 @@ class UnitFlops:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def rollout(self, cfg) -> int:
+        """A training step's rollout: every sample's forwards at every step and its decode (on
+        merged weights with rollout.merge_lora, plus the merge)."""
+        s = cfg.rollout.sampling
+        samples = cfg.trainer.prompts_per_step * cfg.rollout.n
+        per_sample = s.num_inference_steps * self.rows_per_sample * self.rollout_forward_per_row
+        return samples * (per_sample + self.decode_per_image) + self.merge_per_rollout
+
+    def validation(self, cfg, val_images: int) -> int:
+        """A validation of `val_images` images: their forwards at every step and their decodes."""
+        v = cfg.rollout.val_sampling
+        return val_images * (
+            v.num_inference_steps * self.val_rows_per_sample * self.val_forward_per_row + self.val_decode_per_image
+        )
+
 
 def _merged_rollout_flops(adapter, cfg, prompt: str) -> tuple[int, int]:
     """(a row-forward on merged weights, one merge) at the training size (module docstring)."""

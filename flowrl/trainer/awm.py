@@ -16,14 +16,13 @@ geneval_sd3_no_cfg_1node).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from flowrl.run.step_flops import UnitFlops
-from flowrl.trainer.advantages import gdpo_weights, step_advantages
-from flowrl.trainer.algorithm import AlgorithmSetup, StepWeights
+from flowrl.trainer.algorithm import AlgorithmSetup
 from flowrl.trainer.awm_loss import awm_advantages, awm_policy_loss, surrogate_log_prob, velocity_kl
-from flowrl.trainer.diffusion_nft import phase_flops as forward_process_flops
-from flowrl.trainer.forward_update import ForwardProcessAlgorithm, Pair, current_weights
+from flowrl.trainer.forward_update import ForwardProcessAlgorithm, Pair
 from flowrl.trainer.scheduled_average import ScheduledAverage
 
 
@@ -39,15 +38,8 @@ class AWM(ForwardProcessAlgorithm):
     def averages(self) -> dict:
         return {"ema_policy": self.ema_policy}
 
-    def rollout_weights(self, policy_version: int):
-        """The trained weights (merged, with rollout.merge_lora)."""
-        return self.merged(policy_version)
-
-    def advantages(self, rows, step: int) -> StepWeights:
-        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, gdpo_weights(self.setup.cfg)))
-
     def reference_passes(self) -> list[tuple[str, object]]:
-        passes = [("start", current_weights), *self.reference_kl_pass()]
+        passes = [("start", contextlib.nullcontext), *self.reference_kl_pass()]
         if self.awm.ema_kl_beta > 0:
             passes.append(("ema", self.ema_policy.applied))
         return passes
@@ -76,11 +68,3 @@ class AWM(ForwardProcessAlgorithm):
         decay = self.ema_policy.current_decay(self.num_optimizer_steps)
         self.ema_policy.step(self.num_optimizer_steps)
         return {"awm/ema_decay": decay}
-
-    def phase_flops(self, units: UnitFlops, rows_trained: int, val_images: int = 0) -> dict[str, float]:
-        """As DiffusionNFT's, with one more no-grad forward per pair for the EMA policy."""
-        flops = forward_process_flops(units, self.setup.cfg, rows_trained, val_images)
-        if self.awm.ema_kl_beta > 0 and flops["old_log_prob"]:
-            per_pass = flops["old_log_prob"] / (2 if self.algorithm.kl_beta > 0 else 1)
-            flops["old_log_prob"] += per_pass
-        return flops

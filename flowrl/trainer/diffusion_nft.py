@@ -16,14 +16,9 @@ scripts/train_nft_sd3.py): online RL on the forward process.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from flowrl.run.step_flops import UnitFlops
-from flowrl.trainer.advantages import gdpo_weights, step_advantages
-from flowrl.trainer.algorithm import AlgorithmSetup, StepWeights
-from flowrl.trainer.forward_process import trained_pairs_per_sample
+from flowrl.trainer.algorithm import AlgorithmSetup
 from flowrl.trainer.forward_update import ForwardProcessAlgorithm, Pair
 from flowrl.trainer.nft_loss import nft_loss
 from flowrl.trainer.scheduled_average import ScheduledAverage
@@ -35,29 +30,13 @@ class DiffusionNFT(ForwardProcessAlgorithm):
 
     def __init__(self, setup: AlgorithmSetup):
         super().__init__(setup)
-        self.nft = setup.cfg.algorithm.nft
-        nft = self.nft
+        self.nft = nft = setup.cfg.algorithm.nft
         self.old = ScheduledAverage(self.trainable(), nft.old_decay_flat, nft.old_decay_rate, nft.old_decay_max)
+        self.rollout_average = self.old  # rollouts and rollout servers use the old policy
 
     def averages(self) -> dict:
         return {"old_policy": self.old}
 
-    # -- rollouts --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def rollout_weights(self, policy_version: int):
-        """The old policy in the shared modules (merged, with rollout.merge_lora)."""
-        with self.old.applied(), self.merged(policy_version):
-            yield
-
-    def published_weights(self):
-        """Rollout servers serve the old policy."""
-        return self.old.applied()
-
-    # -- rewards -> advantages ------------------------------------------------------------------
-    def advantages(self, rows, step: int) -> StepWeights:
-        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, gdpo_weights(self.setup.cfg)))
-
-    # -- the update ------------------------------------------------------------------------------
     def reference_passes(self) -> list[tuple[str, object]]:
         return [("old", self.old.applied), *self.reference_kl_pass()]
 
@@ -81,30 +60,3 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         decay = self.old.current_decay(self.num_optimizer_steps)
         self.old.step(self.num_optimizer_steps)
         return {"nft/old_decay": decay}
-
-    def phase_flops(self, units: UnitFlops, rows_trained: int, val_images: int = 0) -> dict[str, float]:
-        return phase_flops(units, self.setup.cfg, rows_trained, val_images)
-
-
-def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -> dict[str, float]:
-    """FLOPs of each phase of one DiffusionNFT step of `cfg` that trained `rows_trained` samples
-    (flowrl.run.step_flops counts the units): the rollout's forwards (every step, CFG-free) and
-    decodes (and the merge), the old policy's (and the reference's) forwards at every pair, the
-    update's forward + backward at every pair, validation's forwards and decodes."""
-    s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
-    samples = cfg.trainer.prompts_per_step * cfg.rollout.n
-    pairs = rows_trained * trained_pairs_per_sample(s.num_inference_steps, algo.train_timestep_fraction)
-    pairs *= cfg.trainer.update_epochs
-    forward_sample = units.rows_per_sample * units.forward_per_row
-    rollout_sample = s.num_inference_steps * units.rows_per_sample * units.rollout_forward_per_row
-    flops = {
-        "rollout": samples * (rollout_sample + units.decode_per_image) + units.merge_per_rollout,
-        "reward_wait": 0.0,
-        "old_log_prob": pairs * forward_sample * (2 if algo.kl_beta > 0 else 1),
-        "update": pairs * units.train_per_sample_step,
-        "weight_sync": 0.0,
-    }
-    if val_images:
-        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
-        flops["validation"] = val_images * (per_image + units.val_decode_per_image)
-    return {name: float(value) for name, value in flops.items()}

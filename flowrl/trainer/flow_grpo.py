@@ -147,13 +147,11 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
     the optimizer steps after the first, whose own forwards give the first one's denominators), the
     update's forward + backward and the KL reference's forward, validation's forwards and decodes
     (flowrl.run.step_flops counts the units). Phases without device work count 0."""
-    s, v, algo = cfg.rollout.sampling, cfg.rollout.val_sampling, cfg.algorithm
-    samples = cfg.trainer.prompts_per_step * cfg.rollout.n
+    algo = cfg.algorithm
     trained = rows_trained * trained_steps_per_sample(cfg)
     forward_sample = units.rows_per_sample * units.forward_per_row
-    rollout_sample = s.num_inference_steps * units.rows_per_sample * units.rollout_forward_per_row
     flops = {
-        "rollout": samples * (rollout_sample + units.decode_per_image) + units.merge_per_rollout,
+        "rollout": units.rollout(cfg),
         "reward_wait": 0.0,
         "old_log_prob": recomputed_rows(rows_trained, cfg) * trained_steps_per_sample(cfg) * forward_sample,
         "update": trained
@@ -162,7 +160,5 @@ def phase_flops(units: UnitFlops, cfg, rows_trained: int, val_images: int = 0) -
         "weight_sync": 0.0,
     }
     if val_images:
-        per_image = v.num_inference_steps * units.val_rows_per_sample * units.val_forward_per_row
-        per_image += units.val_decode_per_image
-        flops["validation"] = val_images * per_image
+        flops["validation"] = units.validation(cfg, val_images)
     return {name: float(value) for name, value in flops.items()}

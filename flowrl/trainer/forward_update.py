@@ -24,8 +24,16 @@ import torch
 from flowrl.engine.output import TransitionSpec
 from flowrl.models.base import host_to_device
 from flowrl.models.lora import adapter_disabled
+from flowrl.run.step_flops import UnitFlops
+from flowrl.trainer.advantages import gdpo_weights, step_advantages
 from flowrl.trainer.algorithm import Algorithm, AlgorithmSetup, StepWeights
-from flowrl.trainer.forward_process import PairNoise, global_rows, plan_pairs, rollout_timesteps
+from flowrl.trainer.forward_process import (
+    PairNoise,
+    global_rows,
+    plan_pairs,
+    rollout_timesteps,
+    trained_pairs_per_sample,
+)
 from flowrl.trainer.grad_checkpointing import choose_checkpointing
 from flowrl.trainer.merged_rollout import MergedRollout
 from flowrl.trainer.optim import Optimization
@@ -60,9 +68,12 @@ class PairBatch:
 
 
 class ForwardProcessAlgorithm(Algorithm):
-    """An algorithm that trains on final latents re-noised (module docstring)."""
+    """An algorithm that trains on final latents re-noised (module docstring). `rollout_average`:
+    the average of the weights its rollouts use and rollout servers serve (DiffusionNFT's old
+    policy, online DPO's reference snapshot; None: the trained weights)."""
 
     metric_names: tuple[str, ...] = ()  # the per-row values `pair_loss` returns besides the loss
+    rollout_average = None
 
     def __init__(self, setup: AlgorithmSetup):
         super().__init__(setup)
@@ -99,6 +110,20 @@ class ForwardProcessAlgorithm(Algorithm):
     def lora_merge_s(self) -> float:
         return self.merged.lora_merge_s
 
+    # -- rollouts and advantages -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def rollout_weights(self, policy_version: int):
+        """`rollout_average` in the shared modules, if any (merged, with rollout.merge_lora)."""
+        with self.published_weights(), self.merged(policy_version):
+            yield
+
+    def published_weights(self):
+        return contextlib.nullcontext() if self.rollout_average is None else self.rollout_average.applied()
+
+    def advantages(self, rows, step: int) -> StepWeights:
+        """The group-relative advantages (flowrl.trainer.advantages)."""
+        return StepWeights(*step_advantages(rows, self.algorithm, self.seed, step, gdpo_weights(self.setup.cfg)))
+
     # -- hooks -----------------------------------------------------------------------------------
     @abstractmethod
     def reference_passes(self) -> list[tuple[str, object]]:
@@ -112,6 +137,28 @@ class ForwardProcessAlgorithm(Algorithm):
     def after_update(self) -> dict:
         """After the step's optimizer steps (the averages move); returns metrics."""
         return {}
+
+    def phase_flops(self, units: UnitFlops, rows_trained: int, val_images: int = 0) -> dict[str, float]:
+        """FLOPs of each phase of a step that trained `rows_trained` samples (and validated
+        `val_images`; flowrl.run.step_flops counts the units): the rollout's, one forward per pair
+        for each reference pass (the old-velocity phase), one forward + backward per pair."""
+        cfg = self.setup.cfg
+        fraction = self.algorithm.train_timestep_fraction
+        pairs = rows_trained * self.rows_per_pair * cfg.trainer.update_epochs
+        pairs *= trained_pairs_per_sample(cfg.rollout.sampling.num_inference_steps, fraction)
+        forward = units.rows_per_sample * units.forward_per_row
+        flops = {
+            "rollout": units.rollout(cfg),
+            "reward_wait": 0.0,
+            "old_log_prob": pairs * forward * len(self.reference_passes()),
+            "update": pairs * units.train_per_sample_step,
+            "weight_sync": 0.0,
+        }
+        if val_images:
+            flops["validation"] = units.validation(cfg, val_images)
+        return {name: float(value) for name, value in flops.items()}
+
+    rows_per_pair = 1  # rows each planned (sample, timestep) pair runs (online DPO: chosen and rejected)
 
     def widen(self, forward: Forward) -> tuple[Forward, torch.Tensor]:
         """The rows a planned forward runs (by default its own) and, for each, which of the
@@ -226,9 +273,3 @@ class ForwardProcessAlgorithm(Algorithm):
         metrics.update(self.checkpointing.metrics())
         metrics.update(self.after_update())
         return metrics
-
-
-@contextlib.contextmanager
-def current_weights():
-    """The trained weights as they are (a reference pass of the weights the update starts from)."""
-    yield

@@ -17,15 +17,12 @@ config/dpo.py and verl-omni's online Qwen-Image recipe).
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
 from flowrl.engine.output import TransitionSpec
-from flowrl.run.step_flops import UnitFlops
+from flowrl.models.lora import adapter_disabled
 from flowrl.trainer.algorithm import AlgorithmSetup, StepWeights
-from flowrl.trainer.diffusion_nft import phase_flops as forward_process_flops
 from flowrl.trainer.dpo_loss import dpo_loss, flow_errors
 from flowrl.trainer.forward_update import ForwardProcessAlgorithm, Pair
 from flowrl.trainer.plan import Forward
@@ -56,12 +53,14 @@ def preference_pairs(rewards: np.ndarray, uids, shuffle_seed: tuple | None = Non
 class OnlineDPO(ForwardProcessAlgorithm):
     name = "online_dpo"
     metric_names = ("dpo_loss", "margin", "accuracy")
+    rows_per_pair = 2  # the chosen sample and its rejected partner
 
     def __init__(self, setup: AlgorithmSetup):
         super().__init__(setup)
         self.dpo = setup.cfg.algorithm.dpo
         # K > 0: the reference is a snapshot of the trained weights (decay 0: a copy when it moves).
         self.snapshot = ScheduledAverage(self.trainable(), 0, 0.0, 0.0) if self.dpo.ref_update_every else None
+        self.rollout_average = self.snapshot  # flow_grpo's online DPO samples with its reference
         self.partners: np.ndarray | None = None  # the step's, over every rank's rows
         self.local_partner: dict[int, int] = {}  # this rank's chosen row -> its rejected row
         self.specs: list = []
@@ -69,19 +68,6 @@ class OnlineDPO(ForwardProcessAlgorithm):
 
     def averages(self) -> dict:
         return {} if self.snapshot is None else {"dpo_reference": self.snapshot}
-
-    def rollout_weights(self, policy_version: int):
-        if self.snapshot is None:
-            return self.merged(policy_version)
-        return self._snapshot_rollout(policy_version)
-
-    @contextlib.contextmanager
-    def _snapshot_rollout(self, policy_version: int):
-        with self.snapshot.applied(), self.merged(policy_version):
-            yield
-
-    def published_weights(self):
-        return contextlib.nullcontext() if self.snapshot is None else self.snapshot.applied()
 
     # -- rewards -> pairs ------------------------------------------------------------------------
     def advantages(self, rows, step: int) -> StepWeights:
@@ -122,7 +108,7 @@ class OnlineDPO(ForwardProcessAlgorithm):
     def reference_passes(self) -> list[tuple[str, object]]:
         if self.snapshot is not None:
             return [("reference", self.snapshot.applied)]
-        return [("reference", lambda: _lora_disabled(self.setup.adapter.transformer))]
+        return [("reference", lambda: adapter_disabled(self.setup.adapter.transformer))]
 
     def pair_loss(self, velocity: torch.Tensor, pair: Pair) -> dict[str, torch.Tensor]:
         errors = flow_errors(velocity, pair.x0, pair.noise)
@@ -139,16 +125,3 @@ class OnlineDPO(ForwardProcessAlgorithm):
         if refreshed:
             self.snapshot.step(self.num_optimizer_steps)
         return {"dpo/reference_refreshed": float(refreshed)}
-
-    def phase_flops(self, units: UnitFlops, rows_trained: int, val_images: int = 0) -> dict[str, float]:
-        """As DiffusionNFT's over the chosen and rejected rows (one no-grad reference pass)."""
-        flops = forward_process_flops(units, self.setup.cfg, 2 * rows_trained, val_images)
-        if self.algorithm.kl_beta > 0:  # forward_process_flops counts a KL pass DPO does not run
-            flops["old_log_prob"] /= 2
-        return flops
-
-
-def _lora_disabled(transformer):
-    from flowrl.models.lora import adapter_disabled
-
-    return adapter_disabled(transformer)
