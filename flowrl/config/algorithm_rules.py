@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+GROUP_ADVANTAGES = ("flow_grpo", "diffusion_nft", "awm")
+
 # Settings of some algorithms alone: algorithm.<field> -> the algorithms it applies to.
 OWN_SETTINGS = {
     "clip_range": ("flow_grpo", "awm"),
@@ -20,7 +22,15 @@ OWN_SETTINGS = {
     "policy_loss": ("flow_grpo",),
     "dppo_tau": ("flow_grpo",),
     "kl_type": ("flow_grpo",),
-    "advantage_aggregation": ("flow_grpo", "diffusion_nft", "awm"),
+    "advantage_aggregation": GROUP_ADVANTAGES,
+    # The group-relative advantages and the KL to the reference (online DPO uses neither: its pairs
+    # are each group's best and worst sample, its loss already compares with a reference).
+    "std_mode": GROUP_ADVANTAGES,
+    "std_eps": GROUP_ADVANTAGES,
+    "adv_clip_max": GROUP_ADVANTAGES,
+    "zero_std_policy": GROUP_ADVANTAGES,
+    "zero_std_threshold": GROUP_ADVANTAGES,
+    "kl_beta": GROUP_ADVANTAGES,
     "nft": ("diffusion_nft",),
     "awm": ("awm",),
     "dpo": ("online_dpo",),

@@ -108,6 +108,10 @@ def test_bad_settings_are_refused_before_loading(make_cfg):
         make_cfg(*DPO, "trainer.lora.enabled=false")
     with pytest.raises(ValueError, match=r"rollout\.n=1 .*online_dpo compares samples within a prompt's group"):
         make_cfg(*DPO, "rollout.n=1")
+    # Settings online DPO would ignore: the group advantages' and the KL's.
+    for setting in ("algorithm.kl_beta=0.1", "algorithm.std_mode=group", "algorithm.adv_clip_max=2.0"):
+        with pytest.raises(ValueError, match=rf"{setting.split('=')[0]}=.* is a setting of algorithm\.name=flow_grpo"):
+            make_cfg(*DPO, setting)
     with pytest.raises(ValueError, match=r"algorithm\.dpo\.beta=5(\.0)? is a setting of algorithm\.name=online_dpo"):
         make_cfg("algorithm.dpo.beta=5")
     with pytest.raises(ValueError, match=r"rollout\.sampling\.noise_level=0\.7: algorithm\.name=online_dpo"):
