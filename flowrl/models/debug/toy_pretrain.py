@@ -30,6 +30,7 @@ from flowrl.models.debug.toy_modules import SCHEDULER_SHIFT, TEXT_LENGTH, ToySiz
 
 _KL_WEIGHT = 1e-5
 _WARMUP_STEPS = 100
+_LOSS_EVERY = 50  # steps between the progress bar's loss readings
 
 
 def render_pool(size: ToySize, num_images: int, seed: int, bar=None) -> tuple[list[str], torch.Tensor]:
@@ -85,7 +86,8 @@ def train_autoencoder(
         optimizer.step()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"autoencoder loss {loss.item():.4f}", refresh=False)
+            if step % _LOSS_EVERY == 0:
+                bar.set_postfix_str(f"autoencoder loss {loss.item():.4f}", refresh=False)
     vae.eval().requires_grad_(False)
     latents = encode_pictures(vae, pictures[: min(len(pictures), 2048)], device, scaled=False)
     vae.register_to_config(shift_factor=float(latents.mean()), scaling_factor=float(1.0 / latents.std()))
@@ -138,6 +140,7 @@ def train_transformer(
     rows = torch.tensor([caption_index[caption] for caption in captions])
     empty = caption_index[""]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else None
+    kept_params, trained_params = list(average.parameters()), list(transformer.parameters())
     for step in range(size.steps):
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(step, size.steps, size.lr)
@@ -163,10 +166,10 @@ def train_transformer(
         optimizer.step()
         decay = min(size.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
-            for kept, trained in zip(average.parameters(), transformer.parameters()):
-                kept.lerp_(trained, 1 - decay)
+            torch._foreach_lerp_(kept_params, trained_params, 1 - decay)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"flow loss {loss.item():.4f}", refresh=False)
+            if step % _LOSS_EVERY == 0:  # reading the loss waits for the device: not every step
+                bar.set_postfix_str(f"flow loss {loss.item():.4f}", refresh=False)
     transformer.eval().requires_grad_(False)
     return average
