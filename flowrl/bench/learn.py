@@ -4,9 +4,10 @@
         --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=3e-3' --out outputs/learn
 
 Every configuration is a name and a list of `key=value` overrides on top of the recipe (and of the
-overrides common to all). Each trains for `--steps` FlowGRPO steps and, unless `--no-control`,
+overrides common to all). Each trains for `--steps` steps (with `--seconds`, at most that many
+device-seconds: scored once more where the budget ends) and, unless `--no-control`,
 once more as its control (`algorithm.shuffle_advantages=true`: the same updates' sizes, with the
-advantages detached from the images). At step 0 and every `--eval-every` steps the held-out
+advantages detached from the images; with `--seconds`, for the steps its configuration reached). At step 0 and every `--eval-every` steps the held-out
 prompts (data.val_path, or --prompts) are sampled with the run's validation settings and weights
 (ODE, seeds from rollout.val_seed, `--eval-seeds` per prompt; trainer.ema's average when on) and
 scored with the run's reward; each of its components (the toy world's `partial` and `strict`)
@@ -150,8 +151,11 @@ def _baseline_key(cfg) -> str:
     return json.dumps(parts, sort_keys=True) if zero_start else f"unique-{id(cfg)}"
 
 
-def measure_run(cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselines: dict, say=print) -> dict:
-    """Train `cfg` to max(steps), scoring the held-out prompts at each of `steps`."""
+def measure_run(
+    cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselines: dict, say=print, seconds: float | None = None
+) -> dict:
+    """Train `cfg` to max(steps), scoring the held-out prompts at each of `steps`; with `seconds`,
+    stop once the training steps have taken that many device-seconds and score that step last."""
     from flowrl.trainer.trainer import Trainer
 
     points, images, train_rewards = [], {}, []
@@ -159,11 +163,15 @@ def measure_run(cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselin
     with Trainer(cfg) as trainer:
         devices = trainer.world.size
         for target in steps:
-            while trainer.step < target:
+            while trainer.step < target and (seconds is None or device_seconds < seconds):
                 metrics = trainer.train_step()
                 device_seconds += metrics["timing/step_s"] * devices
                 train_rewards.append(metrics.get("reward/mean"))
                 trainer.log(trainer.step, metrics)  # the run's own metrics.jsonl, as `flowrl train` writes it
+            out_of_time = trainer.step < target
+            if out_of_time and points and points[-1]["step"] == trainer.step:
+                break  # the budget ran out right after the last scored step
+            target = trainer.step
             key = _baseline_key(cfg)
             if target == 0 and key in baselines:
                 scores = baselines[key]
@@ -177,6 +185,8 @@ def measure_run(cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselin
             images[str(target)] = {name: values.tolist() for name, values in scores.items()}
             shown = ", ".join(f"{name} {value['mean']:.3f}" for name, value in summary.items())
             say(f"  {spec.label}: step {target} ({device_seconds:.0f} device-s): {shown}")
+            if out_of_time:
+                break
     return {
         "name": spec.name,
         "label": spec.label,
@@ -199,8 +209,11 @@ def run_learning(
     samples_per_prompt: int = 2,
     control: bool = True,
     say=print,
+    seconds: float | None = None,
 ) -> dict:
-    """Measure every configuration (and its control); returns the report `learn.json` holds."""
+    """Measure every configuration (and its control); returns the report `learn.json` holds. With
+    `seconds`, each configuration trains for at most that many device-seconds (and `steps`), and its
+    control for exactly the steps the configuration reached, scored at the same steps."""
     from flowrl.data.prompts import load_prompt_rows
     from flowrl.rewards import build_reward_from_config
 
@@ -222,6 +235,7 @@ def run_learning(
         "samples_per_prompt": samples_per_prompt,
         "interval": "95% normal approximation over prompts (each prompt's mean over its seeds)",
         "device_seconds": "wall time of the training steps (evaluation excluded) x devices",
+        "seconds": seconds,
         "runs": [],
     }
     baselines: dict = {}
@@ -235,7 +249,11 @@ def run_learning(
             build_reward_from_config(cfg.reward),
         )
         say(f"{spec.label}: {' '.join(overrides) or '(the recipe as it is)'}")
-        measured = measure_run(cfg, spec, at, held_out, baselines, say)
+        if spec.control and seconds is not None:  # the configuration's own steps, paired step by step
+            reached = next(r for r in report["runs"] if r["name"] == spec.name and not r["control"])
+            measured = measure_run(cfg, spec, [p["step"] for p in reached["points"]], held_out, baselines, say)
+        else:
+            measured = measure_run(cfg, spec, at, held_out, baselines, say, seconds)
         report["runs"].append({**measured, "overrides": overrides})
     return report
 
@@ -361,6 +379,7 @@ def run_learn(args) -> int:
             num_prompts=args.eval_prompts,
             samples_per_prompt=args.eval_seeds,
             control=not args.no_control,
+            seconds=args.seconds,
         )
     except (OutputExistsError, ValueError) as error:
         print(f"flowrl bench learn: error: {error}", file=sys.stderr)

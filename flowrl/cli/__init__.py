@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 # name -> (module, one-line help). Multi-word commands ("data ocr", "bench rollout") are handled
@@ -44,6 +45,17 @@ def positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
     return number
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowrl.cli import positive_int, seed_int
+from flowrl.cli import positive_float, positive_int, seed_int
 from flowrl.models.debug.architectures import ARCHITECTURES
 
 
@@ -146,6 +146,13 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=30, help="training steps of every run")
     parser.add_argument(
         "--eval-every", type=positive_int, default=None, help="steps between evaluations (default: steps / 3)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=positive_float,
+        default=None,
+        help="a budget per configuration: stop training after this many device-seconds (or --steps), score "
+        "that step too; its control trains the same number of steps",
     )
     parser.add_argument(
         "--prompts", default=None, metavar="FILE", help="held-out prompts (default: the recipe's data.val_path)"

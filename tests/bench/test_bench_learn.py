@@ -96,3 +96,23 @@ def test_bad_override_is_named_before_anything_trains(tmp_path, capsys):
         ["bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--out", str(tmp_path / "o"), "--run", "x: nokey"]
     )
     assert code == 2 and "'nokey' is not a key=value override" in capsys.readouterr().err
+
+
+def test_a_seconds_budget_stops_the_run_and_its_control_trains_as_many_steps(tmp_path, capsys):
+    """--seconds: the configuration stops once its steps took the budget (here after its first step)
+    and is scored there; its control trains exactly those steps, scored at the same steps."""
+    out = tmp_path / "budget"
+    with_budget = lambda seconds: [
+        "bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--steps", "5", "--eval-every", "1",
+        "--seconds", seconds, "--eval-prompts", "4", "--eval-seeds", "1", "--out", str(out), "--run", "full:",
+        "trainer.prompts_per_step=2", "rollout.n=2", "rollout.sampling.num_inference_steps=3",
+    ]  # fmt: skip
+    assert main(with_budget("1e-6")) == 0
+    report = json.loads((out / "learn.json").read_text())
+    assert report["seconds"] == 1e-6
+    assert [[p["step"] for p in run["points"]] for run in report["runs"]] == [[0, 1], [0, 1]]
+    assert [run["label"] for run in report["runs"]] == ["full", "full (control)"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(with_budget("0"))
+    assert "must be a finite number > 0" in capsys.readouterr().err
