@@ -18,7 +18,8 @@ OUT/learn.png (each component against steps and against device-seconds, configur
 side, controls dashed, intervals shaded), and prints a summary: base, final and control values,
 the gain over the base with its paired 95% interval (prompt by prompt, the same seeds), whether
 the final interval clears the control's, and when each curve first reaches the first
-configuration's final value.
+configuration's final value. `--jobs K` measures the configurations in K processes at once
+(flowrl.bench.learn_jobs), for models that leave the device mostly idle.
 
 It drives Trainer.train_step and the evaluation path of `flowrl eval` (flowrl.eval.inference.
 sample_rows, flowrl.eval.evaluate); it adds no training logic.
@@ -360,6 +361,7 @@ def write_report(report: dict, out: Path) -> tuple[Path, Path | None]:
 
 def run_learn(args) -> int:
     """The `flowrl bench learn` command (module docstring)."""
+    from flowrl.bench.learn_jobs import JobFailed, run_jobs
     from flowrl.output_paths import OutputExistsError, check_output_folder, file_sizes, write_marker
 
     out = Path(args.out)
@@ -368,20 +370,23 @@ def run_learn(args) -> int:
         configurations = [parse_run(text) for text in args.run] or [("flowgrpo", ())]
         expand_runs(configurations, not args.no_control)  # name clashes, before anything loads
         start = time.perf_counter()
-        report = run_learning(
-            args.config,
-            configurations,
-            args.steps,
-            args.eval_every or max(1, args.steps // 3),
-            out,
-            common=list(args.overrides),
-            prompts=args.prompts,
-            num_prompts=args.eval_prompts,
-            samples_per_prompt=args.eval_seeds,
-            control=not args.no_control,
-            seconds=args.seconds,
-        )
-    except (OutputExistsError, ValueError) as error:
+        if args.jobs > 1 and len(configurations) > 1:
+            report = run_jobs(args, configurations, out)
+        else:
+            report = run_learning(
+                args.config,
+                configurations,
+                args.steps,
+                args.eval_every or max(1, args.steps // 3),
+                out,
+                common=list(args.overrides),
+                prompts=args.prompts,
+                num_prompts=args.eval_prompts,
+                samples_per_prompt=args.eval_seeds,
+                control=not args.no_control,
+                seconds=args.seconds,
+            )
+    except (OutputExistsError, ValueError, JobFailed) as error:
         print(f"flowrl bench learn: error: {error}", file=sys.stderr)
         return 2
     report["wall_seconds"] = time.perf_counter() - start

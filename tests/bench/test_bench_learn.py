@@ -83,6 +83,13 @@ def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
     assert all(start == starts[0] for start in starts) and set(starts[0]) == {"partial", "strict"}
     assert all(len(run["images"]["1"]["partial"]) == 4 for run in report["runs"])  # 4 prompts x 1 seed
     assert "full partial: base" in printed and "control" in printed
+    # Measured by two processes at once (--jobs 2: full and its control in one, lora and its in the
+    # other), the joined report holds the same runs, in order, with the same scores.
+    assert main([*_short_learn(tmp_path / "jobs"), "--jobs", "2"]) == 0
+    joined = json.loads((tmp_path / "jobs" / "learn.json").read_text())
+    assert joined["jobs"] == 2 and (tmp_path / "jobs" / "learn.png").stat().st_size > 0
+    assert [run["label"] for run in joined["runs"]] == [run["label"] for run in report["runs"]]
+    assert [run["images"] for run in joined["runs"]] == [run["images"] for run in report["runs"]]
     # The folder is the bench's now: a second run into it is allowed, a folder of something else is not.
     other = tmp_path / "other"
     other.mkdir()
