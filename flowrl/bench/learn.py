@@ -18,7 +18,7 @@ OUT/learn.png (each component against steps and against device-seconds, configur
 side, controls dashed, intervals shaded), and prints a summary: base, final and control values,
 the gain over the base with its paired 95% interval (prompt by prompt, the same seeds), whether
 the final interval clears the control's, and when each curve first reaches the first
-configuration's final value. `--jobs K` measures the configurations in K processes at once
+configuration's final value. `--jobs K` measures the runs in up to K processes at once
 (flowrl.bench.learn_jobs), for models that leave the device mostly idle.
 
 It drives Trainer.train_step and the evaluation path of `flowrl eval` (flowrl.eval.inference.
@@ -81,14 +81,17 @@ def parse_run(text: str) -> tuple[str, tuple[str, ...]]:
     return name, overrides
 
 
-def expand_runs(configurations: list[tuple[str, tuple[str, ...]]], control: bool) -> list[RunSpec]:
-    """Each configuration, followed by its control when `control`."""
+def expand_runs(
+    configurations: list[tuple[str, tuple[str, ...]]], control: bool, trained: bool = True
+) -> list[RunSpec]:
+    """Each configuration (when `trained`), followed by its control (when `control`)."""
     names = [name for name, _ in configurations]
     if len(set(names)) != len(names):
         raise ValueError(f"--run names must differ: {names}")
     runs = []
     for name, overrides in configurations:
-        runs.append(RunSpec(name, overrides))
+        if trained:
+            runs.append(RunSpec(name, overrides))
         if control:
             runs.append(RunSpec(name, overrides, control=True))
     return runs
@@ -211,6 +214,7 @@ def run_learning(
     control: bool = True,
     say=print,
     seconds: float | None = None,
+    trained: bool = True,
 ) -> dict:
     """Measure every configuration (and its control); returns the report `learn.json` holds. With
     `seconds`, each configuration trains for at most that many device-seconds (and `steps`), and its
@@ -219,7 +223,7 @@ def run_learning(
     from flowrl.rewards import build_reward_from_config
 
     out = Path(out)
-    runs = expand_runs(list(configurations), control)
+    runs = expand_runs(list(configurations), control, trained)
     at = evaluation_steps(steps, eval_every)
     first_cfg, _ = _load_run_config(config_path, list(common), runs[0], steps, out)
     path = prompts or first_cfg.data.val_path
@@ -368,9 +372,14 @@ def run_learn(args) -> int:
     try:
         check_output_folder(out, LEARN_MARKER, args.overwrite)
         configurations = [parse_run(text) for text in args.run] or [("flowgrpo", ())]
+        if args.controls_only and (args.no_control or args.seconds is not None):
+            raise ValueError(
+                "--controls-only measures the controls alone: it takes neither --no-control nor --seconds "
+                "(a control under --seconds trains the steps its configuration reached)"
+            )
         expand_runs(configurations, not args.no_control)  # name clashes, before anything loads
         start = time.perf_counter()
-        if args.jobs > 1 and len(configurations) > 1:
+        if args.jobs > 1:
             report = run_jobs(args, configurations, out)
         else:
             report = run_learning(
@@ -385,6 +394,7 @@ def run_learn(args) -> int:
                 samples_per_prompt=args.eval_seeds,
                 control=not args.no_control,
                 seconds=args.seconds,
+                trained=not args.controls_only,
             )
     except (OutputExistsError, ValueError, JobFailed) as error:
         print(f"flowrl bench learn: error: {error}", file=sys.stderr)

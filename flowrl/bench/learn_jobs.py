@@ -1,13 +1,14 @@
-"""`flowrl bench learn --jobs K`: the configurations measured by K processes at once, one report.
+"""`flowrl bench learn --jobs K`: the runs measured by up to K processes at once, one report.
 
 A small model (the toy world's) leaves most of a GPU, and all of a many-core CPU, idle; K processes
-measuring disjoint configurations fill it. Each configuration stays in one job with its control
-(with `--seconds` the control trains the steps its configuration reached). Each job is the same
-command with its share of `--run`s, writing OUT/jobs/job-I/ (learn.json, the runs, and job-I.log);
-this module then joins their runs, in the order given, into one OUT/learn.json and learn.png.
+measuring disjoint runs fill it. A unit of work is a configuration or its control, each in a process
+of its own (the same command with one `--run` and `--no-control` or `--controls-only`), except under
+`--seconds`, where a control trains the steps its configuration reached and so follows it in the
+same process. Each unit writes OUT/jobs/unit-I/ (learn.json, its runs, unit.log); this module then
+joins their runs, in the order one process measures them, into one OUT/learn.json and learn.png.
 
-The jobs share the device, so a run's device-seconds are its steps' wall time under that sharing
-(the report says `jobs`); steps, scores and intervals are what one process would measure.
+The processes share the device, so a run's device-seconds are its steps' wall time under that
+sharing (the report says `jobs`); steps, scores and intervals are what one process would measure.
 """
 
 from __future__ import annotations
@@ -16,27 +17,29 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
 class JobFailed(RuntimeError):
-    """A job's process exited with an error (its log says why)."""
+    """A unit's process exited with an error (its log says why)."""
 
 
-def split_configurations(configurations: list, jobs: int) -> list[list]:
-    """`configurations` in at most `jobs` contiguous groups of near-equal size, none empty."""
-    jobs = min(jobs, len(configurations))
-    size, extra = divmod(len(configurations), jobs)
-    groups, start = [], 0
-    for index in range(jobs):
-        end = start + size + (1 if index < extra else 0)
-        groups.append(configurations[start:end])
-        start = end
-    return groups
+def job_units(args, configurations: list) -> list[tuple[list, str]]:
+    """What the jobs share out: (configurations, which) with which = "both" (a configuration and its
+    control, in order), "trained" or "controls"."""
+    if args.no_control:
+        return [([item], "trained") for item in configurations]
+    if args.controls_only:
+        return [([item], "controls") for item in configurations]
+    if args.seconds is not None:
+        return [([item], "both") for item in configurations]
+    return [([item], which) for item in configurations for which in ("trained", "controls")]
 
 
-def job_command(args, group: list, out: Path) -> list[str]:
-    """The `flowrl bench learn` command line measuring `group` (name, overrides) into `out`."""
+def job_command(args, group: list, which: str, out: Path) -> list[str]:
+    """The `flowrl bench learn` command line measuring `group` (name, overrides) into `out`: the
+    configurations, their controls, or both (`which`)."""
     command = [sys.executable, "-m", "flowrl.cli", "bench", "learn", "--config", str(args.config)]
     command += ["--steps", str(args.steps), "--eval-seeds", str(args.eval_seeds), "--out", str(out), "--overwrite"]
     for flag, value in (
@@ -47,42 +50,45 @@ def job_command(args, group: list, out: Path) -> list[str]:
     ):
         if value is not None:
             command += [flag, str(value)]
-    if args.no_control:
-        command.append("--no-control")
+    command += {"both": [], "trained": ["--no-control"], "controls": ["--controls-only"]}[which]
     for name, overrides in group:
         command += ["--run", f"{name}: {shlex.join(overrides)}".rstrip()]
     return command + list(args.overrides)
 
 
 def run_jobs(args, configurations: list, out: Path, say=print) -> dict:
-    """Measure `configurations` in `args.jobs` processes; returns the joined report. JobFailed naming
-    the job's log when one fails."""
-    groups = split_configurations(configurations, args.jobs)
-    processes = []
-    for index, group in enumerate(groups):
-        folder = out / "jobs" / f"job-{index}"
-        folder.mkdir(parents=True, exist_ok=True)
-        log = folder / f"job-{index}.log"
-        say(f"job {index}: {', '.join(name for name, _ in group)} (log: {log})")
-        with open(log, "w") as handle:
-            processes.append(
-                (
-                    folder,
-                    log,
-                    subprocess.Popen(job_command(args, group, folder), stdout=handle, stderr=subprocess.STDOUT),
-                )
-            )
-    failed = [(folder, log, process.wait()) for folder, log, process in processes]
-    failed = [(log, code) for _, log, code in failed if code != 0]
-    if failed:
-        log, code = failed[0]
-        tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(
-            f"bench learn job exited with {code} ({len(failed)} of {len(groups)} failed); see {log}: {tail[0]}"
-        )
-    reports = [json.loads((folder / "learn.json").read_text()) for folder, _, _ in processes]
+    """Measure `configurations` with at most `args.jobs` processes at a time, one per unit of
+    `job_units` (the next starts when one ends); returns the joined report. JobFailed naming the
+    unit's log when one fails."""
+    from flowrl.bench.learn import RunSpec, _load_run_config
+
+    for name, overrides in configurations:  # a bad override is named here, before any process starts
+        _load_run_config(args.config, list(args.overrides), RunSpec(name, overrides), args.steps, out)
+    units = job_units(args, configurations)
+    waiting, running, done = list(enumerate(units)), [], {}
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            index, (group, which) = waiting.pop(0)
+            folder = out / "jobs" / f"unit-{index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            log = folder / "unit.log"
+            say(f"unit {index}: {', '.join(name for name, _ in group)} ({which}; log: {log})")
+            with open(log, "w") as handle:
+                command = job_command(args, group, which, folder)
+                running.append((index, folder, log, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)))
+        time.sleep(0.2)
+        for entry in [entry for entry in running if entry[3].poll() is not None]:
+            running.remove(entry)
+            index, folder, log, process = entry
+            if process.returncode != 0:
+                for other in running:
+                    other[3].kill()
+                tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                raise JobFailed(f"bench learn unit {index} exited with {process.returncode}; see {log}: {tail[0]}")
+            done[index] = json.loads((folder / "learn.json").read_text())
+    reports = [done[index] for index in sorted(done)]
     joined = {key: value for key, value in reports[0].items() if key not in ("runs", "wall_seconds")}
-    joined["jobs"] = len(groups)
-    joined["device_seconds"] += f"; {len(groups)} jobs shared the device"
+    joined["jobs"] = args.jobs
+    joined["device_seconds"] += f"; up to {args.jobs} processes shared the device"
     joined["runs"] = [run for report in reports for run in report["runs"]]
     return joined

@@ -163,11 +163,14 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-seeds", type=positive_int, default=2, help="samples (seeds) per held-out prompt")
     parser.add_argument("--no-control", action="store_true", help="skip the shuffled-advantage control runs")
     parser.add_argument(
+        "--controls-only", action="store_true", help="measure only the control runs (not with --seconds)"
+    )
+    parser.add_argument(
         "--jobs",
         type=positive_int,
         default=1,
-        help="measure the configurations in this many processes at once, sharing the device (each with its "
-        "control); one joined report",
+        help="measure the runs in up to this many processes at once, sharing the device (a configuration and "
+        "its control each in its own, but together under --seconds); one joined report",
     )
     parser.add_argument("--out", default="outputs/bench-learn", help="folder for learn.json, learn.png and the runs")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out flowrl did not write")

@@ -5,6 +5,7 @@ configuration, its control and their shared step-0 evaluation."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -83,13 +84,21 @@ def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
     assert all(start == starts[0] for start in starts) and set(starts[0]) == {"partial", "strict"}
     assert all(len(run["images"]["1"]["partial"]) == 4 for run in report["runs"])  # 4 prompts x 1 seed
     assert "full partial: base" in printed and "control" in printed
-    # Measured by two processes at once (--jobs 2: full and its control in one, lora and its in the
-    # other), the joined report holds the same runs, in order, with the same scores.
-    assert main([*_short_learn(tmp_path / "jobs"), "--jobs", "2"]) == 0
+    # Measured by two processes at once (--jobs 2, one per configuration), the joined report holds
+    # the same runs, in order, with the same scores.
+    assert main([*_short_learn(tmp_path / "jobs"), "--jobs", "2", "--no-control"]) == 0
     joined = json.loads((tmp_path / "jobs" / "learn.json").read_text())
     assert joined["jobs"] == 2 and (tmp_path / "jobs" / "learn.png").stat().st_size > 0
-    assert [run["label"] for run in joined["runs"]] == [run["label"] for run in report["runs"]]
-    assert [run["images"] for run in joined["runs"]] == [run["images"] for run in report["runs"]]
+    trained = [run for run in report["runs"] if not run["control"]]
+    assert [run["label"] for run in joined["runs"]] == [run["label"] for run in trained]
+    assert [run["images"] for run in joined["runs"]] == [run["images"] for run in trained]
+    # A unit that fails is named with its log, and the others are stopped.
+    capsys.readouterr()
+    failing = [sys.executable, "-c", "print('the cause'); raise SystemExit(2)"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("flowrl.bench.learn_jobs.job_command", lambda *args: failing)
+        assert main([*_short_learn(tmp_path / "fails"), "--jobs", "2"]) == 2
+    assert "exited with 2; see" in (err := capsys.readouterr().err) and "the cause" in err
     # The folder is the bench's now: a second run into it is allowed, a folder of something else is not.
     other = tmp_path / "other"
     other.mkdir()
@@ -123,3 +132,18 @@ def test_a_seconds_budget_stops_the_run_and_its_control_trains_as_many_steps(tmp
     with pytest.raises(SystemExit):
         main(with_budget("0"))
     assert "must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_jobs_split_runs_into_units():
+    """Each configuration and each control is a process of its own, except under --seconds (a
+    control trains the steps its configuration reached) and with --no-control / --controls-only."""
+    from types import SimpleNamespace
+
+    from flowrl.bench.learn_jobs import job_units
+
+    configs = [("a", ()), ("b", ("x=1",))]
+    args = lambda **kw: SimpleNamespace(**{"no_control": False, "controls_only": False, "seconds": None, **kw})
+    assert [which for _, which in job_units(args(), configs)] == ["trained", "controls", "trained", "controls"]
+    assert [which for _, which in job_units(args(seconds=5.0), configs)] == ["both", "both"]
+    assert [which for _, which in job_units(args(no_control=True), configs)] == ["trained", "trained"]
+    assert [which for _, which in job_units(args(controls_only=True), configs)] == ["controls", "controls"]
