@@ -146,6 +146,14 @@ def test_step_flops_follow_the_adapters_rows(tmp_path, recipe, overrides, rows):
     [
         (["model.path=random:no-such-model"], "model.path='random:no-such-model'"),
         (["model.path=random:tiny-sd3", "--peer-steps", "-1"], "--peer-steps=-1"),
+        (
+            [
+                "model.path=random:tiny-sd3",
+                "rollout.sampling.sde_window_size=2",
+                "rollout.sampling.ode_solver=dpmpp_2m",
+            ],
+            "rollout.sampling.ode_solver='dpmpp_2m', ode_tail_ratio=1.0: the peer loop",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, named):
