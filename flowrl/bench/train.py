@@ -251,10 +251,6 @@ def run_train(args) -> int:
         prepared = check_before_loading(cfg)  # every cheap check before the model loads
         if args.peer_steps < 0:
             raise ValueError(f"--peer-steps={args.peer_steps} must be >= 0 (0: no peer loop)")
-        if args.peer_steps:
-            from flowrl.bench.peer import check_peer_sampling
-
-            check_peer_sampling(cfg.rollout.sampling)
     except ValueError as error:
         shutil.rmtree(output_dir, ignore_errors=True)
         print(f"flowrl bench train: error: {error}", file=sys.stderr)

@@ -146,14 +146,6 @@ def test_step_flops_follow_the_adapters_rows(tmp_path, recipe, overrides, rows):
     [
         (["model.path=random:no-such-model"], "model.path='random:no-such-model'"),
         (["model.path=random:tiny-sd3", "--peer-steps", "-1"], "--peer-steps=-1"),
-        (
-            [
-                "model.path=random:tiny-sd3",
-                "rollout.sampling.sde_window_size=2",
-                "rollout.sampling.ode_solver=dpmpp_2m",
-            ],
-            "rollout.sampling.ode_solver='dpmpp_2m', ode_tail_ratio=1.0: the peer loop",
-        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, named):
@@ -282,6 +274,17 @@ def test_a_failing_peer_keeps_flowrls_figures(tmp_path, capsys):
     assert code == 1
     assert "sde_type='cps'" in report["peer"]["error"] and report["flowrl"]["step_seconds"] > 0
     assert "the peer's loop failed" in capsys.readouterr().out
+
+
+def test_the_peer_refuses_the_ode_tail_settings_it_would_not_honour():
+    """It takes every step outside the window with Euler: a Flash recipe fails the peer alone."""
+    from flowrl.bench.peer import check_peer_sampling
+    from flowrl.run.config import load_train_config
+
+    cfg = load_train_config(str(REPO / "recipes" / "qwen_image_mixgrpo_flash_lora.yaml"), [])
+    with pytest.raises(ValueError, match=r"ode_solver='dpmpp_2m', ode_tail_ratio=0\.4: the peer loop .*--peer-steps 0"):
+        check_peer_sampling(cfg.rollout.sampling)
+    check_peer_sampling(cfg.rollout.sampling.replace(ode_solver="euler", ode_tail_ratio=1.0))
 
 
 @pytest.mark.gpu
