@@ -16,6 +16,10 @@ sample owns its generator, so the engine draws the noise) or scores a given next
 `next_latents=` the stored one). Both paths share the same mean/std code, which is what keeps
 rollout and trainer log-probs equal.
 
+`data_prediction`, `dpmpp_2m_coefficients` and `multistep_update` make MixGRPO-Flash's
+second-order multistep ODE step (DPM-Solver++(2M)) from a sample's previous data prediction, which
+the caller keeps per sample; `compress_tail` gives the shorter schedule after its SDE window.
+
 This module is tensor math only: it knows nothing about models, engines, configs or training
 (the list of step types is `flowrl.sampling_params.SdeType`, plain data).
 """
@@ -148,6 +152,70 @@ def ode_step(
     """The Euler ODE step x' = x + v * (s' - s), in float32."""
     x = latents.float()
     return x + velocity.float() * (_per_row(sigma_next, x) - _per_row(sigma, x))
+
+
+def data_prediction(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The model's prediction of the clean sample, x0 = x - sigma * v, in float32 (B, ...)."""
+    x = latents.float()
+    return x - _per_row(sigma, x) * velocity.float()
+
+
+def dpmpp_2m_coefficients(sigma_prev: float, sigma: float, sigma_next: float) -> tuple[float, float, float]:
+    """(c_x, c_0, c_prev) of one DPM-Solver++(2M) step from sigma to sigma_next (0 < sigma_next <
+    sigma < sigma_prev <= 1): x' = c_x * x + c_0 * x0 + c_prev * x0_prev, with x0 the data
+    prediction at sigma and x0_prev the one at sigma_prev (the previous step's).
+
+    DPM-Solver++ (arXiv 2211.01095, the multistep second-order update) on the rectified flow's
+    alpha = 1 - sigma, with lambda = log(alpha / sigma), h = lambda' - lambda,
+    r = (lambda - lambda_prev) / h, D = x0 + (x0 - x0_prev) / (2 r):
+    x' = (sigma' / sigma) x + alpha' (1 - exp(-h)) D. At sigma_prev = 1 (lambda_prev = -inf) the
+    correction vanishes and the step is first order, which on a rectified flow is the Euler step.
+    Host floats in double precision: the caller sends them to the device with the step's scalars.
+    """
+    if not 0.0 < sigma_next < sigma < sigma_prev <= 1.0:
+        raise ValueError(
+            f"dpmpp_2m_coefficients needs 0 < sigma_next < sigma < sigma_prev <= 1, got "
+            f"({sigma_prev}, {sigma}, {sigma_next})"
+        )
+    alpha, alpha_next = 1.0 - sigma, 1.0 - sigma_next
+    first_order = alpha_next - sigma_next * alpha / sigma  # alpha' (1 - exp(-h))
+    if sigma_prev >= 1.0:
+        return sigma_next / sigma, first_order, 0.0
+    lam = math.log(alpha / sigma)
+    h = math.log(alpha_next / sigma_next) - lam
+    half_inverse_r = h / (2.0 * (lam - math.log((1.0 - sigma_prev) / sigma_prev)))
+    return sigma_next / sigma, first_order * (1.0 + half_inverse_r), -first_order * half_inverse_r
+
+
+def multistep_update(
+    latents: torch.Tensor, x0: torch.Tensor, x0_prev: torch.Tensor, coefficients: torch.Tensor
+) -> torch.Tensor:
+    """x' = c_x * x + c_0 * x0 + c_prev * x0_prev per row, in float32; coefficients (3, B) as
+    `dpmpp_2m_coefficients` gives them, one column per row."""
+    x = latents.float()
+    c_x, c_0, c_prev = (_per_row(c, x) for c in coefficients.float())
+    return c_x * x + c_0 * x0.float() + c_prev * x0_prev.float()
+
+
+def compress_tail(sigmas: list[float], start: int, ratio: float) -> list[float]:
+    """MixGRPO-Flash's shorter ODE tail: the schedule `sigmas` (T + 1 values ending at 0) with its
+    n = T - start steps from step `start` (the SDE window's end) to sigma 0 replaced by
+    max(int((n + 1) * ratio), 2) - 1 steps. As MixGRPO-Flash's dpm_post_compress_ratio, the new
+    points lie evenly spaced in the schedule's step index from `start` to T; between two of the
+    schedule's sigmas a point's sigma is interpolated linearly (MixGRPO evaluates its time shift
+    there instead). sigmas[:start + 1] are kept as they are."""
+    steps = len(sigmas) - 1
+    tail = steps - start
+    points = max(int((tail + 1) * ratio), 2)
+    if not 0 <= start < steps or points >= tail + 1:
+        return list(sigmas)
+    out = list(sigmas[: start + 1])
+    for j in range(1, points - 1):
+        position = start + j * tail / (points - 1)
+        i = int(position)
+        out.append(sigmas[i] + (position - i) * (sigmas[i + 1] - sigmas[i]))
+    out.append(sigmas[-1])
+    return out
 
 
 def kl_to_reference(step: StepResult, mean_ref: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,10 @@ from typing import Literal, get_args
 # "dance": DanceGRPO's step, "sde"'s mean with a constant diffusion coefficient (ALGORITHMS.md 1.1).
 SdeType = Literal["sde", "cps", "dance"]
 
+# The solvers of the deterministic steps after the SDE window: "euler", or "dpmpp_2m",
+# MixGRPO-Flash's second-order multistep DPM-Solver++ (flowrl.sampler.dpmpp_2m_coefficients).
+OdeSolver = Literal["euler", "dpmpp_2m"]
+
 # Limits for any model, so an absurd request fails at once instead of in a giant allocation: a
 # side of MAX_IMAGE_SIDE pixels, MAX_IMAGE_PIXELS pixels per image (a 2048 x 4096 image), and
 # MAX_INFERENCE_STEPS denoising steps. Seeds are non-negative and below 2**63 (int64 everywhere).
@@ -79,6 +83,21 @@ class SamplingParams:
     noise of its first sample; each still draws its own SDE noise (DanceGRPO's init_same_noise). A
     request of one sample starts from its own noise either way."""
 
+    ode_solver: OdeSolver = "euler"
+    """The solver of the deterministic steps after the SDE window (of every step, for an ODE
+    request without a window): `euler`, or `dpmpp_2m`, MixGRPO-Flash's DPM-Solver++(2M): a
+    second-order multistep step on the data prediction x0 = x - sigma * v and the sample's
+    previous step's (at the first step after the window, the window's last step's, as
+    MixGRPO-Flash does); first order, which is the Euler step, where there is no previous step and
+    on the last step, to sigma 0. Steps before the window stay Euler, as in MixGRPO-Flash. Needs
+    sde_window or sde_window_size, or an ODE request (noise_level 0, logprobs false)."""
+    ode_tail_ratio: float = 1.0
+    """MixGRPO-Flash's time-step compression (its dpm_post_compress_ratio: 0.4, 0.2 for Flash*):
+    the n steps from the SDE window's end to sigma 0 become max(int((n + 1) * ratio), 2) - 1 steps
+    over the same stretch of the schedule, evenly spaced in its step index (sigmas interpolated
+    linearly between the schedule's own). In (0, 1]; 1.0 keeps every step. Needs sde_window or
+    sde_window_size."""
+
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
@@ -120,7 +139,33 @@ class SamplingParams:
                 "set logprobs=False for deterministic (ODE) sampling, or noise_level > 0"
             )
         self._validate_window()
+        self._validate_ode_tail()
         return self
+
+    def _validate_ode_tail(self) -> None:
+        if self.ode_solver not in get_args(OdeSolver):
+            _fail("ode_solver", self.ode_solver, f"is unknown; use one of {get_args(OdeSolver)}")
+        _check_real("ode_tail_ratio", self.ode_tail_ratio, "in (0, 1], e.g. 0.4 (MixGRPO-Flash's) or 1.0 (every step)")
+        if not 0.0 < self.ode_tail_ratio <= 1.0:
+            _fail("ode_tail_ratio", self.ode_tail_ratio, "must be in (0, 1], e.g. 0.4 (MixGRPO-Flash's) or 1.0")
+        windowed = self.sde_window is not None or self.sde_window_size is not None
+        ode_request = self.noise_level == 0.0 and not self.logprobs
+        if self.ode_tail_ratio < 1.0 and not windowed:
+            fix = (
+                "an ODE request without a window has no tail to compress: use fewer num_inference_steps"
+                if ode_request
+                else "without sde_window or sde_window_size the window covers every step but the last, "
+                "which leaves no tail to compress: set sde_window_size (e.g. 4, MixGRPO-Flash's) or ode_tail_ratio=1.0"
+            )
+            _fail("ode_tail_ratio", self.ode_tail_ratio, fix)
+        if self.ode_solver != "euler" and not windowed and not ode_request:
+            _fail(
+                "ode_solver",
+                self.ode_solver,
+                "solves the steps after the SDE window, and without sde_window or sde_window_size the window "
+                "covers every step but the last (a first-order step either way): set sde_window_size (e.g. 4, "
+                "MixGRPO-Flash's), or noise_level=0 and logprobs=false for ODE sampling, or ode_solver='euler'",
+            )
 
     def _validate_size(self, size_multiple: int, max_image_side: int | None) -> None:
         side_limit = MAX_IMAGE_SIDE if max_image_side is None else min(MAX_IMAGE_SIDE, max_image_side)

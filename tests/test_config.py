@@ -232,6 +232,7 @@ def _choice_fields(cls, prefix: str = ""):
 # Choices that load only with the settings they need (each refused without them: their own tests).
 _CHOICE_NEEDS = {
     "rollout.sde_window_draw=progressive": ["rollout.sampling.sde_window_size=2"],
+    "rollout.sampling.ode_solver=dpmpp_2m": ["rollout.sampling.sde_window_size=2"],
     "algorithm.policy_loss=grpo_guard": ["algorithm.old_log_prob=recompute"],
     "algorithm.policy_loss=dppo": ["algorithm.old_log_prob=recompute"],
     "algorithm.kl_type=velocity": ["algorithm.kl_beta=0.01"],

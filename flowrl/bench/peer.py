@@ -82,17 +82,29 @@ class PeerRollout:
     uids: list[str]
 
 
+def check_peer_sampling(sampling) -> None:
+    """ValueError for rollout settings the peer's loop does not implement (its step is Flow-GRPO's
+    sde step, Euler's ODE step outside the window, on every step of the schedule)."""
+    if sampling.sde_type != "sde":
+        raise ValueError(
+            f"rollout.sampling.sde_type={sampling.sde_type!r}: the peer loop implements Flow-GRPO's sde step; "
+            "use sde_type=sde or --peer-steps 0"
+        )
+    if sampling.ode_solver != "euler" or sampling.ode_tail_ratio != 1.0:
+        raise ValueError(
+            f"rollout.sampling.ode_solver={sampling.ode_solver!r}, ode_tail_ratio={sampling.ode_tail_ratio}: "
+            "the peer loop takes every step outside the window with Euler's ODE step; use ode_solver=euler "
+            "ode_tail_ratio=1.0 or --peer-steps 0"
+        )
+
+
 class PeerLoop:
     """The peer's training step over `adapter` with `cfg`'s settings; `params`: the trainable
     parameters (LoRA, or the whole transformer), set up by the caller."""
 
     def __init__(self, adapter, cfg, reward, params: list[torch.nn.Parameter]):
         sampling = cfg.rollout.sampling
-        if sampling.sde_type != "sde":
-            raise ValueError(
-                f"rollout.sampling.sde_type={sampling.sde_type!r}: the peer loop implements Flow-GRPO's sde step; "
-                "use sde_type=sde or --peer-steps 0"
-            )
+        check_peer_sampling(sampling)
         self.adapter, self.cfg, self.reward, self.params = adapter, cfg, reward, params
         self.sampling = sampling
         self.rows_per_sample = adapter.rows_per_sample(sampling)

@@ -3,8 +3,9 @@ decodes finished samples in bounded chunks and packages them as DiffusionOutputs
 
 A step packs every row (CFG rows inside the adapter: `SampleState.num_rows` per sample), calls
 the shared `sampler.sde_step` once for the batch with per-row sigmas, noise levels and noise drawn
-from each sample's own generator, and unpacks the results back into the samples. Nothing in
-`step` reads a device value back to the host, so on a GPU the loop never waits for the device
+from each sample's own generator, replaces the steps of samples on a multistep ODE solver (from
+the history each keeps in its SampleState), and unpacks the results back into the samples. Nothing
+in `step` reads a device value back to the host, so on a GPU the loop never waits for the device
 between steps. With `autocast_dtype` set (the trainer's mixed precision), the transformer runs
 under the same torch.autocast as the trainer's forward, so rollout and trainer log-probs agree.
 
@@ -49,6 +50,8 @@ class Executor:
         p = sample.params
         sample.generator = torch.Generator(device=self.device).manual_seed(sample.seed)
         sample.sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width).tolist()
+        if p.ode_tail_ratio < 1.0:  # MixGRPO-Flash's fewer steps after the window
+            sample.sigmas = sampler.compress_tail(sample.sigmas, sample.tail_start, p.ode_tail_ratio)
         sample.latents = self.adapter.initial_noise(p.height, p.width, sample.generator)
         if sample.noise_seed is not None and sample.noise_seed != sample.seed:
             shared = torch.Generator(device=self.device).manual_seed(sample.noise_seed)
@@ -120,7 +123,10 @@ class Executor:
             else:
                 next_latents.index_copy_(0, idx, result.next_latents)
                 log_prob.index_copy_(0, idx, result.log_prob)
-        # 5. back into the samples: trajectory and log-probs of window steps, the new latents
+        # 5. the multistep ODE solver's samples (ode_solver): their second-order tail steps
+        if any(s.keeps_x0 for s in group):
+            self._multistep(group, latents, velocity, sigma, next_latents)
+        # 6. back into the samples: trajectory and log-probs of window steps, the new latents
         for i, (s, w) in enumerate(zip(group, in_window)):
             if w:
                 if not s.trajectory:
@@ -131,6 +137,30 @@ class Executor:
             s.latents = next_latents[i]
             s.step += 1
         return sum(s.num_rows for s in group)
+
+    def _multistep(self, group, latents, velocity, sigma, next_latents) -> None:
+        """Replace the Euler step of the rows whose step is a multistep one (SampleState.multistep)
+        with DPM-Solver++(2M)'s, and keep each solver sample's data prediction for its next step."""
+        x0 = sampler.data_prediction(latents, velocity, sigma)
+        rows = [i for i, s in enumerate(group) if s.multistep(s.step)]
+        if rows:
+            idx = rows_to_device(rows, self.device)
+            coefficients = [
+                sampler.dpmpp_2m_coefficients(
+                    group[i].sigma_prev, group[i].sigmas[group[i].step], group[i].sigmas[group[i].step + 1]
+                )
+                for i in rows
+            ]
+            updated = sampler.multistep_update(
+                latents.index_select(0, idx),
+                x0.index_select(0, idx),
+                torch.stack([group[i].x0_prev for i in rows]),
+                self._host_to_device([list(c) for c in zip(*coefficients)]),
+            )
+            next_latents.index_copy_(0, idx, updated)
+        for s, prediction in zip(group, x0):
+            if s.keeps_x0:
+                s.x0_prev, s.sigma_prev = prediction, s.sigmas[s.step]
 
     @torch.no_grad()
     def finish(self, samples: list[SampleState]) -> list[tuple[list[SampleState], list[DiffusionOutput] | Exception]]:

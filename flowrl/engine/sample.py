@@ -1,8 +1,9 @@
 """Per-sample state: one object per in-flight sample, owned by the engine thread.
 
 Holds everything that belongs to one sample (its generator, latents, position in its schedule,
-SDE window, recorded trajectory and log-probs, the future its caller waits on), so the scheduler
-can reason about samples without touching tensors and the executor can step any mix of them.
+SDE window, recorded trajectory and log-probs, ODE solver history, the future its caller waits
+on), so the scheduler can reason about samples without touching tensors and the executor can step
+any mix of them.
 It holds state only: it does no device work and knows nothing about scheduling policy.
 """
 
@@ -49,6 +50,11 @@ class SampleState:
     last_stepped_tick: int = -1
     trajectory: list[torch.Tensor] = field(default_factory=list)
     log_probs: list[torch.Tensor] = field(default_factory=list)
+    # The multistep ODE solver's history (SamplingParams.ode_solver): the data prediction of the
+    # sample's previous step and the sigma it was made at. Per sample, so a sample's steps never
+    # depend on which others share its forwards or when they joined.
+    x0_prev: torch.Tensor | None = None
+    sigma_prev: float | None = None
 
     @property
     def batch_key(self) -> tuple[int, int]:
@@ -57,7 +63,8 @@ class SampleState:
 
     @property
     def num_steps(self) -> int:
-        return self.params.num_inference_steps
+        """Steps of the sample's schedule: num_inference_steps, fewer with a compressed ODE tail."""
+        return len(self.sigmas) - 1 if self.sigmas else self.params.num_inference_steps
 
     @property
     def is_finished(self) -> bool:
@@ -66,3 +73,19 @@ class SampleState:
     def in_window(self, step: int) -> bool:
         start, end = self.sde_window
         return start <= step < end
+
+    @property
+    def tail_start(self) -> int:
+        """The first step after the SDE window (0 without a window): where the ODE tail begins."""
+        start, end = self.sde_window
+        return end if start < end else 0
+
+    @property
+    def keeps_x0(self) -> bool:
+        """Whether the sample's solver needs its previous step's data prediction."""
+        return self.params.ode_solver != "euler"
+
+    def multistep(self, step: int) -> bool:
+        """Whether `step` takes the second-order multistep update: an ODE-tail step with a previous
+        step's prediction, not the last step (to sigma 0, where the update is first order)."""
+        return self.keeps_x0 and step >= self.tail_start and self.x0_prev is not None and self.sigmas[step + 1] > 0.0

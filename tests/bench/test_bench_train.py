@@ -276,6 +276,17 @@ def test_a_failing_peer_keeps_flowrls_figures(tmp_path, capsys):
     assert "the peer's loop failed" in capsys.readouterr().out
 
 
+def test_the_peer_refuses_the_ode_tail_settings_it_would_not_honour():
+    """It takes every step outside the window with Euler: a Flash recipe fails the peer alone."""
+    from flowrl.bench.peer import check_peer_sampling
+    from flowrl.run.config import load_train_config
+
+    cfg = load_train_config(str(REPO / "recipes" / "qwen_image_mixgrpo_flash_lora.yaml"), [])
+    with pytest.raises(ValueError, match=r"ode_solver='dpmpp_2m', ode_tail_ratio=0\.4: the peer loop .*--peer-steps 0"):
+        check_peer_sampling(cfg.rollout.sampling)
+    check_peer_sampling(cfg.rollout.sampling.replace(ode_solver="euler", ode_tail_ratio=1.0))
+
+
 @pytest.mark.gpu
 def test_bench_train_on_cuda_in_bf16(tmp_path):
     """The CUDA paths (device generators, host row indices into device tensors, bf16 autocast, peak

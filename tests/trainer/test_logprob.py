@@ -33,6 +33,38 @@ def test_rollout_log_probs_match_trainer_recompute(build_trainer, make_cfg, take
     assert metrics["actor/grad_norm"] > 0.0
 
 
+def test_log_prob_parity_holds_with_mixgrpo_flashs_tail(build_trainer, make_cfg, take_rollout):
+    """MixGRPO-Flash: a progressive window of 2, DPM-Solver++(2M) on a compressed ODE tail. The
+    tail is neither stored nor scored, so the trainer re-scores the window steps as they were drawn."""
+    cfg = make_cfg(
+        "rollout.n=2",
+        "trainer.prompts_per_step=2",
+        "trainer.micro_batch_size=4",
+        "algorithm.old_log_prob=recompute",
+        "rollout.sampling.sde_window_size=2",
+        "rollout.sde_window_draw=progressive",
+        "rollout.sampling.ode_solver=dpmpp_2m",
+        "rollout.sampling.ode_tail_ratio=0.4",
+    )
+    trainer = build_trainer(cfg)
+    tensors, specs = take_rollout(trainer)
+    assert tensors["all_log_probs"].shape == (4, 2)
+    metrics = trainer.algorithm.updater.prepare_and_update(
+        tensors, specs, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4), step=1
+    )
+    assert metrics["actor/logprob_gap_max"] < 1e-5
+    assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/clipfrac"] == 0.0
+
+
+def test_the_config_names_a_bad_solver_setting(make_cfg):
+    with pytest.raises(
+        ValueError, match=r"rollout\.sampling\.ode_solver='dpm' is invalid: use one of 'euler', 'dpmpp_2m'"
+    ):
+        make_cfg("rollout.sampling.ode_solver=dpm")
+    with pytest.raises(ValueError, match=r"rollout\.val_sampling\.ode_tail_ratio=0\.4 .*use fewer num_inference_steps"):
+        make_cfg("rollout.val_sampling.ode_tail_ratio=0.4")
+
+
 def test_rollout_denominator_gap_and_updates_change_the_policy(build_trainer, make_cfg, take_rollout):
     cfg = make_cfg(
         "rollout.n=2",

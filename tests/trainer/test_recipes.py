@@ -80,6 +80,16 @@ def test_recipe_takes_the_reference_settings_and_says_where_it_differs(recipe, t
         ("toy_cpu_guard", {"algorithm.policy_loss": "grpo_guard", "trainer.updates_per_step": 2}),
         ("flux_dev_dancegrpo_lora", {"rollout.sampling.sde_type": "dance", "rollout.sampling.noise_level": 0.3}),
         ("qwen_image_mixgrpo_lora", {"rollout.sde_window_draw": "progressive", "rollout.sampling.sde_window_size": 4}),
+        (
+            "qwen_image_mixgrpo_flash_lora",
+            {
+                "rollout.sde_window_draw": "progressive",
+                "rollout.sde_window_shift_every": 20,
+                "rollout.sampling.ode_solver": "dpmpp_2m",
+                "rollout.sampling.ode_tail_ratio": 0.4,
+            },
+        ),
+        ("toy_cpu_flash", {"rollout.sampling.ode_solver": "dpmpp_2m", "rollout.sampling.ode_tail_ratio": 0.4}),
         ("sd35_medium_ocr_guard_lora", {"algorithm.policy_loss": "grpo_guard", "algorithm.clip_range": 2e-6}),
         ("sd35_medium_ocr_dppo_lora", {"algorithm.policy_loss": "dppo", "algorithm.dppo_tau": 1e-5}),
     ],
