@@ -263,7 +263,8 @@ class VlmReward(GroupReward):
             try:
                 winner = future.result()
             except Exception as error:
-                failures.append(self._failure(first, prompts[first], error, f"comparing rows {first} and {second}: "))
+                low, high = sorted((first, second))
+                failures.append(self._failure(low, prompts[low], error, f"comparing rows {low} and {high}: "))
                 failed_groups.add(index)
                 continue
             wins[winner] += 1
