@@ -201,6 +201,7 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "clip_score": "flowrl.rewards.clip_scores:ClipScoreReward",
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",
+    "hpsv2": "flowrl.rewards.hps:HpsV2Reward",
     "http": "flowrl.rewards.http_client:HttpReward",
     "vlm": "flowrl.rewards.vlm:VlmReward",
     "multi": "flowrl.rewards.multi:MultiReward",
