@@ -202,6 +202,7 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",
     "hpsv2": "flowrl.rewards.hps:HpsV2Reward",
+    "image_reward": "flowrl.rewards.image_reward:ImageRewardReward",
     "http": "flowrl.rewards.http_client:HttpReward",
     "vlm": "flowrl.rewards.vlm:VlmReward",
     "multi": "flowrl.rewards.multi:MultiReward",
