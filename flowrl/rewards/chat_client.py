@@ -10,7 +10,7 @@ choice, retrying transient failures with exponential backoff:
 - any other 4xx: not retried (the request itself is wrong: a model name, an option the server lacks);
 - an answer that is not chat-completions JSON: not retried.
 
-Each failure is a `JudgeError` whose `kind` names it (unreachable, timed_out, rate_limited,
+Each failure is a `JudgeError` whose `kind` names it (unreachable, timed_out, rate_limited, server_error,
 http_status, unparsable). The API key is read from the environment variable whose *name* is
 given; it is sent as `Authorization: Bearer <key>` and never appears in an error or a log.
 
