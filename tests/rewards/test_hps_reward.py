@@ -165,3 +165,24 @@ def test_an_incomplete_folder_names_the_files_it_lacks(hps_folder, tmp_path):
     torch.save({"state_dict": {"visual.proj": torch.zeros(2, 2)}}, tmp_path / "HPS_v2_compressed.pt")
     with pytest.raises(ValueError, match="not an OpenCLIP CLIP state dict"):
         build_reward({"name": "hpsv2", "options": {"model_path": str(tmp_path)}})
+
+
+@pytest.mark.parametrize("height, width", [(512, 768), (300, 200), (64, 64)])
+def test_preprocessing_matches_the_reference_pipeline_up_to_uint8_rounding(height, width):
+    """HPS v2 (OpenCLIP) and ImageReward (BLIP) preprocess with torchvision's Resize(short side,
+    bicubic) and CenterCrop on a PIL image; torchvision does not import here, so its steps are
+    reproduced with PIL (which it calls): the long side truncated, the crop offset rounded."""
+    from PIL import Image
+
+    size = 224
+    coarse = np.random.default_rng(0).integers(0, 256, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BILINEAR))
+    ours = preprocess_images(torch.from_numpy(image.transpose(2, 0, 1)[None].copy()), size, CLIP_MEAN, CLIP_STD)[0]
+    scale = size / min(height, width)
+    new_w, new_h = (size, int(height * scale)) if width <= height else (int(width * scale), size)
+    resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.BICUBIC))
+    top, left = int(round((new_h - size) / 2)), int(round((new_w - size) / 2))
+    crop = torch.from_numpy(resized[top : top + size, left : left + size].astype(np.float32) / 255).permute(2, 0, 1)
+    reference = (crop - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]
+    levels = ((ours - reference).abs() * torch.tensor(CLIP_STD)[:, None, None] * 255).numpy()
+    assert levels.max() < 1.5 and levels.mean() < 0.4  # PIL rounds to uint8 (0.25 on average); the rest agrees
