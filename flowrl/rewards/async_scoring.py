@@ -8,7 +8,9 @@ a reward that batches (one model forward, as CLIP's), and its share, 1 / num_wor
 a reward that scores rows one by one (`Reward.scores_rows_one_by_one`, as OCR): the whole group
 an engine-batched rollout finishes at once is then scored on every worker, not on one.
 `results()` waits for all submitted rows and returns the scores in row order: the update still
-waits for the full batch.
+waits for the full batch. A group-wise reward (`Reward.scores_groups`) is handed whole groups: a
+group's rows wait until `group_size` of them are in (or `results()` is called, which flushes what
+is left).
 
 `scoring_workers("auto", ranks_on_this_host)` is the pool size `reward.num_workers: auto` means:
 the cores this process may run on, shared by the ranks of its host, less one for the rank's own
@@ -30,11 +32,13 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from flowrl.rewards.base import Reward, RewardError, as_uint8_images
+from flowrl.rewards.groups import group_key
 from flowrl.waiting import StopCheck, wait_on_condition
 
 
@@ -58,12 +62,18 @@ def scoring_workers(setting: int | str, ranks_on_this_host: int = 1) -> int:
 class AsyncRewardScorer:
     """A worker pool that scores submitted rows in batches of whatever is pending."""
 
-    def __init__(self, reward: Reward, num_workers: int = 2, max_batch_size: int | None = None):
+    def __init__(
+        self, reward: Reward, num_workers: int = 2, max_batch_size: int | None = None, group_size: int | None = None
+    ):
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers!r} must be an integer >= 1")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size={max_batch_size!r} must be None or an integer >= 1")
+        if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size={group_size!r} must be None or an integer >= 1")
         self.reward = reward
+        self.group_size = group_size
+        self._is_flushing = False  # results() waits: incomplete groups are scored as they are
         self.num_workers = num_workers
         self.max_batch_size = max_batch_size
         self._condition = threading.Condition()
@@ -98,9 +108,38 @@ class AsyncRewardScorer:
             self._condition.notify()
 
     # -- worker side -------------------------------------------------------------------------
+    def _ready(self) -> list[_PendingRow]:
+        """The pending rows a worker may take: all, or for a group-wise reward those of complete
+        groups (every group once closing or flushing), in the order they came."""
+        if not self.reward.scores_groups or self._is_closed or self._is_flushing:
+            return self._pending
+        counts = Counter(group_key(row.prompt, row.metadata) for row in self._pending)
+        size = self.group_size or math.inf
+        return [row for row in self._pending if counts[group_key(row.prompt, row.metadata)] >= size]
+
+    def _take_group_batch(self, ready: list[_PendingRow]) -> list[_PendingRow]:
+        """Whole groups of the first ready row's image size, up to max_batch_size rows (one group at least)."""
+        groups: dict[str, list[_PendingRow]] = {}
+        for row in ready:
+            groups.setdefault(group_key(row.prompt, row.metadata), []).append(row)
+        shape, batch = ready[0].image.shape, []
+        for rows in groups.values():
+            if rows[0].image.shape != shape:
+                continue
+            if batch and self.max_batch_size is not None and len(batch) + len(rows) > self.max_batch_size:
+                break
+            batch += rows
+        return batch
+
     def _take_batch(self) -> list[_PendingRow]:
         """Pending rows with the first row's image size (one stacked array), oldest first: all of
-        them, or this worker's share for a reward that scores rows one by one (module docstring)."""
+        them, or this worker's share for a reward that scores rows one by one, or whole groups for
+        a group-wise one (module docstring)."""
+        if self.reward.scores_groups:
+            batch = self._take_group_batch(self._ready())
+            taken = {id(row) for row in batch}
+            self._pending = [row for row in self._pending if id(row) not in taken]
+            return batch
         shape = self._pending[0].image.shape
         batch = [row for row in self._pending if row.image.shape == shape][: self.max_batch_size]
         if self.reward.scores_rows_one_by_one:
@@ -112,7 +151,7 @@ class AsyncRewardScorer:
     def _work(self) -> None:
         while True:
             with self._condition:
-                while not self._pending and not self._is_closed:
+                while not self._ready() and not self._is_closed:
                     self._condition.wait()
                 if not self._pending:  # closed and drained
                     return
@@ -163,9 +202,14 @@ class AsyncRewardScorer:
         the state kept (`close(drop_pending=True)` drops it).
         """
         with self._condition:
-            is_done = wait_on_condition(
-                self._condition, lambda: not self._pending and not self._num_in_flight, timeout_s, stop_check
-            )
+            self._is_flushing = True  # every row is in: incomplete groups are scored as they are
+            self._condition.notify_all()
+            try:
+                is_done = wait_on_condition(
+                    self._condition, lambda: not self._pending and not self._num_in_flight, timeout_s, stop_check
+                )
+            finally:
+                self._is_flushing = False
             if not is_done:
                 raise TimeoutError(
                     f"reward {self.reward.name!r}: {len(self._pending)} row(s) pending and "

@@ -85,6 +85,9 @@ class Reward:
     # OCR): AsyncRewardScorer then spreads a burst of rows over its workers instead of handing
     # one worker a single batch (which suits a batched model forward, as CLIP's).
     scores_rows_one_by_one: bool = False
+    # Whether the reward scores a prompt's group of images together (flowrl.rewards.groups): the
+    # async scorer then hands it whole groups only.
+    scores_groups: bool = False
     is_cancelled: bool = False  # set by cancel()
 
     def cancel(self) -> None:
@@ -198,7 +201,10 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "clip_score": "flowrl.rewards.clip_scores:ClipScoreReward",
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",
+    "hpsv2": "flowrl.rewards.hps:HpsV2Reward",
+    "image_reward": "flowrl.rewards.image_reward:ImageRewardReward",
     "http": "flowrl.rewards.http_client:HttpReward",
+    "vlm": "flowrl.rewards.vlm:VlmReward",
     "multi": "flowrl.rewards.multi:MultiReward",
     "route_by_data_source": "flowrl.rewards.multi:DataSourceRouter",
 }

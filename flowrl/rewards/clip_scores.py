@@ -58,16 +58,19 @@ def preprocess_images(images: torch.Tensor, size: int, mean, std) -> torch.Tenso
 
 
 class ClipBackbone:
-    """A local CLIP model + tokenizer + preprocessing settings, producing projected embeddings."""
+    """A local CLIP model + tokenizer + preprocessing settings, producing projected embeddings.
+    `model`: weights already loaded (e.g. converted from OpenCLIP), else the folder's CLIPModel."""
 
-    def __init__(self, model_path, reward_name: str, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model_path, reward_name: str, device: str = "cpu", dtype: str = "float32", model=None):
         from transformers import CLIPModel, CLIPTokenizer
 
         folder = _existing_path("model_path", model_path, reward_name, want_dir=True)
         if dtype not in _DTYPES:
             raise ValueError(f"{reward_name} option dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         self.device = torch.device(device)
-        self.model = CLIPModel.from_pretrained(str(folder), dtype=_DTYPES[dtype]).to(self.device).eval()
+        if model is None:
+            model = CLIPModel.from_pretrained(str(folder), dtype=_DTYPES[dtype])
+        self.model = model.to(self.device, _DTYPES[dtype]).eval()
         self.model.requires_grad_(False)  # a frozen judge: no autograd state, ever
         self.tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         if len(self.tokenizer) <= 2:  # transformers may return an empty tokenizer instead of raising
@@ -123,9 +126,12 @@ class ClipScoreReward(Reward):
         device: str = "cpu",
         dtype: str = "float32",
     ):
-        self.backbone = ClipBackbone(model_path, self.name, device, dtype)
+        self.backbone = self.load_backbone(model_path, device, dtype)
         self.scale = float(scale)
         self.batch_size = _check_batch_size(self.name, batch_size)
+
+    def load_backbone(self, model_path, device: str, dtype: str) -> ClipBackbone:
+        return ClipBackbone(model_path, self.name, device, dtype)
 
     def _score_chunk(self, images, prompts) -> torch.Tensor:
         return self.scale * self.backbone.cosine(images, prompts)

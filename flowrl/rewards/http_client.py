@@ -10,7 +10,10 @@ null marks a row an optional remote component could not score (NaN here).
 A batch is sent as several requests when it is larger than `max_request_images` images or
 `max_request_bytes` encoded bytes (the server refuses bodies and batches past its limits with
 413). `token` (or the FLOWRL_REWARD_TOKEN environment variable) is sent as
-`Authorization: Bearer <token>` for a server started with one.
+`Authorization: Bearer <token>` for a server started with one. With `scores_groups` (a remote
+group-wise reward, as `vlm` in pairwise mode) the trainer hands this reward whole groups and
+requests are cut only between groups (flowrl.rewards.groups), unless one group alone passes the
+limits.
 
 Transient failures (connection errors, timeouts, HTTP 408/429/5xx) are retried up to
 `max_attempts` times with exponential backoff (a 429/503 Retry-After header is honoured, capped
@@ -33,6 +36,7 @@ import numpy as np
 from PIL import Image
 
 from flowrl.rewards.base import Reward, RewardError
+from flowrl.rewards.groups import group_key
 
 RETRYABLE_STATUS = frozenset({408, 429})
 TOKEN_ENV = "FLOWRL_REWARD_TOKEN"  # the bearer token, read by the server and the client
@@ -94,9 +98,11 @@ class HttpReward(Reward):
         token: str | None = None,
         max_request_images: int = 32,
         max_request_bytes: int = 32 * 2**20,
+        scores_groups: bool = False,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
+        self.scores_groups = bool(scores_groups)
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"http option url={url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
         if transport not in ("json", "multipart"):
@@ -134,13 +140,18 @@ class HttpReward(Reward):
         files = [("images", (f"{row}.png", data, "image/png")) for row, data in enumerate(encoded)]
         return {"files": files, "data": {"request": json.dumps({"prompts": prompts, "metadata": metadata})}}
 
-    def _request_slices(self, encoded: list) -> list[slice]:
-        """Consecutive row ranges within max_request_images and max_request_bytes (one image at least)."""
+    def _request_slices(self, encoded: list, groups: list[str] | None = None) -> list[slice]:
+        """Consecutive row ranges within max_request_images and max_request_bytes (one image at
+        least); with `groups` (each row's group), cut before the group that would pass them."""
         slices, start, size = [], 0, 0
+        group_start = 0  # the first row of the current row's group
         for row, data in enumerate(encoded):
+            if groups is not None and row > 0 and groups[row] != groups[row - 1]:
+                group_start = row
             if row > start and (row - start >= self.max_request_images or size + len(data) > self.max_request_bytes):
-                slices.append(slice(start, row))
-                start, size = row, 0
+                cut = group_start if groups is not None and group_start > start else row
+                slices.append(slice(start, cut))
+                start, size = cut, sum(len(item) for item in encoded[cut:row])
             size += len(data)
         return [*slices, slice(start, len(encoded))]
 
@@ -184,7 +195,8 @@ class HttpReward(Reward):
     def score_batch_with_components(self, images, prompts, metadata):
         encoded = [self._encode(image) for image in images]
         scores, components = [], {}
-        for rows in self._request_slices(encoded):
+        groups = [group_key(p, m) for p, m in zip(prompts, metadata)] if self.scores_groups else None
+        for rows in self._request_slices(encoded, groups):
             answer = self.post(rows.start, **self._request_kwargs(encoded[rows], prompts[rows], metadata[rows]))
             part = scores_from_json(answer.get("scores"), "scores")
             count = rows.stop - rows.start

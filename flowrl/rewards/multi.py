@@ -71,6 +71,10 @@ class MultiReward(Reward):
     def scores_rows_one_by_one(self) -> bool:
         return all(reward.scores_rows_one_by_one for *_, reward in self.components)
 
+    @property
+    def scores_groups(self) -> bool:
+        return any(reward.scores_groups for *_, reward in self.components)
+
     def cancel(self) -> None:
         super().cancel()
         for *_, reward in self.components:
@@ -149,6 +153,11 @@ class DataSourceRouter(Reward):
     def scores_rows_one_by_one(self) -> bool:
         rewards = [*self.routes.values(), *([] if self.default is None else [self.default])]
         return all(reward.scores_rows_one_by_one for reward in rewards)
+
+    @property
+    def scores_groups(self) -> bool:
+        rewards = [*self.routes.values(), *([] if self.default is None else [self.default])]
+        return any(reward.scores_groups for reward in rewards)
 
     def score_batch_with_components(self, images, prompts, metadata):
         batch_size = len(prompts)

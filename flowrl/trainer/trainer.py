@@ -129,7 +129,10 @@ class Trainer:
                 self.output_dir, log.tensorboard, log.wandb, log.wandb_project, self.config_dict, resume_step=self.step
             )
         # Last: its worker threads run until close(), so a failure above leaves none behind.
-        self.scorer = AsyncRewardScorer(self.reward, scoring_workers(cfg.reward.num_workers, self.world.local_size))
+        workers = scoring_workers(cfg.reward.num_workers, self.world.local_size)
+        self.scorer = AsyncRewardScorer(
+            self.reward, workers, group_size=cfg.rollout.n
+        )  # n: a group-wise reward's groups
         self.samples = StepSamples(
             self.prompts,
             self.agent_loop,
