@@ -32,8 +32,13 @@ def main() -> None:
 
     from flowrl.models.debug.toy import SIZES
     from flowrl.models.debug.toy_modules import build_pipeline
-    from flowrl.models.debug.toy_pretrain import encode_captions, encode_pictures, render_pool, train_autoencoder
-    from flowrl.models.debug.toy_pretrain import train_transformer
+    from flowrl.models.debug.toy_pretrain import (
+        encode_captions,
+        encode_pictures,
+        render_pool,
+        train_autoencoder,
+        train_transformer,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="gpu", choices=sorted(SIZES))
@@ -67,7 +72,13 @@ def main() -> None:
 
     def transformer(steps: int) -> None:
         train_transformer(
-            pipeline.transformer, latents, captions, text, dataclasses.replace(size, steps=steps), generator, args.device
+            pipeline.transformer,
+            latents,
+            captions,
+            text,
+            dataclasses.replace(size, steps=steps),
+            generator,
+            args.device,
         )
 
     transformer(5)
