@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from flowrl.rewards import RowwiseReward, register_reward, unregister_reward
@@ -36,7 +35,3 @@ def fake_rewards():
     register_reward("metadata_value", MetadataValueReward, overwrite=True)
     yield MetadataValueReward
     unregister_reward("metadata_value")
-
-
-def blank_images(batch_size: int, size: int = 16) -> np.ndarray:
-    return np.full((batch_size, 3, size, size), 255, dtype=np.uint8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import blank_images
+from reward_helpers import blank_images
 
 from flowrl.rewards import RewardError, build_reward, summarize_rewards
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import blank_images
+from reward_helpers import blank_images
 
 from flowrl.rewards import (
     Reward,
