@@ -18,9 +18,7 @@ from safetensors.torch import save_file
 
 from flowrl.models.debug.tiny_tokenizers import COMMON_WORDS, build_qwen2_tokenizer
 from flowrl.rewards import build_reward
-from flowrl.rewards.hpsv3 import load_template, smart_resize
-
-pytestmark = pytest.mark.xdist_group("hpsv3")  # one worker builds the tiny model once
+from flowrl.rewards.hpsv3 import backbone_state, load_template, smart_resize
 
 PROMPTS = ["a red car", "a photo of a dog on the street with a blue sign", "a cat"]
 PIXELS = 4 * 28 * 28  # small images for the tiny vision tower: 40 x 60 -> 56 x 84
@@ -203,3 +201,16 @@ def test_reward_score_cli_scores_files_with_hpsv3(hpsv3_folder, tmp_path, capsys
     assert main(["reward-score", "--reward", "hpsv3", *options, "--prompt", "a red car", *files]) == 0
     printed = [float(line.split()[-1]) for line in capsys.readouterr().out.split("\n") if line.strip()]
     np.testing.assert_allclose(printed, reference_scores(folder, model, head, images, ["a red car"] * 2), atol=1e-4)
+
+
+def test_both_transformers_key_layouts_map_to_the_same_backbone():
+    w = torch.zeros(1)
+    new = {"model.language_model.norm.weight": w, "model.visual.merger.ln_q.weight": w, "lm_head.weight": w}
+    old = {"model.norm.weight": w, "visual.merger.ln_q.weight": w, "lm_head.weight": w}
+    head = {"rm_head.0.weight": w}
+    for state in (new, old):
+        backbone, rm_head = backbone_state(state | head)
+        assert set(backbone) == {"language_model.norm.weight", "visual.merger.ln_q.weight"}
+        assert set(rm_head) == {"0.weight"}
+    with pytest.raises(KeyError, match="unexpected key 'score.weight'"):
+        backbone_state({"score.weight": w})
