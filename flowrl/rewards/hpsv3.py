@@ -28,10 +28,13 @@ Sequences are padded on the right, as the reference does; the token's hidden sta
 the padding, so a row's score does not depend on its batch.
 
 Not established from the reference: the official repository's data_collator_qwen.py was not
-readable here; the instruction was taken from copies of that file (two agree, with both the
-"Visual Quality" and "Text Alignment" sections; a fork keeps only the first). The released
-checkpoint's exact key layout (new or old transformers naming) could not be opened offline, so
-both are accepted. A caption that itself contains `<|Reward|>` is not guarded against by the
+readable here (its stored copy holds inference.py, train.py, the model and the config, not the
+dataset code); the instruction was taken from copies of that file. Two agree (an unmodified-looking
+copy of the file and a re-implementation's utils.py), with both the "Visual Quality" and "Text
+Alignment" sections; a fork (HPSv3-PlusPlus) and one copy labelled "upstream" keep only the first,
+so which text the released weights were trained with is not certain. The released checkpoint's
+exact key layout (new or old transformers naming) could not be opened offline (MizzenAI/HPSv3
+issue 29 reports a strict-load key mismatch with the official code), so both are accepted. A caption that itself contains `<|Reward|>` is not guarded against by the
 reference; here the template's (last) occurrence is read.
 """
 
