@@ -203,6 +203,7 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",
     "hpsv2": "flowrl.rewards.hps:HpsV2Reward",
     "image_reward": "flowrl.rewards.image_reward:ImageRewardReward",
+    "hpsv3": "flowrl.rewards.hpsv3:HpsV3Reward",
     "http": "flowrl.rewards.http_client:HttpReward",
     "vlm": "flowrl.rewards.vlm:VlmReward",
     "multi": "flowrl.rewards.multi:MultiReward",
