@@ -2,7 +2,8 @@
 the engine's ODE sampling is WanPipeline's on the same noise, frames included; batched rows equal
 solo rows, the experts switching row by row at the boundary; frame counts and sizes the pipeline
 cannot make are refused before any work with the rule named; a 3-step LoRA run whose rollout
-log-probs are the trainer's and whose export WanPipeline loads."""
+log-probs are the trainer's, whose validation videos are frame strips and mp4s, and whose export
+WanPipeline loads."""
 
 from __future__ import annotations
 
@@ -243,6 +244,8 @@ def test_three_step_lora_run_log_prob_gap_and_its_export_loaded_by_wan_pipeline(
         "trainer.prompts_per_step=2",
         "trainer.total_steps=3",
         "trainer.save_every=3",
+        "trainer.val_every=3",
+        "trainer.num_val_images=2",
         "trainer.lora.enabled=true",
         "trainer.lora.rank=4",
         "trainer.lora.alpha=16",
@@ -257,6 +260,10 @@ def test_three_step_lora_run_log_prob_gap_and_its_export_loaded_by_wan_pipeline(
     assert all(np.isfinite(r["actor/policy_loss"]) and r["actor/grad_norm"] > 0 for r in steps)
     # Every step's rollout log-probs are the trainer's (CPU float32), the policy moving in between.
     assert all(r["actor/logprob_gap_max"] < 1e-6 for r in steps)
+    # Validation draws each video as a frame strip in the grid and writes it as an mp4 beside it.
+    grids = sorted(Path(cfg.trainer.output_dir).rglob("step_*.png"))
+    videos = sorted(Path(cfg.trainer.output_dir).rglob("step_*_videos/*.mp4"))
+    assert len(grids) == 2 and len(videos) == 4  # before training and after step 3, two videos each
     lora_dir = latest_checkpoint(cfg.trainer.output_dir) / "lora"
     assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
 
