@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowrl.rollout.batch import RolloutBatch
 from flowrl.data.video_files import encode_mp4, frame_strip
+from flowrl.rollout.batch import RolloutBatch
 from flowrl.run.metrics import grid_captions, save_image_grid
 from flowrl.waiting import call_abortably
 
