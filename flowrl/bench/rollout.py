@@ -132,7 +132,12 @@ class RolloutBench:
             for i in range(calls):
                 generator = torch.Generator(device=self.device).manual_seed(self.args.seed + i)
                 self.bench.pipeline(
-                    **kwargs, num_inference_steps=steps, height=height, width=width, output_type="pt", generator=generator
+                    **kwargs,
+                    num_inference_steps=steps,
+                    height=height,
+                    width=width,
+                    output_type="pt",
+                    generator=generator,
                 )
 
         return run

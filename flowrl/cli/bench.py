@@ -79,7 +79,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--height", type=positive_int, default=None, help="sample height in pixels (default: --size)")
     rollout.add_argument("--width", type=positive_int, default=None, help="sample width in pixels (default: --size)")
     rollout.add_argument(
-        "--num-frames", type=positive_int, default=1, help="frames per sample: 1 for images; 4k+1 for a video model (Wan)"
+        "--num-frames",
+        type=positive_int,
+        default=1,
+        help="frames per sample: 1 for images; 4k+1 for a video model (Wan)",
     )
     rollout.add_argument(
         "--modes",
