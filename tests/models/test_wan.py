@@ -202,6 +202,12 @@ def test_random_weight_wan_architectures():
     assert out.prompt_embeds.shape == (adapter.max_sequence_length, 32)
 
 
+def test_training_two_experts_is_refused_before_any_step(build_trainer, wan_paths, tmp_path):
+    cfg = _train_config(wan_paths["wan2.2-a14b"], tmp_path)
+    with pytest.raises(ValueError, match=r"has two experts .* training it is not supported yet"):
+        build_trainer(cfg)
+
+
 def _train_config(path, output, *overrides):
     from flowrl.run.config import load_train_config
 
