@@ -32,6 +32,7 @@ OdeSolver = Literal["euler", "dpmpp_2m"]
 MAX_IMAGE_SIDE = 4096
 MAX_IMAGE_PIXELS = 2048 * 4096
 MAX_INFERENCE_STEPS = 1000
+MAX_NUM_FRAMES = 1025  # a video's frames (a model's own rule, e.g. 4k + 1 for Wan, is its adapter's)
 MAX_SEED = 2**63 - 1
 
 
@@ -44,6 +45,9 @@ class SamplingParams:
     supports), at most MAX_IMAGE_SIDE (or the model's own, smaller limit), MAX_IMAGE_PIXELS per image."""
     width: int = 512
     """Image width in pixels (the same rules)."""
+    num_frames: int = 1
+    """Frames per sample: 1 for an image model; for a video model (Wan) of the form 4k+1, e.g. 33 or
+    81 (the model's rule, flowrl.models.base.check_frames), at most MAX_NUM_FRAMES."""
     num_inference_steps: int = 10
     """Denoising steps T (the schedule has T + 1 sigmas, ending at 0), at most MAX_INFERENCE_STEPS."""
     guidance_scale: float = 1.0
@@ -111,6 +115,7 @@ class SamplingParams:
         num_samples: how many consecutive seeds (seed, seed + 1, ...) the request draws.
         """
         self._validate_size(size_multiple, max_image_side)
+        _check_int("num_frames", self.num_frames, 1, MAX_NUM_FRAMES)
         _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_INFERENCE_STEPS)
         _check_real("guidance_scale", self.guidance_scale, "e.g. 1.0 (no CFG) or 4.5")
         _check_real("noise_level", self.noise_level, "e.g. 0.7 (SDE) or 0.0 (ODE)")

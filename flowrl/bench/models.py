@@ -21,8 +21,12 @@ from the configs of flowrl.models.debug.architectures, and the trainer takes the
   Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
   architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
   Qwen3-4B gives.
-- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`: the modules of `flowrl.models.debug.tiny` (CPU
-  smoke tests).
+- `wan2.1-1.3b`, `wan2.1-14b`, `wan2.2-5b`: WanTransformer3DModel and AutoencoderKLWan with the
+  Wan2.1-T2V-1.3B, Wan2.1-T2V-14B and Wan2.2-TI2V-5B configs (the 5B with the 48-channel Wan2.2
+  VAE) and the checkpoints' UniPC flow schedule; prompts are 512 UMT5 tokens of width 4096.
+  Samples are videos: `--num-frames` (4k+1) and `--height`/`--width` of `flowrl bench rollout`.
+- `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`, `tiny-wan`, `tiny-wan2.2`: the modules of
+  `flowrl.models.debug.tiny` (CPU smoke tests).
 
 Prompt embeddings are fixed random tensors drawn from a hash of the prompt text: realistic
 shapes, no text encoder. A local diffusers folder loads through `flowrl.models.load_adapter` with
@@ -110,6 +114,11 @@ def pipeline_prompt_kwargs(
         return kwargs
     embeds, mask, pooled = pad_encodings(encodings)
     negatives = pad_encodings(negative_encodings) if uses_uncond else None
+    if bench.family in ("wan2.1", "wan2.2"):  # every prompt at its full, zero-padded length
+        kwargs = dict(prompt_embeds=embeds, guidance_scale=guidance_scale)
+        if uses_uncond:
+            kwargs.update(negative_prompt_embeds=negatives[0])
+        return kwargs
     if bench.family in ("sd3", "flux"):
         kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance_scale)
         if bench.family == "flux":

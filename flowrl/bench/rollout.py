@@ -56,10 +56,19 @@ def resolve_modes(modes: str | None, compile: bool) -> list[str]:
     return [m for m in ALL_MODES if m in chosen]
 
 
+def _size(args) -> tuple[int, int, int]:
+    """(height, width, num_frames) of the benchmark's samples: --height/--width (default --size),
+    --num-frames (video models)."""
+    height, width = getattr(args, "height", None) or args.size, getattr(args, "width", None) or args.size
+    return height, width, getattr(args, "num_frames", 1)
+
+
 def _params(args, steps: int) -> SamplingParams:
+    height, width, num_frames = _size(args)
     return SamplingParams(
-        height=args.size,
-        width=args.size,
+        height=height,
+        width=width,
+        num_frames=num_frames,
         num_inference_steps=steps,
         guidance_scale=args.guidance_scale,
         true_cfg_scale=args.true_cfg_scale,
@@ -115,13 +124,20 @@ class RolloutBench:
 
     def pipeline_call(self, steps: int, n: int, calls: int = 1):
         kwargs = pipeline_prompt_kwargs(self.bench, [PROMPT] * n, self.args.guidance_scale, self.args.true_cfg_scale)
-        size = self.args.size
+        height, width, num_frames = _size(self.args)
+        if self.bench.adapter.frame_factor is not None:  # a video pipeline (WanPipeline)
+            kwargs.update(num_frames=num_frames)
 
         def run():
             for i in range(calls):
                 generator = torch.Generator(device=self.device).manual_seed(self.args.seed + i)
                 self.bench.pipeline(
-                    **kwargs, num_inference_steps=steps, height=size, width=size, output_type="pt", generator=generator
+                    **kwargs,
+                    num_inference_steps=steps,
+                    height=height,
+                    width=width,
+                    output_type="pt",
+                    generator=generator,
                 )
 
         return run

@@ -76,6 +76,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     add_common_arguments(rollout)
     rollout.add_argument("-n", "--num-samples", type=positive_int, default=16, help="samples per mode (default 16)")
+    rollout.add_argument("--height", type=positive_int, default=None, help="sample height in pixels (default: --size)")
+    rollout.add_argument("--width", type=positive_int, default=None, help="sample width in pixels (default: --size)")
+    rollout.add_argument(
+        "--num-frames",
+        type=positive_int,
+        default=1,
+        help="frames per sample: 1 for images; 4k+1 for a video model (Wan)",
+    )
     rollout.add_argument(
         "--modes",
         default=None,

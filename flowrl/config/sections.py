@@ -136,7 +136,7 @@ class ModelConfig:
     `random:NAME`: random weights at a published architecture (flowrl/models/debug/architectures.py,
     with random prompt embeddings in place of the text encoders; speed and memory runs only). null:
     the embedded tiny SD3 model, built offline on first use."""
-    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image"] = "auto"
+    family: Literal["auto", "sd3", "qwen_image", "flux", "z_image", "wan2.1", "wan2.2"] = "auto"
     """`auto` reads `model_index.json`; or force one family."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model weights (`float32` on CPU; `bfloat16` is usual on GPU)."""
@@ -144,9 +144,9 @@ class ModelConfig:
     """`auto` (cuda when a GPU is visible, else cpu), `cpu`, `cuda` or `cuda:N`."""
     max_sequence_length: int | None = None
     """The prompt's text length in tokens (SD3: T5's, after CLIP's 77; FLUX: T5's; Qwen-Image and
-    Z-Image: the longest prompt, shorter ones stay unpadded). null: the family's default (SD3 256,
-    FLUX 512, Qwen-Image 1024, Z-Image 512); the pipelines allow up to 512 (SD3, FLUX, Z-Image) and
-    1024 (Qwen-Image)."""
+    Z-Image: the longest prompt, shorter ones stay unpadded; Wan: every prompt padded to it). null:
+    the family's default (SD3 256, FLUX 512, Qwen-Image 1024, Z-Image 512, Wan 512); the pipelines
+    allow up to 512 (SD3, FLUX, Z-Image, Wan) and 1024 (Qwen-Image)."""
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")

@@ -210,6 +210,7 @@ class DiffusionEngine(EngineAPI):
         params = request_params(prompt, sampling_params)
         params.validate(self.adapter.size_multiple, self.adapter.max_image_side, num_samples)
         self.adapter.check_guidance(params)
+        self.adapter.check_frames(params)
         # The model's schedule for these settings (cached): raises here, before anything is queued.
         self.adapter.sigmas(params.num_inference_steps, params.height, params.width)
         rows = self.adapter.rows_per_sample(params)

@@ -52,10 +52,11 @@ class Executor:
         sample.sigmas = self.adapter.sigmas(p.num_inference_steps, p.height, p.width).tolist()
         if p.ode_tail_ratio < 1.0:  # MixGRPO-Flash's fewer steps after the window
             sample.sigmas = sampler.compress_tail(sample.sigmas, sample.tail_start, p.ode_tail_ratio)
-        sample.latents = self.adapter.initial_noise(p.height, p.width, sample.generator)
+        frames = self.adapter.frame_kwargs(p)
+        sample.latents = self.adapter.initial_noise(p.height, p.width, sample.generator, **frames)
         if sample.noise_seed is not None and sample.noise_seed != sample.seed:
             shared = torch.Generator(device=self.device).manual_seed(sample.noise_seed)
-            sample.latents = self.adapter.initial_noise(p.height, p.width, shared)
+            sample.latents = self.adapter.initial_noise(p.height, p.width, shared, **frames)
 
     @torch.no_grad()
     def step(self, group: list[SampleState]) -> int:
@@ -179,10 +180,10 @@ class Executor:
                 host_copies[id(t)] = t.cpu()
             return host_copies[id(t)]
 
-        by_key: dict[tuple[int, int], list[SampleState]] = {}
+        by_key: dict[tuple[int, int, int], list[SampleState]] = {}
         for s in samples:
             by_key.setdefault(s.batch_key, []).append(s)
-        for (height, width), same in by_key.items():
+        for (height, width, _), same in by_key.items():
             for start in range(0, len(same), self.decode_chunk_size):
                 chunk = same[start : start + self.decode_chunk_size]
                 try:

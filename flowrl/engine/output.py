@@ -34,15 +34,16 @@ class TransitionSpec:
     sde_type: SdeType
     guidance_scale: float
     true_cfg_scale: float = 1.0
+    num_frames: int = 1
 
     @classmethod
     def of(cls, params: SamplingParams) -> "TransitionSpec":
         return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(cls)})
 
     @property
-    def group_key(self) -> tuple[int, int, str]:
+    def group_key(self) -> tuple[int, int, int, str]:
         """Rows with equal keys can be scored in one forward and one sampler call."""
-        return (self.height, self.width, self.sde_type)
+        return (self.height, self.width, self.num_frames, self.sde_type)
 
     @classmethod
     def to_columns(cls, specs: Sequence["TransitionSpec"]) -> dict[str, list]:
@@ -52,7 +53,8 @@ class TransitionSpec:
     @classmethod
     def from_columns(cls, columns: Mapping[str, Sequence]) -> list["TransitionSpec"]:
         """The rows' specs from columns written by `to_columns` (e.g. a rollout's non_tensor_batch)."""
-        names = [f.name for f in dataclasses.fields(cls)]
+        # A field with a default (num_frames) may be absent: rollouts recorded before it existed.
+        names = [f.name for f in dataclasses.fields(cls) if f.name in columns or f.default is dataclasses.MISSING]
         missing = [name for name in names if name not in columns]
         if missing:
             raise ValueError(
@@ -66,7 +68,7 @@ class TransitionSpec:
 class DiffusionOutput:
     """One generated sample.
 
-    image: (3, H, W) uint8.
+    image: (3, H, W) uint8; a video (SamplingParams.num_frames, a video model) is (F, 3, H, W).
     all_latents: (W + 1, *latent_shape) float32: the latent entering the SDE window, then the
         latent after each window step (latent layout is the adapter's model-input layout). A
         deterministic request without log-probs and window settings has no window (W = 0): the
@@ -103,7 +105,7 @@ class DiffusionOutput:
     def __post_init__(self):
         # One home for the contract's invariants.
         num_window = self.sigmas.shape[0]
-        assert self.image.dtype == torch.uint8 and self.image.dim() == 3 and self.image.shape[0] == 3
+        assert self.image.dtype == torch.uint8 and self.image.dim() in (3, 4) and self.image.shape[-3] == 3
         assert self.all_latents.dtype == torch.float32
         assert self.all_latents.shape[0] == num_window + 1
         assert self.next_sigmas.shape == self.sigmas.shape

@@ -57,9 +57,9 @@ class SampleState:
     sigma_prev: float | None = None
 
     @property
-    def batch_key(self) -> tuple[int, int]:
+    def batch_key(self) -> tuple[int, int, int]:
         """Samples with the same key can share a forward (same latent shape)."""
-        return (self.params.height, self.params.width)
+        return (self.params.height, self.params.width, self.params.num_frames)
 
     @property
     def num_steps(self) -> int:

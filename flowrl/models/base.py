@@ -16,7 +16,12 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   adapter can decide per-timestep work without reading the device (Z-Image's CFG truncation);
   results do not depend on it. A guidance-distilled adapter also takes
   `embedded_guidance` (B,), the value of its guidance embedding (`guidance_embedding_kwargs`).
-- `decode(latents, height, width)` -> (B, 3, H, W) uint8 images.
+- `decode(latents, height, width)` -> (B, 3, H, W) uint8 images; a video family's (B, F, 3, H, W).
+
+Videos (`frame_factor` set: Wan): `SamplingParams.num_frames` frames of the form frame_factor * k
++ 1 (`check_frames`, the one home of that rule). `frame_kwargs(params)` is what `initial_noise`
+and `latent_shape` take besides the size (the frame count for a video family, nothing for an
+image family); the other methods read the frame count from the latents.
 
 Guidance semantics (`guidance_kind`, one rule for every caller): "cfg" families (SD3, Qwen-Image,
 Z-Image) read `SamplingParams.guidance_scale` as the classifier-free guidance weight, > 1 adding
@@ -170,9 +175,32 @@ def check_guidance(guidance_kind: GuidanceKind, params) -> None:
         )
 
 
+def check_frames(frame_factor: int | None, params, max_num_frames: int | None = None) -> None:
+    """ValueError for a frame count the family cannot make (`params`: SamplingParams or anything
+    with num_frames). frame_factor None: an image family (one frame); else the VAE's temporal
+    compression f: the first frame, then groups of f, so num_frames = f k + 1."""
+    n = params.num_frames
+    if frame_factor is None:
+        if n != 1:
+            raise ValueError(
+                f"SamplingParams.num_frames={n}: this model makes images (one frame); set num_frames=1, "
+                "or use a video model (wan2.1, wan2.2)"
+            )
+        return
+    if (n - 1) % frame_factor:
+        lower = (n - 1) // frame_factor * frame_factor + 1
+        raise ValueError(
+            f"SamplingParams.num_frames={n} is not of the form {frame_factor}k+1 (the VAE keeps the first "
+            f"frame and folds every {frame_factor} after it into one latent frame); use {lower} or "
+            f"{lower + frame_factor}"
+        )
+    if max_num_frames is not None and n > max_num_frames:
+        raise ValueError(f"SamplingParams.num_frames={n} is above this model's {max_num_frames}; use fewer frames")
+
+
 def to_uint8(image: torch.Tensor) -> torch.Tensor:
-    """VAE output in [-1, 1] -> uint8 (B, 3, H, W), rounding clamp(x/2 + 0.5, 0, 1) * 255.
-    Non-finite pixels are an error (a NaN would otherwise become a silent 0)."""
+    """VAE output in [-1, 1] -> uint8 of the same shape ((B, 3, H, W) for images), rounding
+    clamp(x/2 + 0.5, 0, 1) * 255. Non-finite pixels are an error (a NaN would otherwise become a silent 0)."""
     image = image.float()
     if not bool(torch.isfinite(image).all()):
         raise FloatingPointError("VAE decode produced non-finite pixels; check the latents and dtype")
@@ -197,6 +225,10 @@ class FlowModelAdapter:
     guidance_kind: GuidanceKind = "cfg"
     # The most text tokens the family's pipeline encodes (its own check_inputs limit).
     max_sequence_length_limit: int = 512
+    # Video families: the VAE's temporal compression (num_frames = frame_factor * k + 1) and the most
+    # frames the model takes; image families: None (one frame).
+    frame_factor: int | None = None
+    max_num_frames: int | None = 1
 
     def __init__(self, pipeline, device, dtype: torch.dtype, max_sequence_length: int):
         """Keep the pipeline (its encode_prompt is reused) and the modules the engine drives."""
@@ -233,6 +265,16 @@ class FlowModelAdapter:
         guidance embedding's value for "distilled" families, nothing for "cfg" ones (which read
         guidance_scale as the CFG weight, passed positionally)."""
         return {"embedded_guidance": guidance_scale} if self.guidance_kind == "distilled" else {}
+
+    # --- frames: the one home of a family's frame rule ------------------------------------------
+    def check_frames(self, params) -> None:
+        """ValueError for a frame count this model cannot make (see `check_frames`)."""
+        check_frames(self.frame_factor, params, self.max_num_frames)
+
+    def frame_kwargs(self, params) -> dict:
+        """`initial_noise`'s and `latent_shape`'s keyword arguments for a sample's SamplingParams:
+        nothing for an image family, the frame count for a video family."""
+        return {}
 
     def encode_prompts(self, prompts: list[str]) -> list[PromptEncoding]:
         raise NotImplementedError

@@ -20,19 +20,30 @@ from flowrl.models.debug.random_weights import is_random_path, load_random_adapt
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.models.wan import Wan21Adapter, Wan22Adapter, wan_version
 from flowrl.models.z_image import ZImageAdapter
 
-# model_index.json's `_class_name` -> (family, adapter class)
+# model_index.json's `_class_name` -> (family, adapter class). A pipeline class that several
+# families share has one entry per family, "Class (family)", and a VARIANTS rule that picks it.
 FAMILIES: dict[str, tuple[str, type[FlowModelAdapter]]] = {
     "StableDiffusion3Pipeline": ("sd3", SD3Adapter),
     "QwenImagePipeline": ("qwen_image", QwenImageAdapter),
     "FluxPipeline": ("flux", FluxAdapter),
     "ZImagePipeline": ("z_image", ZImageAdapter),
+    "WanPipeline (wan2.1)": ("wan2.1", Wan21Adapter),
+    "WanPipeline (wan2.2)": ("wan2.2", Wan22Adapter),
 }
+# `_class_name` -> a rule naming the family from the whole model_index.json.
+VARIANTS = {"WanPipeline": wan_version}
+
+
+def pipeline_class_name(entry: str) -> str:
+    """The diffusers pipeline class of a FAMILIES key ("WanPipeline (wan2.2)" -> "WanPipeline")."""
+    return entry.split(" (")[0]
 
 
 def read_model_family(path: str | Path, key: str = "model.path") -> str:
-    """Return the family name ("sd3", "qwen_image", "flux", "z_image") of a local diffusers folder or
+    """Return the family name ("sd3", "qwen_image", "flux", "z_image", "wan2.1", "wan2.2") of a local diffusers folder or
     of `random:NAME`; errors name the setting the path came from as `key` (a config key, or a
     command-line flag)."""
     if is_random_path(path):
@@ -48,6 +59,7 @@ def load_adapter(
     if is_random_path(path):
         family = random_family(path)
         pipeline_class, adapter_class = next((n, cls) for n, (fam, cls) in FAMILIES.items() if fam == family)
+        pipeline_class = pipeline_class_name(pipeline_class)
         return load_random_adapter(str(path), pipeline_class, adapter_class, device=device, dtype=dtype, **options)
     _, adapter_class = _family_entry(path)
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)
@@ -116,10 +128,14 @@ def _safetensors_fault(file: Path) -> str | None:
 
 def _family_entry(path: str | Path, key: str = "model.path") -> tuple[str, type[FlowModelAdapter]]:
     path = Path(path)
-    class_name = _read_index(path, key)["_class_name"]
+    index = _read_index(path, key)
+    class_name = index["_class_name"]
+    if class_name in VARIANTS:
+        class_name = f"{class_name} ({VARIANTS[class_name](index)})"
     if class_name not in FAMILIES:
+        supported = dict.fromkeys(pipeline_class_name(name) for name in FAMILIES)
         raise ValueError(
             f"{key}={str(path)!r} holds a {class_name}, which flowrl does not support; "
-            f"supported pipelines: {', '.join(FAMILIES)}"
+            f"supported pipelines: {', '.join(supported)}"
         )
     return FAMILIES[class_name]

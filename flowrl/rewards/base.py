@@ -1,7 +1,8 @@
 """The reward interface, the failure type, and the registry that builds rewards by name.
 
-A reward maps a batch of images (B, 3, H, W) uint8, their prompts and per-row metadata (for
-example `ground_truth`, `data_source`) to one float64 score per image. Subclasses implement
+A reward maps a batch of images (B, 3, H, W) uint8 (or videos (B, F, 3, H, W): flowrl.rewards.video),
+their prompts and per-row metadata (for example `ground_truth`, `data_source`) to one float64 score
+per image. Subclasses implement
 `score_batch` (whole batch at once) or, through `RowwiseReward`, `score_row` (one image at a
 time, so one bad row can be named and, for optional rewards, turned into NaN alone).
 
@@ -44,15 +45,16 @@ class RewardError(RuntimeError):
 
 
 def as_uint8_images(images: Any) -> np.ndarray:
-    """Validate (B, 3, H, W) uint8 images (numpy or torch) and return them as a numpy array."""
+    """Validate (B, 3, H, W) uint8 images, or (B, F, 3, H, W) videos, (numpy or torch) and return
+    them as a numpy array."""
     torch = sys.modules.get("torch")  # if torch was never imported, `images` cannot be a tensor
     if torch is not None and isinstance(images, torch.Tensor):
         images = images.detach().cpu().numpy()
     if not isinstance(images, np.ndarray):
         raise ValueError(f"images must be a numpy array or torch tensor, got {type(images).__name__}")
-    if images.ndim != 4 or images.shape[1] != 3:
+    if images.ndim not in (4, 5) or images.shape[-3] != 3:
         raise ValueError(
-            f"images must have shape (B, 3, H, W), got {tuple(images.shape)}; "
+            f"images must have shape (B, 3, H, W), or (B, F, 3, H, W) for videos, got {tuple(images.shape)}; "
             "pass channel-first RGB images stacked along a batch axis"
         )
     if images.dtype != np.uint8:
@@ -81,6 +83,9 @@ class Reward:
     """
 
     name: str = "reward"
+    # Whether score_batch takes (B, F, 3, H, W) videos (flowrl.rewards.video); the others score
+    # images, and a video given to them is refused with the way to score its frames.
+    takes_videos: bool = False
     # Whether a batch costs as much as its rows scored one by one (a Python loop over images, as
     # OCR): AsyncRewardScorer then spreads a burst of rows over its workers instead of handing
     # one worker a single batch (which suits a batched model forward, as CLIP's).
@@ -104,7 +109,7 @@ class Reward:
         self, images: Any, prompts: list[str], metadata: list[dict]
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(total, {component name: scores}); a single reward is its own only component."""
-        images = validate_batch(images, prompts, metadata)
+        images = self._checked(validate_batch(images, prompts, metadata))
         try:
             total, components = self.score_batch_with_components(images, list(prompts), list(metadata))
         except RewardError:
@@ -114,6 +119,16 @@ class Reward:
         total = np.asarray(total, dtype=np.float64)
         assert total.shape == (images.shape[0],), f"{self.name} returned shape {total.shape}"
         return total, {name: np.asarray(scores, dtype=np.float64) for name, scores in components.items()}
+
+    def _checked(self, images: np.ndarray) -> np.ndarray:
+        """`images`, refused when they are videos and this reward scores images."""
+        if images.ndim == 5 and not self.takes_videos:
+            raise ValueError(
+                f"reward {self.name!r} scores images (B, 3, H, W) but was given videos {tuple(images.shape)}; "
+                f"score their frames with {{name: per_frame, options: {{reward: {self.name}, aggregate: mean}}}} "
+                "(or min, or chosen frames), or use temporal_consistency"
+            )
+        return images
 
     def score_batch_with_components(self, images: np.ndarray, prompts: list[str], metadata: list[dict]):
         scores = np.asarray(self.score_batch(images, prompts, metadata), dtype=np.float64)
@@ -171,7 +186,7 @@ class RowwiseReward(Reward):
         return self._score_rows(images, prompts, metadata, failures=None)
 
     def score_or_nan(self, images, prompts, metadata):
-        images = validate_batch(images, prompts, metadata)
+        images = self._checked(validate_batch(images, prompts, metadata))
         failures: list[RewardError] = []
         return self._score_rows(images, prompts, metadata, failures), failures
 
@@ -204,6 +219,8 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "hpsv2": "flowrl.rewards.hps:HpsV2Reward",
     "image_reward": "flowrl.rewards.image_reward:ImageRewardReward",
     "hpsv3": "flowrl.rewards.hpsv3:HpsV3Reward",
+    "per_frame": "flowrl.rewards.video:PerFrameReward",
+    "temporal_consistency": "flowrl.rewards.video:TemporalConsistency",
     "http": "flowrl.rewards.http_client:HttpReward",
     "vlm": "flowrl.rewards.vlm:VlmReward",
     "multi": "flowrl.rewards.multi:MultiReward",

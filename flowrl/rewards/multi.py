@@ -67,6 +67,8 @@ class MultiReward(Reward):
             reward.name = label  # failures and logs carry the component's label
             self.components.append((label, float(weight), bool(component.get("optional", False)), reward))
 
+    takes_videos = True  # passes the batch on; each component takes or refuses videos itself
+
     @property
     def scores_rows_one_by_one(self) -> bool:
         return all(reward.scores_rows_one_by_one for *_, reward in self.components)
@@ -148,6 +150,8 @@ class DataSourceRouter(Reward):
         if reason is None:
             return None
         return f"{self.data_source_key}={metadata.get(self.data_source_key)!r} goes to {reward.name!r}: {reason}"
+
+    takes_videos = True  # passes the batch on; each component takes or refuses videos itself
 
     @property
     def scores_rows_one_by_one(self) -> bool:

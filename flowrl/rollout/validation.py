@@ -5,7 +5,8 @@ captioned grid.
 `validate(...)` samples this rank's share of the prompts through an agent loop (the trainer's own
 engine, whatever backend its training rollouts use), scores them with the reward, gathers every
 rank's share, and on rank 0 writes `val/step_XXXXXX.png` (each image captioned with its prompt, its
-target text when the row has `ground_truth`, and its score). Which weights it samples with is the
+target text when the row has `ground_truth`, and its score; a video model's samples are frame
+strips there, and each video an mp4 in `val/step_XXXXXX_videos/`). Which weights it samples with is the
 caller's context (`weights`: e.g. the moving average of trainer.ema, and a sharded model's
 gathered weights); a stop signal ends the wait for the samples inside that context, whose exit
 restores the weights. It knows the agent loop, the reward and the world; nothing of training.
@@ -19,9 +20,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowrl.data.video_files import encode_mp4, frame_strip
 from flowrl.rollout.batch import RolloutBatch
 from flowrl.run.metrics import grid_captions, save_image_grid
 from flowrl.waiting import call_abortably
+
+
+def _save_videos(videos: torch.Tensor, grid: Path) -> None:
+    """Each validation video (F, 3, H, W) as `<grid stem>_videos/<row>.mp4` beside the grid PNG."""
+    folder = Path(grid).with_name(Path(grid).stem + "_videos")
+    folder.mkdir(parents=True, exist_ok=True)
+    for row, video in enumerate(videos):
+        (folder / f"{row}.mp4").write_bytes(encode_mp4(video))
 
 
 def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | None, progress, stop_check=None):
@@ -56,8 +66,12 @@ def validate(agent_loop, rows: list[dict], reward, world, weights, grid: Path | 
     if world.is_main:
         prompts = [p for share in shares for p in share[2]]
         targets = [t for share in shares for t in share[3]]
+        samples = torch.cat([share[0] for share in shares])
+        if samples.dim() == 5:  # videos: frame strips in the grid, each video an mp4 beside it
+            _save_videos(samples, grid)
+            samples = torch.stack([torch.from_numpy(frame_strip(video.numpy())) for video in samples])
         image = save_image_grid(
-            torch.cat([share[0] for share in shares]),
+            samples,
             grid_captions(prompts, scores, targets if any(t is not None for t in targets) else None),
             grid,
         )

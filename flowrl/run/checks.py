@@ -237,14 +237,16 @@ def check_reward_rows(reward, data_cfg, train_rows: list[dict], val_rows: list[d
 def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:
     """rollout.sampling and rollout.val_sampling against the guidance rule of the model's family
     (flowrl.models.base.check_guidance: e.g. true_cfg_scale on a classifier-free-guidance model),
-    before the model loads. model_path None is the embedded tiny SD3 model."""
-    from flowrl.models.base import check_guidance
+    before the model loads, and their num_frames against its frame rule (check_frames: 1 for an
+    image model, 4k+1 for Wan). model_path None is the embedded tiny SD3 model."""
+    from flowrl.models.base import check_frames, check_guidance
     from flowrl.models.registry import FAMILIES, read_model_family
 
     family = "sd3" if model_path is None else read_model_family(model_path)
-    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    adapter_class = next(adapter for name, adapter in FAMILIES.values() if name == family)
     for name in ("sampling", "val_sampling"):
         try:
-            check_guidance(kind, getattr(rollout_cfg, name))
+            check_guidance(adapter_class.guidance_kind, getattr(rollout_cfg, name))
+            check_frames(adapter_class.frame_factor, getattr(rollout_cfg, name))
         except ValueError as error:
             raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None

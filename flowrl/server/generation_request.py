@@ -11,6 +11,7 @@ It knows the JSON shapes (and flowrl.server.wire's SamplingParams form), nothing
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -156,6 +157,30 @@ def parse_images_request(
             raise BadRequest(f"size={_short(size)} must be 'WIDTHxHEIGHT' (e.g. '512x512') or 'auto'", param="size")
         changes["width"], changes["height"] = int(match.group(1)), int(match.group(2))
     return GenerationRequest([prompt], n, defaults.replace(**changes, logprobs=False))
+
+
+VIDEOS_EXTENSIONS = ("num_frames", "fps")
+
+
+def parse_videos_request(
+    body: bytes, defaults: SamplingParams, limits: ServingLimits, model_name: str
+) -> tuple[GenerationRequest, int]:
+    """POST /v1/videos/generations: an images request (its fields and rules) plus num_frames and
+    fps, answered with mp4 (output_format 'mp4'). Returns the request and the frame rate."""
+    payload = _object(body, "prompt, n, size, num_frames, ...")
+    if payload.get("output_format", "mp4") not in ("mp4", None):
+        raise BadRequest(
+            f"output_format={_short(payload['output_format'])} is not supported; use 'mp4'", param="output_format"
+        )
+    fps = payload.get("fps") if payload.get("fps") is not None else 16
+    if isinstance(fps, bool) or not isinstance(fps, int) or not 1 <= fps <= 120:
+        raise BadRequest(f"fps={_short(fps)} must be an integer in [1, 120]", param="fps")
+    num_frames = payload.get("num_frames")
+    rest = {k: v for k, v in payload.items() if k not in (*VIDEOS_EXTENSIONS, "output_format")}
+    request = parse_images_request(json.dumps(rest).encode(), defaults, limits, model_name)
+    if num_frames is not None:
+        request.params = request.params.replace(num_frames=num_frames)
+    return request, fps
 
 
 def _short(value, limit: int = 80) -> str:

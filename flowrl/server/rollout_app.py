@@ -20,6 +20,7 @@ flowrl.server.weights.
 from __future__ import annotations
 
 import asyncio
+import base64
 import secrets
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from flowrl.server.generation_request import (
     field_of,
     parse_images_request,
     parse_rollouts_request,
+    parse_videos_request,
 )
 from flowrl.server.http import drain, has_bearer_token, read_body
 from flowrl.server.metrics import CLIENT_CLOSED, RequestMetrics, ServerMetrics
@@ -202,9 +204,19 @@ class RolloutService:
 
 
 def _png_base64(output: DiffusionOutput) -> str:
+    """The sample as a PNG; a video as its frame strip (POST /v1/videos/generations gives mp4)."""
+    from flowrl.data.video_files import frame_strip
     from flowrl.rewards.http_client import encode_png_base64
 
-    return encode_png_base64(output.image.numpy())
+    image = output.image.numpy()
+    return encode_png_base64(frame_strip(image) if image.ndim == 4 else image)
+
+
+def _mp4_base64(output: DiffusionOutput, fps: int) -> str:
+    from flowrl.data.video_files import encode_mp4
+
+    frames = output.image if output.image.dim() == 4 else output.image[None]
+    return base64.b64encode(encode_mp4(frames, fps)).decode("ascii")
 
 
 def create_rollout_app(
@@ -277,6 +289,19 @@ def create_rollout_app(
         data = await _unless_disconnected(request, work())
         size = f"{parsed.params.width}x{parsed.params.height}"
         return {"created": int(time.time()), "data": data, "output_format": "png", "size": size}
+
+    @app.post(wire.VIDEOS_PATH)
+    async def videos(request: Request):
+        parsed, fps = parse_videos_request(await generation_body(request), defaults.images, service.limits, model_name)
+
+        async def work():
+            outputs = await service.generate(parsed)
+            return await run_in_threadpool(lambda: [{"b64_json": _mp4_base64(o, fps)} for o in outputs])
+
+        data = await _unless_disconnected(request, work())
+        size = f"{parsed.params.width}x{parsed.params.height}"
+        frames = parsed.params.num_frames
+        return {"created": int(time.time()), "data": data, "output_format": "mp4", "size": size, "num_frames": frames}
 
     @app.post(wire.ROLLOUTS_PATH)
     async def rollouts(request: Request):

@@ -130,7 +130,7 @@ def _step_inputs(
         device,
     )
     cfg_scale, guidance, noise_level, sigma_first = per_row.unbind(0)
-    height, width, sde_type = keys.pop()
+    height, width, _, sde_type = keys.pop()
     return _StepInputs(
         latents,
         next_latents,

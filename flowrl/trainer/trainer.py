@@ -160,6 +160,12 @@ class Trainer:
         checkpoint, shard and compile as configured; returns the trainable parameters and the
         FLOP units."""
         tcfg, transformer = self.cfg.trainer, self.adapter.transformer
+        if getattr(self.adapter, "transformer_2", None) is not None:  # Wan2.2-A14B (flowrl.models.wan)
+            raise ValueError(
+                f"model.path={self.cfg.model.path!r} has two experts (transformer and transformer_2); the trainer "
+                "trains one transformer, so the low-noise expert would stay untouched: training it is not "
+                "supported yet (sample it with flowrl generate or serve; train Wan2.1 or Wan2.2-TI2V-5B)"
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(tcfg.seed)
             params = apply_trainable(transformer, tcfg.lora)

@@ -59,10 +59,10 @@ def conditional_velocity(
     passes its sigmas as host floats too), `specs` the settings each row was drawn with (one size
     for all). Gradients flow when called with grad enabled."""
     device = adapter.device
-    sizes = {(s.height, s.width) for s in specs}
+    sizes = {(s.height, s.width, s.num_frames) for s in specs}
     if len(sizes) != 1:
         raise ValueError(f"rows of one forward were drawn at different sizes {sorted(sizes)}; pass one size")
-    height, width = sizes.pop()
+    height, width, _ = sizes.pop()
     guidance = host_to_device(torch.tensor([s.guidance_scale for s in specs], dtype=torch.float32), device)
     cond = prompt_encodings(tensors, "", device)
     sigma_values = sigma.tolist()

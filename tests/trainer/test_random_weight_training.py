@@ -40,10 +40,15 @@ def test_random_weights_train_with_a_weight_free_reward_and_a_prompt_file(build_
 @pytest.mark.parametrize("name", [n for n in ARCHITECTURES if n.startswith("tiny-") and n != "tiny-qwen"])
 def test_every_tiny_random_architecture_trains_a_step(build_trainer, make_cfg, name):
     """`random:NAME` works for every family with an adapter: one step of each tiny row (tiny-qwen:
-    the test above), guidance as the family takes it (FLUX.1 [dev]'s embedded, the others' CFG)."""
+    the test above), guidance as the family takes it (FLUX.1 [dev]'s embedded, the others' CFG);
+    a video family's samples (one frame here) scored frame by frame."""
+    video = ARCHITECTURES[name][0] in ("wan2.1", "wan2.2")
+    reward = (
+        ["reward.name=per_frame", "reward.options.reward=image_flatness"] if video else ["reward.name=image_flatness"]
+    )
     cfg = make_cfg(
         f"model.path=random:{name}",
-        "reward.name=image_flatness",
+        *reward,
         "trainer.total_steps=1",
         "trainer.prompts_per_step=1",
         "rollout.n=2",

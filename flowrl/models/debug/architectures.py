@@ -137,6 +137,66 @@ Z_IMAGE_VAE = FLUX_DEV_VAE  # Z-Image uses FLUX.1's VAE
 # Z-Image's scheduler_config.json (fixed shift 6, no dynamic shifting; the tiny Z-Image pipeline's too)
 Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
 
+# Wan (flowrl.models.wan): the transformers of Wan2.1-T2V-1.3B, Wan2.1-T2V-14B and Wan2.2-TI2V-5B
+# (dims, heads, FFN widths and depths of the Wan configs: 1536/12/8960/30, 5120/40/13824/40,
+# 3072/24/14336/30; head width 128, patches (1, 2, 2), UMT5-XXL text width 4096).
+WAN21_1_3B_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+WAN21_14B_TRANSFORMER = dict(WAN21_1_3B_TRANSFORMER, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+WAN22_5B_TRANSFORMER = dict(
+    WAN21_1_3B_TRANSFORMER, num_attention_heads=24, ffn_dim=14336, in_channels=48, out_channels=48
+)
+WAN21_VAE = dict(  # AutoencoderKLWan's defaults are Wan2.1's VAE (also the A14B experts'); stated here
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+)
+# Wan2.2's VAE: 48 latent channels, 16x spatial compression through a 2x2 patch around residual
+# 3D blocks. Its per-channel latent statistics are not reproduced (random weights: mean 0, std 1).
+WAN22_VAE = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    in_channels=12,
+    out_channels=12,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+# The Wan checkpoints' scheduler: UniPC over flow sigmas with a fixed shift (3.0 for Wan2.1-T2V at
+# 480p, 5.0 for Wan2.2-TI2V-5B); flowrl steps its sigmas with its own SDE/ODE steps.
+WAN_SCHEDULER = dict(
+    _class_name="UniPCMultistepScheduler",
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    num_train_timesteps=1000,
+    flow_shift=3.0,
+)
+WAN22_SCHEDULER = dict(WAN_SCHEDULER, flow_shift=5.0)
+
 # name -> (family, text tokens, text width, pooled width or None)
 ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
     "sd3-medium": ("sd3", 77 + 256, 4096, 2048),
@@ -149,6 +209,11 @@ ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
     "tiny-qwen": ("qwen_image", 16, 32, None),
     "tiny-flux": ("flux", 512, 64, 32),
     "tiny-z-image": ("z_image", 16, 32, None),
+    "wan2.1-1.3b": ("wan2.1", 512, 4096, None),
+    "wan2.1-14b": ("wan2.1", 512, 4096, None),
+    "wan2.2-5b": ("wan2.2", 512, 4096, None),
+    "tiny-wan": ("wan2.1", 32, 32, None),
+    "tiny-wan2.2": ("wan2.2", 32, 32, None),
 }
 
 
@@ -168,11 +233,14 @@ RANDOM_WEIGHT_MODULES: dict[str, tuple[str, dict, str, dict, dict]] = {
     ),
     "flux-dev": ("FluxTransformer2DModel", FLUX_DEV_TRANSFORMER, "AutoencoderKL", FLUX_DEV_VAE, FLUX_DEV_SCHEDULER),
     "z-image": ("ZImageTransformer2DModel", Z_IMAGE_TRANSFORMER, "AutoencoderKL", Z_IMAGE_VAE, Z_IMAGE_SCHEDULER),
+    "wan2.1-1.3b": ("WanTransformer3DModel", WAN21_1_3B_TRANSFORMER, "AutoencoderKLWan", WAN21_VAE, WAN_SCHEDULER),
+    "wan2.1-14b": ("WanTransformer3DModel", WAN21_14B_TRANSFORMER, "AutoencoderKLWan", WAN21_VAE, WAN_SCHEDULER),
+    "wan2.2-5b": ("WanTransformer3DModel", WAN22_5B_TRANSFORMER, "AutoencoderKLWan", WAN22_VAE, WAN22_SCHEDULER),
 }
 
 # family -> text tokens before the max_sequence_length part of its fixed-length prompt encoding
 # (SD3: CLIP's 77, then T5's max_sequence_length; FLUX: T5's alone, CLIP-L giving only the pooled
 # vector): a random-weight model of such a family given model.max_sequence_length has prompts of
-# this prefix + that length. Other families (Qwen-Image, Z-Image) encode a prompt as long as it is:
+# this prefix + that length (Wan pads every prompt to max_sequence_length with zeros). Other families (Qwen-Image, Z-Image) encode a prompt as long as it is:
 # the table's tokens, capped at max_sequence_length.
-FIXED_LENGTH_TEXT: dict[str, int] = {"sd3": 77, "flux": 0}
+FIXED_LENGTH_TEXT: dict[str, int] = {"sd3": 77, "flux": 0, "wan2.1": 0, "wan2.2": 0}

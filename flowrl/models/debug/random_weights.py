@@ -50,7 +50,7 @@ def architecture_name(path, key: str = "model.path") -> str:
 
 
 def random_family(path, key: str = "model.path") -> str:
-    """The family ("sd3", "qwen_image", "flux", "z_image") of `random:NAME`."""
+    """The family ("sd3", "qwen_image", "flux", "z_image", "wan2.1", "wan2.2") of `random:NAME`."""
     return ARCHITECTURES[architecture_name(path, key)][0]
 
 
@@ -141,13 +141,15 @@ def _published_modules(name: str, device: torch.device, dtype: torch.dtype, num_
             config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
     transformer = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=0)
     vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
-    return transformer, vae, diffusers.FlowMatchEulerDiscreteScheduler(**scheduler_config)
+    scheduler_config = dict(scheduler_config)  # its `_class_name`, when given, names another scheduler (Wan's)
+    scheduler_cls = getattr(diffusers, scheduler_config.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))
+    return transformer, vae, scheduler_cls(**scheduler_config)
 
 
 def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
-    from flowrl.models.debug.tiny import build_tiny_pipeline
+    from flowrl.models.debug.tiny import build_tiny_pipeline, tiny_kind
 
-    pipe = build_tiny_pipeline(family, seed=0)
+    pipe = build_tiny_pipeline(tiny_kind(family), seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
     return modules[0], modules[1], pipe.scheduler
 

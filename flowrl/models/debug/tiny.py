@@ -1,4 +1,4 @@
-"""Tiny random diffusers checkpoints (SD3, Qwen-Image, FLUX, Z-Image), built offline and deterministically.
+"""Tiny random diffusers checkpoints (SD3, Qwen-Image, FLUX, Z-Image, Wan), built offline and deterministically.
 
 `build_tiny_checkpoint(kind, path, seed)` assembles a complete pipeline (transformer, VAE, text
 encoders, hand-built tokenizers, FlowMatchEulerDiscreteScheduler) with random weights drawn from
@@ -26,6 +26,7 @@ from flowrl.models.debug.tiny_tokenizers import (
     build_qwen2_tokenizer,
     build_t5_tokenizer,
 )
+from flowrl.models.debug.tiny_wan import build_tiny_wan
 from flowrl.models.debug.tiny_z_image import build_z_image_pipeline
 from flowrl.output_paths import (
     check_output_folder,
@@ -44,7 +45,17 @@ TINY_KINDS: dict[str, str] = {
     "qwen_image": "QwenImagePipeline",
     "flux": "FluxPipeline",
     "z_image": "ZImagePipeline",
+    "wan": "WanPipeline",  # Wan2.1-T2V
+    "wan2.2": "WanPipeline",  # Wan2.2-TI2V-5B
+    "wan2.2-a14b": "WanPipeline",  # Wan2.2-T2V-A14B: two experts
 }
+# A family whose tiny kind has another name (the other families' kinds are their names).
+_TINY_KIND_OF_FAMILY = {"wan2.1": "wan"}
+
+
+def tiny_kind(family: str) -> str:
+    """The tiny checkpoint kind that builds a model of `family`."""
+    return _TINY_KIND_OF_FAMILY.get(family, family)
 
 
 def _check_kind(kind: str) -> None:
@@ -188,6 +199,9 @@ _BUILDERS = {
     "qwen_image": _build_qwen_image,
     "flux": build_tiny_flux,
     "z_image": build_z_image_pipeline,
+    "wan": lambda: build_tiny_wan("wan"),
+    "wan2.2": lambda: build_tiny_wan("wan2.2"),
+    "wan2.2-a14b": lambda: build_tiny_wan("wan2.2-a14b"),
 }
 
 
