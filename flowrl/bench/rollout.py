@@ -273,8 +273,9 @@ def run_rollout(args) -> int:
     # 1. Peak and FLOPs, once (before any compilation).
     peak = flop_count.measure_matmul_peak(device, bench.dtype, sustain_seconds=a.peak_seconds)
     try:
-        row_flops = flop_count.transformer_flops_per_row(bench.bench.adapter, a.size, a.size)
-        decode_flops = flop_count.decode_flops_per_image(bench.bench.adapter, a.size, a.size)
+        height, width, num_frames = _size(a)
+        row_flops = flop_count.transformer_flops_per_row(bench.bench.adapter, height, width, num_frames=num_frames)
+        decode_flops = flop_count.decode_flops_per_image(bench.bench.adapter, height, width, num_frames)
         image_flops = a.steps * bench.rows_per_image * row_flops + decode_flops
     except Exception:  # noqa: BLE001 - timings without MFU beat no timings
         traceback.print_exc()

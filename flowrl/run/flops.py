@@ -1,9 +1,9 @@
 """FLOPs of one configuration, counted once, and the matmul peak of the machine, measured.
 
-- `transformer_flops_per_row`: FLOPs of one transformer forward for ONE row (one image, cond only)
+- `transformer_flops_per_row`: FLOPs of one transformer forward for ONE row (one image or video, cond only)
   at the benchmark's image size and prompt length, counted by torch.utils.flop_counter (matmuls,
   convolutions and attention). A step costs rows x this; a CFG sample has two rows.
-- `decode_flops_per_image`: FLOPs of one VAE decode.
+- `decode_flops_per_image`: FLOPs of one VAE decode (of a video's every frame).
 - `count_flops`: FLOPs of any callable (forward + backward for a training step).
 - `measure_matmul_peak`: a large square matmul in the model dtype, timed the benchmark's way
   (warm-up, synchronize, repeats): a short burst and a sustained run. On a power-capped card the
@@ -15,6 +15,7 @@ MFU = achieved FLOP/s / measured sustained peak.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -61,9 +62,18 @@ def count_flops(fn) -> int:
 
 
 @torch.no_grad()
-def transformer_flops_per_row(adapter: FlowModelAdapter, height: int, width: int, prompt: str = "a photo") -> int:
+def _frames(adapter: FlowModelAdapter, num_frames: int) -> dict:
+    """`latent_shape`'s frame argument: none for an image family, the frame count for a video one."""
+    return adapter.frame_kwargs(SimpleNamespace(num_frames=num_frames))
+
+
+def transformer_flops_per_row(
+    adapter: FlowModelAdapter, height: int, width: int, prompt: str = "a photo", num_frames: int = 1
+) -> int:
     encodings = adapter.encode_prompts([prompt])
-    latents = torch.randn((1, *adapter.latent_shape(height, width)), device=adapter.device)
+    latents = torch.randn(
+        (1, *adapter.latent_shape(height, width, **_frames(adapter, num_frames))), device=adapter.device
+    )
     sigma = torch.full((1,), 0.5, device=adapter.device)
     cfg_scale = torch.ones(1, device=adapter.device)
     guidance = adapter.guidance_embedding_kwargs(torch.ones(1, device=adapter.device))
@@ -73,8 +83,10 @@ def transformer_flops_per_row(adapter: FlowModelAdapter, height: int, width: int
 
 
 @torch.no_grad()
-def decode_flops_per_image(adapter: FlowModelAdapter, height: int, width: int) -> int:
-    latents = torch.randn((1, *adapter.latent_shape(height, width)), device=adapter.device)
+def decode_flops_per_image(adapter: FlowModelAdapter, height: int, width: int, num_frames: int = 1) -> int:
+    latents = torch.randn(
+        (1, *adapter.latent_shape(height, width, **_frames(adapter, num_frames))), device=adapter.device
+    )
     return count_flops(lambda: adapter.decode(latents, height, width))
 
 

@@ -114,18 +114,18 @@ def _merged_rollout_flops(adapter, cfg, prompt: str) -> tuple[int, int]:
 
     s = cfg.rollout.sampling
     with merged_lora(adapter.transformer, seed=0):
-        forward = transformer_flops_per_row(adapter, s.height, s.width, prompt)
+        forward = transformer_flops_per_row(adapter, s.height, s.width, prompt, s.num_frames)
     return forward, count_flops(merge)
 
 
 def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     """The counts of the module docstring (call inside `trainable`, before compiling)."""
     s, v = cfg.rollout.sampling, cfg.rollout.val_sampling
-    forward = transformer_flops_per_row(adapter, s.height, s.width, prompt)
-    decode = decode_flops_per_image(adapter, s.height, s.width)
-    same_size = (v.height, v.width) == (s.height, s.width)
-    val_forward = forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt)
-    val_decode = decode if same_size else decode_flops_per_image(adapter, v.height, v.width)
+    forward = transformer_flops_per_row(adapter, s.height, s.width, prompt, s.num_frames)
+    decode = decode_flops_per_image(adapter, s.height, s.width, s.num_frames)
+    same_size = (v.height, v.width, v.num_frames) == (s.height, s.width, s.num_frames)
+    val_forward = forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt, v.num_frames)
+    val_decode = decode if same_size else decode_flops_per_image(adapter, v.height, v.width, v.num_frames)
     cond = adapter.encode_prompts([prompt])
     rows, val_rows = adapter.rows_per_sample(s), adapter.rows_per_sample(v)
     uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows == 2 else [None]

@@ -111,6 +111,19 @@ def test_schedule_is_the_checkpoints_unipc_flow_sigmas(wan_engine):
     torch.testing.assert_close(wan_engine.adapter.sigmas(20, 240, 416), scheduler.sigmas, atol=0, rtol=0)
 
 
+def test_flop_counts_grow_with_the_frames(wan_engine):
+    """A video's transformer forward and decode are counted over all its latent frames (MFU of
+    video runs), not as one picture: 5 frames (2 latent frames) cost more than 1, 9 (3) more still."""
+    from flowrl.run.flops import decode_flops_per_image, transformer_flops_per_row
+
+    adapter = wan_engine.adapter
+    forwards = [transformer_flops_per_row(adapter, SIZE, SIZE, num_frames=n) for n in (1, 5, 9)]
+    decodes = [decode_flops_per_image(adapter, SIZE, SIZE, n) for n in (1, 5, 9)]
+    assert forwards[0] < forwards[1] < forwards[2] and decodes[0] < decodes[1] < decodes[2]
+    # Each latent frame adds at least as much as the one before (linear layers, quadratic attention).
+    assert forwards[2] - forwards[1] >= forwards[1] - forwards[0] > 0
+
+
 def test_batched_samples_equal_solo_samples(wan_engine):
     params = SamplingParams(
         height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4, noise_level=0.7, seed=11, guidance_scale=4.5
