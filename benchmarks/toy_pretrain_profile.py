@@ -27,8 +27,21 @@ def timed(device, loop, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def measure(name: str, loop, total_steps: int, args, activities) -> None:
+    """Warm `loop` up, time args.steps of it, then print the profiler's tables of 5 more steps."""
+    from torch.profiler import profile
+
+    loop(5)
+    per_step = timed(args.device, loop, args.steps)
+    print(f"{name}: {per_step * 1e3:.1f} ms/step -> {per_step * total_steps:.0f} s for {total_steps} steps")
+    with profile(activities=activities) as prof:
+        loop(5)
+    for key in ("self_cpu_time_total", "self_cuda_time_total")[: len(activities)]:
+        print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+
+
 def main() -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     from flowrl.models.debug.toy import SIZES
     from flowrl.models.debug.toy_modules import build_pipeline
@@ -59,14 +72,7 @@ def main() -> None:
     def autoencoder(steps: int) -> None:
         train_autoencoder(pipeline.vae, pictures, dataclasses.replace(size, vae_steps=steps), 1, generator, args.device)
 
-    autoencoder(5)  # warm-up
-    per_step = timed(args.device, autoencoder, args.steps)
-    print(f"autoencoder: {per_step * 1e3:.1f} ms/step -> {per_step * size.vae_steps:.0f} s for {size.vae_steps} steps")
-    with profile(activities=activities) as prof:
-        autoencoder(5)
-    for key in ("self_cpu_time_total", "self_cuda_time_total" if len(activities) > 1 else None):
-        if key:
-            print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+    measure("autoencoder", autoencoder, size.vae_steps, args, activities)
 
     latents = encode_pictures(pipeline.vae, pictures, args.device)
 
@@ -81,14 +87,7 @@ def main() -> None:
             args.device,
         )
 
-    transformer(5)
-    per_step = timed(args.device, transformer, args.steps)
-    print(f"transformer: {per_step * 1e3:.1f} ms/step -> {per_step * size.steps:.0f} s for {size.steps} steps")
-    with profile(activities=activities) as prof:
-        transformer(5)
-    for key in ("self_cpu_time_total", "self_cuda_time_total" if len(activities) > 1 else None):
-        if key:
-            print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+    measure("transformer", transformer, size.steps, args, activities)
 
 
 if __name__ == "__main__":
