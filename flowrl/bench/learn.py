@@ -380,6 +380,8 @@ def run_learn(args) -> int:
         expand_runs(configurations, not args.no_control)  # name clashes, before anything loads
         start = time.perf_counter()
         if args.jobs > 1:
+            for name, overrides in configurations:  # a bad override is named before any process starts
+                _load_run_config(args.config, list(args.overrides), RunSpec(name, overrides), args.steps, out)
             report = run_jobs(args, configurations, out)
         else:
             report = run_learning(

@@ -60,10 +60,6 @@ def run_jobs(args, configurations: list, out: Path, say=print) -> dict:
     """Measure `configurations` with at most `args.jobs` processes at a time, one per unit of
     `job_units` (the next starts when one ends); returns the joined report. JobFailed naming the
     unit's log when one fails."""
-    from flowrl.bench.learn import RunSpec, _load_run_config
-
-    for name, overrides in configurations:  # a bad override is named here, before any process starts
-        _load_run_config(args.config, list(args.overrides), RunSpec(name, overrides), args.steps, out)
     units = job_units(args, configurations)
     waiting, running, done = list(enumerate(units)), [], {}
     while waiting or running:

@@ -112,6 +112,10 @@ def test_bad_override_is_named_before_anything_trains(tmp_path, capsys):
         ["bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--out", str(tmp_path / "o"), "--run", "x: nokey"]
     )
     assert code == 2 and "'nokey' is not a key=value override" in capsys.readouterr().err
+    # With --jobs, an unknown key is named by the command itself, before any process starts.
+    args = ["bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--out", str(tmp_path / "j"), "--jobs", "2"]
+    assert main([*args, "--run", "x: trainer.no_such_key=1"]) == 2
+    assert "no_such_key" in capsys.readouterr().err and not (tmp_path / "j" / "jobs").exists()
 
 
 def test_a_seconds_budget_stops_the_run_and_its_control_trains_as_many_steps(tmp_path, capsys):
