@@ -61,12 +61,12 @@ def count_flops(fn) -> int:
     return int(counter.get_total_flops())
 
 
-@torch.no_grad()
 def _frames(adapter: FlowModelAdapter, num_frames: int) -> dict:
     """`latent_shape`'s frame argument: none for an image family, the frame count for a video one."""
     return adapter.frame_kwargs(SimpleNamespace(num_frames=num_frames))
 
 
+@torch.no_grad()
 def transformer_flops_per_row(
     adapter: FlowModelAdapter, height: int, width: int, prompt: str = "a photo", num_frames: int = 1
 ) -> int:
