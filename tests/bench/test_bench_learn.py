@@ -84,14 +84,6 @@ def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
     assert all(start == starts[0] for start in starts) and set(starts[0]) == {"partial", "strict"}
     assert all(len(run["images"]["1"]["partial"]) == 4 for run in report["runs"])  # 4 prompts x 1 seed
     assert "full partial: base" in printed and "control" in printed
-    # Measured by two processes at once (--jobs 2, one per configuration), the joined report holds
-    # the same runs, in order, with the same scores.
-    assert main([*_short_learn(tmp_path / "jobs"), "--jobs", "2", "--no-control"]) == 0
-    joined = json.loads((tmp_path / "jobs" / "learn.json").read_text())
-    assert joined["jobs"] == 2 and (tmp_path / "jobs" / "learn.png").stat().st_size > 0
-    trained = [run for run in report["runs"] if not run["control"]]
-    assert [run["label"] for run in joined["runs"]] == [run["label"] for run in trained]
-    assert [run["images"] for run in joined["runs"]] == [run["images"] for run in trained]
     # A unit that fails is named with its log, and the others are stopped.
     capsys.readouterr()
     failing = [sys.executable, "-c", "print('the cause'); raise SystemExit(2)"]
@@ -105,6 +97,18 @@ def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
     (other / "notes.txt").write_text("keep")
     assert main(_short_learn(other)) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two more processes; the fast siblings: test_jobs_split_runs_into_units, the failing unit above
+def test_jobs_measure_what_one_process_measures(tmp_path):
+    """Measured by two processes at once (--jobs 2, one per configuration), the joined report holds
+    the same runs, in order, with the same scores as one process's."""
+    assert main([*_short_learn(tmp_path / "one"), "--no-control"]) == 0
+    assert main([*_short_learn(tmp_path / "jobs"), "--jobs", "2", "--no-control"]) == 0
+    alone, joined = (json.loads((tmp_path / name / "learn.json").read_text()) for name in ("one", "jobs"))
+    assert joined["jobs"] == 2 and (tmp_path / "jobs" / "learn.png").stat().st_size > 0
+    assert [run["label"] for run in joined["runs"]] == [run["label"] for run in alone["runs"]] == ["full", "lora"]
+    assert [run["images"] for run in joined["runs"]] == [run["images"] for run in alone["runs"]]
 
 
 def test_bad_override_is_named_before_anything_trains(tmp_path, capsys):
