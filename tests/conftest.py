@@ -143,8 +143,21 @@ def pytest_configure(config):
         config.pluginmanager.register(_FolderGroups(), "flowrl-folder-groups")
 
 
+# Folders of the longest tests, started first (in this order) so that the two CI workers do not end
+# with one of them alone on a minutes-long test: the toy world's learning runs, then the
+# distributed group (one worker, one after another).
+LONGEST_FIRST = ("tests/learning/", "tests/distributed/")
+
+
+def _longest_first(item) -> int:
+    nodeid = item.nodeid
+    return next((i for i, folder in enumerate(LONGEST_FIRST) if nodeid.startswith(folder)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked `gpu` when no CUDA device is present (no command-line flag needed)."""
+    """Start the longest tests first (LONGEST_FIRST; the order is otherwise kept), and skip tests
+    marked `gpu` when no CUDA device is present (no command-line flag needed)."""
+    items.sort(key=_longest_first)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
