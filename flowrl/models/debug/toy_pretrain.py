@@ -13,9 +13,7 @@ weights).
    scheduler's shift applied to u ~ U(0, 1) (the density of the sampling schedule's steps),
    captions replaced by the empty prompt a `caption_dropout` share of the time (so classifier-free
    guidance works), AdamW with warm-up and cosine decay, and an exponential moving average of
-   the weights, which is what is saved. On CUDA the forward runs under bf16 autocast and
-   torch.compile: the toy transformer's eager step is bound by launching its thousands of small
-   operators (about 80 ms a step on an H100; benchmarks/results/2026-12-05_toy-gpu-make_h100.md).
+   the weights, which is what is saved. On CUDA the forward runs under bf16 autocast.
 
 It knows the toy world's data and the modules' interfaces, nothing about files (flowrl.models.debug.toy).
 """
@@ -129,23 +127,12 @@ def sample_sigmas(count: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def train_transformer(
-    transformer,
-    latents: torch.Tensor,
-    captions: list[str],
-    text: dict,
-    size: ToySize,
-    generator,
-    device,
-    bar=None,
-    compile: bool | None = None,
+    transformer, latents: torch.Tensor, captions: list[str], text: dict, size: ToySize, generator, device, bar=None
 ):
     """Train `transformer` on (latents, captions) and return the moving average of its weights
-    (a copy, in eval mode); see the module docstring. `compile`: torch.compile the trained module in
-    place (default: on CUDA)."""
+    (a copy, in eval mode); see the module docstring."""
     transformer.to(device).train().requires_grad_(True)
     average = copy.deepcopy(transformer).eval().requires_grad_(False)
-    if compile if compile is not None else torch.device(device).type == "cuda":
-        transformer.compile()  # in place: a later call with the same module reuses the compiled graph
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=size.lr, weight_decay=0.0)
     caption_index = {caption: index for index, caption in enumerate(sorted(text))}
     all_embeds = torch.stack([text[caption][0] for caption in sorted(text)])
