@@ -21,11 +21,11 @@
 #   dist-1gpu        torchrun --nproc-per-node 1 training steps through NCCL: SD3.5-medium LoRA and
 #                    FSDP2 full fine-tuning, Qwen-Image LoRA                                       ~6 min
 #   toy-make         the toy world's GPU-size model (flowrl make-toy --size gpu, run first; the
-#                    machine must stay warm for the next suites, which read outputs/toy-gpu)      ~7 min
+#                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 435 s)    ~7 min
 #   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size, two processes at
-#                    once, 220 device-s each, then each control for as many steps                 ~10 min
+#                    once, 200 device-s each, then each control for as many steps (H100: 469 s) ~8 min
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size, four processes at
-#                    once, 200 device-s each, then each control                                   ~10 min
+#                    once, 180 device-s each, then each control                                   ~10 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
@@ -124,14 +124,14 @@ suite() {
     toy-make) run toy-make 590 python3 -m flowrl.cli make-toy outputs/toy-gpu --size gpu --seed 0 --device cuda ;;
     toy-learn) run toy-learn 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 2 \
         --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=1e-3' \
-        --steps 2000 --seconds 220 --eval-every 25 --out "$OUT/toy-learn" --overwrite ;;
+        --steps 2000 --seconds 200 --eval-every 25 --out "$OUT/toy-learn" --overwrite ;;
     toy-algorithms)
       local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
       run toy-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \
         --run 'flowgrpo:' --run "nft: algorithm.name=diffusion_nft $fp" \
         --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0" \
         --run "dpo: algorithm.name=online_dpo $fp algorithm.dpo.ref_update_every=10" \
-        --steps 2000 --seconds 200 --eval-every 25 --out "$OUT/toy-algorithms" --overwrite ;;
+        --steps 2000 --seconds 180 --eval-every 25 --out "$OUT/toy-algorithms" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05
