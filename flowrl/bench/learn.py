@@ -144,15 +144,24 @@ def _load_run_config(config_path: str, common: list[str], spec: RunSpec, steps: 
     return load_train_config(config_path, [*overrides, *fixed]), overrides
 
 
-def _baseline_key(cfg) -> str:
-    """Runs with equal keys start from the same weights and evaluate alike, so they share their
-    step-0 evaluation (LoRA with a zero-initialised B changes nothing before the first update)."""
+def _baseline_key(cfg, held_out: HeldOut) -> str:
+    """Runs with equal keys start from the same weights and are scored alike (the same prompts,
+    seeds, sampling and reward), so they share their step-0 evaluation (LoRA with a
+    zero-initialised B changes nothing before the first update)."""
     from flowrl.config import config_to_dict
 
     lora = cfg.trainer.lora
     zero_start = not lora.enabled or lora.init in ("default", "gaussian")
-    parts = [config_to_dict(cfg.model), config_to_dict(cfg.rollout.val_sampling), cfg.rollout.val_seed, zero_start]
-    return json.dumps(parts, sort_keys=True) if zero_start else f"unique-{id(cfg)}"
+    parts = [
+        config_to_dict(cfg.model),
+        config_to_dict(cfg.engine),
+        config_to_dict(cfg.rollout.val_sampling),
+        cfg.rollout.val_seed,
+        config_to_dict(cfg.reward),
+        held_out.rows,
+        held_out.samples_per_prompt,
+    ]
+    return json.dumps(parts, sort_keys=True, default=str) if zero_start else f"unique-{id(cfg)}"
 
 
 def measure_run(
@@ -176,7 +185,7 @@ def measure_run(
             if out_of_time and points and points[-1]["step"] == trainer.step:
                 break  # the budget ran out right after the last scored step
             target = trainer.step
-            key = _baseline_key(cfg)
+            key = _baseline_key(cfg, held_out)
             if target == 0 and key in baselines:
                 scores = baselines[key]
             else:
@@ -215,10 +224,12 @@ def run_learning(
     say=print,
     seconds: float | None = None,
     trained: bool = True,
+    baselines: dict | None = None,
 ) -> dict:
     """Measure every configuration (and its control); returns the report `learn.json` holds. With
     `seconds`, each configuration trains for at most that many device-seconds (and `steps`), and its
-    control for exactly the steps the configuration reached, scored at the same steps."""
+    control for exactly the steps the configuration reached, scored at the same steps. `baselines`:
+    step-0 evaluations to share with the caller's other calls (a dict it keeps; filled here)."""
     from flowrl.data.prompts import load_prompt_rows
     from flowrl.rewards import build_reward_from_config
 
@@ -243,7 +254,7 @@ def run_learning(
         "seconds": seconds,
         "runs": [],
     }
-    baselines: dict = {}
+    baselines = {} if baselines is None else baselines
     for spec in runs:
         cfg, overrides = _load_run_config(config_path, list(common), spec, steps, out)
         held_out = HeldOut(

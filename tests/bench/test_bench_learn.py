@@ -99,6 +99,31 @@ def test_a_short_learning_run_writes_report_and_plot(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_step_0_evaluations_are_shared_only_between_runs_scored_alike(tmp_path, monkeypatch):
+    """A run whose reward differs gets its own step-0 evaluation; a later call given the same
+    `baselines` reuses the first call's for the same model, prompts, seeds and reward."""
+    from flowrl.bench.learn import HeldOut, run_learning
+
+    scored = []
+    original = HeldOut.score
+    monkeypatch.setattr(HeldOut, "score", lambda self, engine: scored.append(1) or original(self, engine))
+    tiny = ["trainer.prompts_per_step=2", "rollout.n=2", "rollout.sampling.num_inference_steps=3"]
+    runs = [("a", ()), ("b", ("reward.options={score: strict}",))]
+    shared: dict = {}
+
+    def learn(configurations, out):
+        return run_learning(
+            "recipes/toy_cpu_full.yaml", configurations, 1, 1, tmp_path / out, tiny, num_prompts=2,
+            samples_per_prompt=1, control=False, say=lambda _: None, baselines=shared,
+        )  # fmt: skip
+
+    first = learn(runs, "one")
+    assert len(scored) == 4  # a: step 0 and 1; b: its own step 0 (another reward) and 1
+    again = learn(runs[:1], "two")
+    assert len(scored) == 5  # a's step 1 only
+    assert again["runs"][0]["points"][0] == first["runs"][0]["points"][0]
+
+
 @pytest.mark.slow  # two more processes; the fast siblings: test_jobs_split_runs_into_units, the failing unit above
 def test_jobs_measure_what_one_process_measures(tmp_path):
     """Measured by two processes at once (--jobs 2, one per configuration), the joined report holds
