@@ -2,6 +2,7 @@
 
     flowrl make-toy outputs/toy-cpu                      # the committed model's recipe (seed 0)
     flowrl make-toy outputs/toy-gpu --size gpu           # the larger one, on a GPU
+    flowrl make-toy outputs/toy-video --size video-cpu   # the video world's tiny Wan (committed, seed 0)
 
 Prints the folder, the parameters per component, its size on disk and how long it took.
 """

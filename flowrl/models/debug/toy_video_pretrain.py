@@ -6,9 +6,9 @@ transformer training it reuses):
 2. `train_video_autoencoder`: AutoencoderKLWan on freshly drawn clips of every caption (a codec
    must show what RL asks for; flowrl.data.toy_video_split), L1 + MSE reconstruction and a small
    KL term, object pixels weighted up (`_OBJECT_WEIGHT`). The decoder is trained on the encoder's
-   means, not on samples of its posterior (the transformer learns the means anyway): in short
-   trials, decoding posterior samples, or means plus noise, left every object one average brown
-   after 500-600 steps, where decoding the means drew the colours. Then the per-channel `latents_mean` /
+   means, not on samples of its posterior (the transformer learns the means anyway): decoding
+   posterior samples, or means plus noise, left every object one average brown in short trials
+   where decoding the means drew the colours (docs/learning.md). Then the per-channel `latents_mean` /
    `latents_std` from the encoder's latents of the pool, so the transformer sees latents of zero
    mean and unit variance, as Wan's do.
 3. The transformer: toy_pretrain.train_transformer on the clips' latents and the UMT5's features
