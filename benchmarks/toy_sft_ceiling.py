@@ -56,8 +56,8 @@ def main() -> None:
         prediction = transformer(
             hidden_states=(1 - sigma) * x0 + sigma * noise,
             timestep=sigma.view(-1) * 1000,
-            encoder_hidden_states=torch.stack([text[captions[i]][0] for i in rows]),
-            pooled_projections=torch.stack([text[captions[i]][1] for i in rows]),
+            encoder_hidden_states=torch.stack([text[captions[i]]["encoder_hidden_states"] for i in rows]),
+            pooled_projections=torch.stack([text[captions[i]]["pooled_projections"] for i in rows]),
             return_dict=False,
         )[0]
         loss = (prediction - (noise - x0)).pow(2).mean()

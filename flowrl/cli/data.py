@@ -2,9 +2,10 @@
 
     flowrl data ocr --num 1000 --out data/ocr_train.jsonl [--seed 0]
     flowrl data toy --split val --out data/toy_val.jsonl        # the toy world's held-out prompts
+    flowrl data toy-video --split val --out data/toy_video_val.jsonl   # the video toy world's
 
 writes one JSON object per line: {"prompt", "ground_truth", "data_source": "ocr"} (toy: also
-"category"; flowrl.data.toy_split says what each split holds).
+"category"; flowrl.data.toy_split and toy_video_split say what each split holds).
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     toy.add_argument("--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N")
     toy.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
     toy.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
+    video = sub.add_parser(
+        "toy-video", help="the video toy world's prompts (one object moving): RL training, held-out or pretraining"
+    )
+    video.add_argument(
+        "--split",
+        required=True,
+        choices=("train", "val", "pretrain"),
+        help="train: the RL prompts; val: the held-out evaluation prompts (disjoint from train); pretrain: "
+        "captions drawn as pretraining draws them",
+    )
+    video.add_argument("--out", type=Path, required=True, help="output .jsonl file")
+    video.add_argument(
+        "--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N"
+    )
+    video.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
+    video.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         write_jsonl(rows, args.out)
         print(f"wrote {len(rows)} rows to {args.out}")
         return 0
-    if args.dataset == "toy":
+    if args.dataset in ("toy", "toy-video"):
         return _write_toy(args)
     raise AssertionError(f"unhandled dataset {args.dataset!r}")
 
@@ -63,15 +80,16 @@ def run(args: argparse.Namespace) -> int:
 def _write_toy(args: argparse.Namespace) -> int:
     from flowrl.data.ocr_prompts import write_jsonl
     from flowrl.data.toy_split import prompt_rows
+    from flowrl.data.toy_video_split import video_prompt_rows
     from flowrl.output_paths import OutputExistsError, check_output_file
 
     try:
         check_output_file(args.out, args.overwrite)
         if args.num is not None and args.num < 1:
             raise ValueError(f"--num {args.num} must be >= 1")
-        rows = prompt_rows(args.split, args.num, args.seed)
+        rows = (prompt_rows if args.dataset == "toy" else video_prompt_rows)(args.split, args.num, args.seed)
     except (OutputExistsError, ValueError) as error:
-        print(f"flowrl data toy: error: {error}", file=sys.stderr)
+        print(f"flowrl data {args.dataset}: error: {error}", file=sys.stderr)
         return 2
     write_jsonl(rows, args.out)
     print(f"wrote {len(rows)} {args.split} rows to {args.out}")

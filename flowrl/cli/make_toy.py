@@ -2,6 +2,7 @@
 
     flowrl make-toy outputs/toy-cpu                      # the committed model's recipe (seed 0)
     flowrl make-toy outputs/toy-gpu --size gpu           # the larger one, on a GPU
+    flowrl make-toy outputs/toy-video --size video-cpu   # the video world's tiny Wan (committed, seed 0)
 
 Prints the folder, the parameters per component, its size on disk and how long it took.
 """
@@ -18,7 +19,12 @@ from flowrl.output_paths import OutputExistsError
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="folder to save to: new or empty, or one make-toy wrote")
-    parser.add_argument("--size", default="cpu", choices=("cpu", "gpu"), help="cpu: the committed model; gpu: larger")
+    parser.add_argument(
+        "--size",
+        default="cpu",
+        choices=("cpu", "gpu", "video-cpu"),
+        help="cpu: the committed model; gpu: larger; video-cpu: the video toy world's (committed) model",
+    )
     parser.add_argument("--seed", type=seed_int, default=0, help="data, noise and weight seed; same seed, same weights")
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

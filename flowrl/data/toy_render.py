@@ -64,7 +64,7 @@ def relation_holds_strongly(a: SceneObject, b: SceneObject, relation: str, gap: 
     return primary >= (a.size + b.size) / 2 + gap and abs(secondary) <= primary / 2
 
 
-def _object_in_cell(rng: random.Random, shape: str, colour: str, cell: int, image_size: int, gap: int) -> SceneObject:
+def object_in_cell(rng: random.Random, shape: str, colour: str, cell: int, image_size: int, gap: int) -> SceneObject:
     """An object of a random size at a random place inside grid cell `cell` (row-major), at least
     gap / 2 pixels from the cell's sides."""
     left, top = image_size * (cell % GRID) / GRID, image_size * (cell // GRID) / GRID
@@ -102,7 +102,7 @@ def sample_scene(
     for _ in range(_MAX_TRIES):
         cells = rng.sample(range(GRID * GRID), len(wanted))
         placed = [
-            _object_in_cell(rng, shape, rng.choice(colours), cell, image_size, gap)
+            object_in_cell(rng, shape, rng.choice(colours), cell, image_size, gap)
             for (shape, colours), cell in zip(wanted, cells)
         ]
         if not all(_gap_ok(a, b, gap) for i, a in enumerate(placed) for b in placed[i + 1 :]):

@@ -3,7 +3,7 @@
 `evaluate(engine, loader, sources, rows, rewards, ...)` samples the prompt rows once per weight
 source (the base first) through flowrl.eval.inference.sample_rows, so every source sees the same
 seeds and deterministic (ODE) sampling gives the same numbers run after run. Each image is scored by
-every reward and saved as a PNG. The summary per source and reward is the mean over prompts with a
+every reward and saved as a PNG (a video as the strip of its frames). The summary per source and reward is the mean over prompts with a
 95% confidence interval; the per-prompt value is the mean over that prompt's samples, since samples
 of one prompt are not independent observations. Against the base it adds the paired difference
 (same prompt, same seeds) with its own interval, which is tighter than comparing two means.
@@ -40,7 +40,9 @@ class SourceResult:
     scores: dict[str, np.ndarray]
     seeds: np.ndarray  # (num_prompts, samples_per_prompt)
     image_paths: list[str]
-    grid_images: list = field(default_factory=list)  # the first grid_rows images, (3, H, W) uint8
+    grid_images: list = field(
+        default_factory=list
+    )  # the first grid_rows images (a video's frame strip), (3, H, W) uint8
 
 
 def interval(values) -> dict:
@@ -103,7 +105,10 @@ def evaluate(
 ) -> list[SourceResult]:
     """Sample and score `rows` with each source in order (module docstring). `progress(source)` is
     called before each source starts."""
+    import torch
     from PIL import Image
+
+    from flowrl.data.video_files import frame_strip
 
     results = []
     for source in sources:
@@ -121,10 +126,11 @@ def evaluate(
             for k, (image, seed) in enumerate(zip(images, chunk_seeds)):
                 index = first * samples_per_prompt + k
                 path = folder / f"p{index // samples_per_prompt:04d}_s{index % samples_per_prompt:02d}_seed{seed}.png"
-                Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+                picture = torch.from_numpy(frame_strip(image)) if image.ndim == 4 else image  # a video: its frames
+                Image.fromarray(picture.permute(1, 2, 0).numpy()).save(path)
                 paths.append(str(path))
                 if len(grid) < grid_rows:
-                    grid.append(image.clone())
+                    grid.append(picture.clone())
             seeds += chunk_seeds
         shape = (len(rows), samples_per_prompt)
         scores = {name: np.concatenate(parts).reshape(shape) for name, parts in columns.items()}

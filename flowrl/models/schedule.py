@@ -26,6 +26,9 @@ def dynamic_shift_mu(image_seq_len: int, config) -> float:
     return image_seq_len * slope + (base_shift - slope * base_len)
 
 
+_ROUND_OFF = 1e-5  # a first sigma this close to 1 is 1
+
+
 def schedule_sigmas(
     scheduler,
     num_steps: int,
@@ -53,6 +56,11 @@ def schedule_sigmas(
     sched.set_timesteps(num_steps, device="cpu", **kwargs)
     sigmas = sched.sigmas.to(torch.float32)
     assert sigmas.shape == (num_steps + 1,) and float(sigmas[-1]) == 0.0
+    # UniPC's flow sigmas (Wan) start at 1 - 1e-6, round-off of 1: the SDE step's
+    # sqrt(s / (1 - s)) is then about 1000 instead of the first-step rule sampler.sde_step applies at
+    # s == 1, and a first SDE step multiplies the latents' scale by thousands.
+    if 1.0 - _ROUND_OFF < float(sigmas[0]) < 1.0:
+        sigmas[0] = 1.0
     # Some configs degenerate for tiny step counts (Qwen-Image's shift_terminal stretch divides
     # by zero at T = 1): a clear error instead of NaN latents.
     if not bool(torch.isfinite(sigmas).all()) or not bool((sigmas[1:] < sigmas[:-1]).all()):

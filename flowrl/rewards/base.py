@@ -213,6 +213,7 @@ _REGISTRY: dict[str, str | Callable[..., Reward]] = {
     "image_flatness": "flowrl.rewards.image_stats:ImageFlatness",
     "image_contrast": "flowrl.rewards.image_stats:ImageContrast",
     "shapes": "flowrl.rewards.shapes:ShapesReward",
+    "shapes_video": "flowrl.rewards.shapes_video:ShapesVideoReward",
     "clip_score": "flowrl.rewards.clip_scores:ClipScoreReward",
     "pickscore": "flowrl.rewards.clip_scores:PickScoreReward",
     "aesthetic": "flowrl.rewards.clip_scores:AestheticReward",

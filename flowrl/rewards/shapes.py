@@ -166,17 +166,17 @@ def _parsed(text: str) -> Caption:
     return parse_caption(text)
 
 
-def caption_of(prompt: str, metadata: dict, ground_truth_key: str = "ground_truth") -> Caption:
-    """The caption a row asks for: its ground_truth when set, else its prompt; ValueError naming
-    the text and the field it came from when it is not a caption of the world."""
+def caption_of(prompt: str, metadata: dict, ground_truth_key: str = "ground_truth", parse=_parsed, reward="shapes"):
+    """The caption a row asks for, read by `parse`: its ground_truth when set, else its prompt;
+    ValueError naming the text and the field it came from when it is not a caption of the world."""
     text = metadata.get(ground_truth_key)
     field = ground_truth_key
     if text is None or (isinstance(text, str) and not text.strip()):
         text, field = prompt, "prompt"
     try:
-        return _parsed(str(text))
+        return parse(str(text))
     except ValueError as error:
-        raise ValueError(f"{error} (from the row's {field}; the shapes reward reads toy-world captions)") from None
+        raise ValueError(f"{error} (from the row's {field}; the {reward} reward reads toy-world captions)") from None
 
 
 class ShapesReward(RowwiseReward):

@@ -108,7 +108,23 @@ def test_schedule_is_the_checkpoints_unipc_flow_sigmas(wan_engine):
 
     scheduler = UniPCMultistepScheduler.from_config(wan_engine.adapter.scheduler.config)
     scheduler.set_timesteps(20)
-    torch.testing.assert_close(wan_engine.adapter.sigmas(20, 240, 416), scheduler.sigmas, atol=0, rtol=0)
+    ours = wan_engine.adapter.sigmas(20, 240, 416)
+    torch.testing.assert_close(ours[1:], scheduler.sigmas[1:], atol=0, rtol=0)
+    # The scheduler's first sigma is 1 up to round-off (1 - 1e-6); flowrl's is 1, so the first SDE
+    # step takes Flow-GRPO's rule at sigma 1 instead of sqrt(s / (1 - s)) ~ 1000.
+    assert 0 < 1.0 - float(scheduler.sigmas[0]) < 1e-5 and float(ours[0]) == 1.0
+
+
+def test_a_first_sde_step_keeps_the_latents_scale(wan_engine):
+    from flowrl.sampler import sde_step
+
+    sigmas = wan_engine.adapter.sigmas(8, 48, 48)
+    x = torch.randn(2, 16, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    step = sde_step(
+        x, torch.zeros_like(x), sigmas[:1].expand(2), sigmas[1:2].expand(2), 0.7,
+        noise=torch.randn(x.shape, generator=torch.Generator().manual_seed(1)), sigma_first_step=sigmas[1],
+    )  # fmt: skip
+    assert float(step.next_latents.std()) < 2.0
 
 
 def test_flop_counts_grow_with_the_frames(wan_engine):

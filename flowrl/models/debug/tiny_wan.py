@@ -24,7 +24,8 @@ from flowrl.models.debug.tiny_tokenizers import build_t5_tokenizer
 TINY_WAN_TEXT_LENGTH = 32  # the tiny tokenizer's model_max_length: the adapter's default text length
 
 
-def _text_encoder(tokenizer):
+def umt5_text_encoder(tokenizer):
+    """A tiny UMT5 encoder (32 wide, 2 layers) over `tokenizer`, weights from torch's RNG."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     return UMT5EncoderModel(
@@ -91,7 +92,7 @@ def build_tiny_wan(kind: str):
 
     tokenizer = build_t5_tokenizer()
     tokenizer.model_max_length = TINY_WAN_TEXT_LENGTH
-    text_encoder = _text_encoder(tokenizer)
+    text_encoder = umt5_text_encoder(tokenizer)
     scheduler_config = {k: v for k, v in WAN_SCHEDULER.items() if k != "_class_name"}
     if kind == "wan2.2":
         return WanPipeline(

@@ -6,7 +6,9 @@ autoencoder and transformer are pretrained on the toy world's pretraining split
 `StableDiffusion3Pipeline.from_pretrained`. Two sizes (`SIZES`): "cpu", small enough to commit
 (`committed_checkpoint()`, the README's main job and CI use it), and "gpu", larger, for one GPU.
 The model draws the world's shapes and colours but not every composition it was never shown,
-which is what RL on the held-out prompts has to teach.
+which is what RL on the held-out prompts has to teach. A third size, "video-cpu", is the video
+toy world's model (flowrl.models.debug.toy_video_pretrain): a WanPipeline of 5-frame clips,
+committed too (`committed_checkpoint("video-cpu")`).
 
 The folder follows flowrl.output_paths: a `.flowrl-toy` marker records the size, the seed and the
 files; a folder already holding the same size and seed is kept as it is, flowrl's own earlier
@@ -23,12 +25,13 @@ from pathlib import Path
 import torch
 
 from flowrl.models.debug.toy_modules import ToySize
+from flowrl.models.debug.toy_video_modules import VideoToySize
 from flowrl.output_paths import check_output_folder, file_sizes, read_marker, remove_listed_files, write_marker
 
 TOY_MARKER = "toy"  # the folder's marker file: .flowrl-toy
-COMMITTED_DIRNAME = "toy_cpu"
+COMMITTED_DIRNAMES = {"cpu": "toy_cpu", "video-cpu": "toy_video_cpu"}
 
-SIZES: dict[str, ToySize] = {
+SIZES: dict[str, ToySize | VideoToySize] = {
     # 48 x 48 pictures, 8x autoencoder: a 6 x 6 latent whose 2 x 2 patches are the world's 3 x 3
     # grid cells, so each of the transformer's 9 image tokens draws one cell.
     "cpu": ToySize(
@@ -68,24 +71,49 @@ SIZES: dict[str, ToySize] = {
         lr=1e-3,
         ema_decay=0.999,
     ),
+    # 5-frame 48 x 48 clips, Wan's 4x temporal and 8x spatial autoencoder: a (16, 2, 6, 6) latent
+    # whose 2 x 2 patches are the grid cells, the first frame's and the four after it.
+    "video-cpu": VideoToySize(
+        name="video-cpu",
+        image_size=48,
+        num_frames=5,
+        vae_base_dim=8,
+        vae_dim_mult=(1, 2, 2, 2),
+        latent_channels=16,
+        num_layers=4,
+        num_heads=4,
+        head_dim=16,
+        ffn_dim=256,
+        num_clips=8192,
+        vae_steps=1200,
+        vae_batch=8,
+        vae_lr=3e-3,
+        steps=4000,
+        batch=128,
+        lr=1e-3,
+        ema_decay=0.999,
+    ),
 }
 
 
-def committed_checkpoint() -> Path:
-    """The committed CPU-size toy model (seed 0), inside the installed package."""
-    return Path(__file__).resolve().parent / COMMITTED_DIRNAME
+def committed_checkpoint(size: str = "cpu") -> Path:
+    """The committed toy model of `size` ("cpu" or "video-cpu", seed 0), inside the installed package."""
+    if size not in COMMITTED_DIRNAMES:
+        raise ValueError(f"size={size!r} has no committed toy model; the committed ones are {list(COMMITTED_DIRNAMES)}")
+    return Path(__file__).resolve().parent / COMMITTED_DIRNAMES[size]
 
 
-def resolve_size(size: str | ToySize) -> ToySize:
-    if isinstance(size, ToySize):
+def resolve_size(size: str | ToySize | VideoToySize) -> ToySize | VideoToySize:
+    if isinstance(size, (ToySize, VideoToySize)):
         return size
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not a toy model size; choose one of: {', '.join(SIZES)}")
     return SIZES[size]
 
 
-def build_toy_pipeline(size: str | ToySize, seed: int = 0, device: str = "cpu", progress: bool = True):
-    """The pretrained toy pipeline in memory (float32, on the CPU); the caller's RNG is untouched."""
+def build_toy_pipeline(size: str | ToySize | VideoToySize, seed: int = 0, device: str = "cpu", progress: bool = True):
+    """The pretrained toy pipeline in memory (float32, on the CPU; a WanPipeline for a video size);
+    the caller's RNG is untouched."""
     from flowrl.console import progress_bar
     from flowrl.models.debug.toy_modules import build_pipeline
     from flowrl.models.debug.toy_pretrain import (
@@ -101,6 +129,12 @@ def build_toy_pipeline(size: str | ToySize, seed: int = 0, device: str = "cpu", 
     def bar(total: int, phase: str):
         return progress_bar(total, f"toy {size.name} model: {phase}", disable=not progress)
 
+    if isinstance(size, VideoToySize):
+        from flowrl.models.debug.toy_video_pretrain import build_video_toy_pipeline
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build_video_toy_pipeline(size, seed, device, bar)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipeline = build_pipeline(size)
@@ -122,7 +156,7 @@ def build_toy_pipeline(size: str | ToySize, seed: int = 0, device: str = "cpu", 
 
 def make_toy_checkpoint(
     path: str | Path,
-    size: str | ToySize = "cpu",
+    size: str | ToySize | VideoToySize = "cpu",
     seed: int = 0,
     device: str = "cpu",
     overwrite: bool = False,

@@ -46,11 +46,11 @@ def render_pool(size: ToySize, num_images: int, seed: int, bar=None) -> tuple[li
     return captions, torch.from_numpy(pictures).permute(0, 3, 1, 2).contiguous()
 
 
-def _to_model_range(pictures: torch.Tensor, device) -> torch.Tensor:
+def to_model_range(pictures: torch.Tensor, device) -> torch.Tensor:
     return pictures.to(device, non_blocking=True).float() / 127.5 - 1.0
 
 
-def _learning_rate(step: int, total: int, peak: float) -> float:
+def learning_rate(step: int, total: int, peak: float) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < _WARMUP_STEPS:
         return peak * (step + 1) / _WARMUP_STEPS
@@ -70,9 +70,9 @@ def train_autoencoder(
     drawn = codec_examples(size.vae_steps * size.vae_batch, seed, size.image_size)
     for step in range(size.vae_steps):
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, size.vae_steps, size.vae_lr)
+            group["lr"] = learning_rate(step, size.vae_steps, size.vae_lr)
         batch = np.stack([next(drawn) for _ in range(size.vae_batch)])
-        images = _to_model_range(torch.from_numpy(batch).permute(0, 3, 1, 2), device)
+        images = to_model_range(torch.from_numpy(batch).permute(0, 3, 1, 2), device)
         posterior = vae.encode(images).latent_dist
         latents = posterior.mean + posterior.std * torch.randn(
             posterior.mean.shape, generator=generator, device="cpu"
@@ -98,7 +98,7 @@ def encode_pictures(vae, pictures: torch.Tensor, device, scaled: bool = True, ch
     """(N, C, h, w) float32 latents (the encoder's means), in the transformer's scale when `scaled`."""
     parts = []
     for start in range(0, len(pictures), chunk):
-        latents = vae.encode(_to_model_range(pictures[start : start + chunk], device)).latent_dist.mean.float()
+        latents = vae.encode(to_model_range(pictures[start : start + chunk], device)).latent_dist.mean.float()
         if scaled:
             latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
         parts.append(latents)
@@ -106,8 +106,9 @@ def encode_pictures(vae, pictures: torch.Tensor, device, scaled: bool = True, ch
 
 
 @torch.no_grad()
-def encode_captions(pipeline, captions: list[str], device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{caption: (prompt embeds (L, D), pooled (D,))} as the pipeline encodes them for sampling."""
+def encode_captions(pipeline, captions: list[str], device) -> dict[str, dict[str, torch.Tensor]]:
+    """{caption: the transformer's text inputs (encoder_hidden_states (L, D), pooled_projections (D,))}
+    as the pipeline encodes them for sampling."""
     unique = sorted(set(captions) | {""})
     embeds, _, pooled, _ = pipeline.encode_prompt(
         prompt=unique,
@@ -117,7 +118,9 @@ def encode_captions(pipeline, captions: list[str], device) -> dict[str, tuple[to
         do_classifier_free_guidance=False,
         max_sequence_length=TEXT_LENGTH,
     )
-    return {text: (embeds[i], pooled[i]) for i, text in enumerate(unique)}
+    return {
+        text: {"encoder_hidden_states": embeds[i], "pooled_projections": pooled[i]} for i, text in enumerate(unique)
+    }
 
 
 def sample_sigmas(count: int, generator: torch.Generator) -> torch.Tensor:
@@ -130,35 +133,32 @@ def train_transformer(
     transformer, latents: torch.Tensor, captions: list[str], text: dict, size: ToySize, generator, device, bar=None
 ):
     """Train `transformer` on (latents, captions) and return the moving average of its weights
-    (a copy, in eval mode); see the module docstring."""
+    (a copy, in eval mode); see the module docstring. `text` maps each caption (and "") to the
+    transformer's text inputs by keyword; `size` gives steps, batch, lr, caption_dropout and
+    ema_decay; latents may be images (N, C, h, w) or videos (N, C, f, h, w)."""
     transformer.to(device).train().requires_grad_(True)
     average = copy.deepcopy(transformer).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=size.lr, weight_decay=0.0)
     caption_index = {caption: index for index, caption in enumerate(sorted(text))}
-    all_embeds = torch.stack([text[caption][0] for caption in sorted(text)])
-    all_pooled = torch.stack([text[caption][1] for caption in sorted(text)])
+    text_inputs = {key: torch.stack([text[caption][key] for caption in sorted(text)]) for key in text[""]}
     rows = torch.tensor([caption_index[caption] for caption in captions])
     empty = caption_index[""]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else None
     kept_params, trained_params = list(average.parameters()), list(transformer.parameters())
     for step in range(size.steps):
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, size.steps, size.lr)
+            group["lr"] = learning_rate(step, size.steps, size.lr)
         index = torch.randint(len(latents), (size.batch,), generator=generator)
         text_rows = rows[index].clone()
         text_rows[torch.rand(size.batch, generator=generator) < size.caption_dropout] = empty
         x0 = latents[index].to(device)
         noise = torch.randn(x0.shape, generator=generator).to(device)
         sigmas = sample_sigmas(size.batch, generator).to(device)
-        noisy = (1 - sigmas.view(-1, 1, 1, 1)) * x0 + sigmas.view(-1, 1, 1, 1) * noise
+        per_row = sigmas.view(-1, *[1] * (x0.ndim - 1))
+        noisy = (1 - per_row) * x0 + per_row * noise
+        conditions = {key: value[text_rows.to(device)] for key, value in text_inputs.items()}
         with autocast if autocast is not None else torch.autocast("cpu", enabled=False):
-            prediction = transformer(
-                hidden_states=noisy,
-                timestep=sigmas * 1000.0,
-                encoder_hidden_states=all_embeds[text_rows.to(device)],
-                pooled_projections=all_pooled[text_rows.to(device)],
-                return_dict=False,
-            )[0]
+            prediction = transformer(hidden_states=noisy, timestep=sigmas * 1000.0, **conditions, return_dict=False)[0]
         loss = (prediction.float() - (noise - x0)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
