@@ -179,6 +179,16 @@ def caption_of(prompt: str, metadata: dict, ground_truth_key: str = "ground_trut
         raise ValueError(f"{error} (from the row's {field}; the {reward} reward reads toy-world captions)") from None
 
 
+def check_detection_options(reward: str, score: str, scores: tuple, tolerance: float, min_area: float) -> None:
+    """The options every detecting reward of the toy worlds takes, each bad value named."""
+    if score not in scores:
+        raise ValueError(f"{reward} option score={score!r} is not one of {scores}")
+    if not float(tolerance) > 0:
+        raise ValueError(f"{reward} option tolerance={tolerance!r} must be > 0 (an RGB distance, e.g. 64)")
+    if not 0 <= float(min_area) < 1:
+        raise ValueError(f"{reward} option min_area={min_area!r} must be in [0, 1) (a share of the pixels)")
+
+
 class ShapesReward(RowwiseReward):
     """Scores a picture against its toy-world caption (module docstring).
 
@@ -196,12 +206,7 @@ class ShapesReward(RowwiseReward):
         min_area: float = 0.003,
         ground_truth_key: str = "ground_truth",
     ):
-        if score not in self.SCORES:
-            raise ValueError(f"shapes option score={score!r} is not one of {self.SCORES}")
-        if not float(tolerance) > 0:
-            raise ValueError(f"shapes option tolerance={tolerance!r} must be > 0 (an RGB distance, e.g. 64)")
-        if not 0 <= float(min_area) < 1:
-            raise ValueError(f"shapes option min_area={min_area!r} must be in [0, 1) (a share of the pixels)")
+        check_detection_options(self.name, score, self.SCORES, tolerance, min_area)
         self.score = score
         self.tolerance = float(tolerance)
         self.min_area = float(min_area)

@@ -27,7 +27,7 @@ import numpy as np
 
 from flowrl.data.toy_video import DIRECTIONS, MotionCaption, motion_requirements, parse_motion_caption
 from flowrl.rewards.base import Reward, RewardError
-from flowrl.rewards.shapes import DetectedObject, caption_of, detect_objects
+from flowrl.rewards.shapes import DetectedObject, caption_of, check_detection_options, detect_objects
 
 _MAX_BACKSTEP = 0.05  # the most a frame may step against the direction, as a share of the side
 
@@ -89,12 +89,7 @@ class ShapesVideoReward(Reward):
         min_travel: float = 0.25,
         ground_truth_key: str = "ground_truth",
     ):
-        if score not in self.SCORES:
-            raise ValueError(f"shapes_video option score={score!r} is not one of {self.SCORES}")
-        if not float(tolerance) > 0:
-            raise ValueError(f"shapes_video option tolerance={tolerance!r} must be > 0 (an RGB distance, e.g. 64)")
-        if not 0 <= float(min_area) < 1:
-            raise ValueError(f"shapes_video option min_area={min_area!r} must be in [0, 1) (a share of the pixels)")
+        check_detection_options(self.name, score, self.SCORES, tolerance, min_area)
         if not 0 < float(min_travel) < 1:
             raise ValueError(f"shapes_video option min_travel={min_travel!r} must be in (0, 1) (a share of the side)")
         self.score = score

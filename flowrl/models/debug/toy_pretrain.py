@@ -58,6 +58,19 @@ def learning_rate(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def autoencoder_step(vae, optimizer, loss: torch.Tensor, step: int, bar=None) -> None:
+    """One optimizer step of an autoencoder's reconstruction `loss` (gradients clipped to norm 1),
+    its loss shown on the progress bar every _LOSS_EVERY steps."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+    optimizer.step()
+    if bar is not None:
+        bar.update(1)
+        if step % _LOSS_EVERY == 0:  # reading the loss waits for the device: not every step
+            bar.set_postfix_str(f"autoencoder loss {loss.item():.4f}", refresh=False)
+
+
 def train_autoencoder(
     vae, pictures: torch.Tensor, size: ToySize, seed: int, generator: torch.Generator, device, bar=None
 ) -> None:
@@ -80,14 +93,7 @@ def train_autoencoder(
         reconstruction = vae.decode(latents).sample
         error = reconstruction - images
         loss = error.abs().mean() + error.pow(2).mean() + _KL_WEIGHT * posterior.kl().mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        if bar is not None:
-            bar.update(1)
-            if step % _LOSS_EVERY == 0:
-                bar.set_postfix_str(f"autoencoder loss {loss.item():.4f}", refresh=False)
+        autoencoder_step(vae, optimizer, loss, step, bar)
     vae.eval().requires_grad_(False)
     latents = encode_pictures(vae, pictures[: min(len(pictures), 2048)], device, scaled=False)
     vae.register_to_config(shift_factor=float(latents.mean()), scaling_factor=float(1.0 / latents.std()))

@@ -23,14 +23,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flowrl.models.debug.toy_pretrain import learning_rate, to_model_range, train_transformer
+from flowrl.models.debug.toy_pretrain import autoencoder_step, learning_rate, to_model_range, train_transformer
 from flowrl.models.debug.toy_video_modules import TEXT_LENGTH, VideoToySize, build_video_pipeline
 
 _KL_WEIGHT = 1e-5
 # A clip is mostly background (an object covers about 5% of a frame): unweighted, a small
 # autoencoder first learns to draw white frames and stays there for hundreds of steps.
 _OBJECT_WEIGHT = 4.0
-_LOSS_EVERY = 20
 
 
 def render_clips(size: VideoToySize, num: int, seed: int, bar=None) -> tuple[list[str], torch.Tensor]:
@@ -79,14 +78,7 @@ def train_video_autoencoder(vae, clips: torch.Tensor, size: VideoToySize, seed: 
         weight = 1.0 + _OBJECT_WEIGHT * (videos < 1.0).any(dim=1, keepdim=True)  # object pixels count more
         error = (reconstruction - videos) * weight
         loss = error.abs().mean() + error.pow(2).mean() + _KL_WEIGHT * posterior.kl().mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        if bar is not None:
-            bar.update(1)
-            if step % _LOSS_EVERY == 0:
-                bar.set_postfix_str(f"autoencoder loss {loss.item():.4f}", refresh=False)
+        autoencoder_step(vae, optimizer, loss, step, bar)
     vae.eval().requires_grad_(False)
     latents = encode_clips(vae, clips[: min(len(clips), 1024)], device, scaled=False)
     vae.register_to_config(
