@@ -24,34 +24,25 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     ocr.add_argument("--out", type=Path, required=True, help="output .jsonl file")
     ocr.add_argument("--seed", type=seed_int, default=0, help="random seed (same seed, same rows)")
     ocr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
-    toy = sub.add_parser("toy", help="the toy world's prompts: RL training (train), held-out (val) or pretraining")
-    toy.add_argument(
-        "--split",
-        required=True,
-        choices=("train", "val", "pretrain"),
-        help="train: the RL prompts; val: the held-out evaluation prompts (disjoint from train); pretrain: "
-        "captions drawn as pretraining draws them",
-    )
-    toy.add_argument("--out", type=Path, required=True, help="output .jsonl file")
-    toy.add_argument("--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N")
-    toy.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
-    toy.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
-    video = sub.add_parser(
-        "toy-video", help="the video toy world's prompts (one object moving): RL training, held-out or pretraining"
-    )
-    video.add_argument(
-        "--split",
-        required=True,
-        choices=("train", "val", "pretrain"),
-        help="train: the RL prompts; val: the held-out evaluation prompts (disjoint from train); pretrain: "
-        "captions drawn as pretraining draws them",
-    )
-    video.add_argument("--out", type=Path, required=True, help="output .jsonl file")
-    video.add_argument(
-        "--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N"
-    )
-    video.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
-    video.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
+    worlds = {
+        "toy": "the toy world's prompts: RL training (train), held-out (val) or pretraining",
+        "toy-video": "the video toy world's prompts (one object moving): RL training, held-out or pretraining",
+    }
+    for name, help_text in worlds.items():
+        world = sub.add_parser(name, help=help_text)
+        world.add_argument(
+            "--split",
+            required=True,
+            choices=("train", "val", "pretrain"),
+            help="train: the RL prompts; val: the held-out evaluation prompts (disjoint from train); pretrain: "
+            "captions drawn as pretraining draws them",
+        )
+        world.add_argument("--out", type=Path, required=True, help="output .jsonl file")
+        world.add_argument(
+            "--num", type=int, default=None, help="rows: the first N of train/val (default all); pretrain: N"
+        )
+        world.add_argument("--seed", type=int, default=0, help="pretrain only: the draw's seed (train/val are fixed)")
+        world.add_argument("--overwrite", action="store_true", help="replace --out when it exists (refused otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from toy_helpers import file_hashes
 
 from flowrl.cli import main
 from flowrl.data.toy_world import world_words
@@ -34,14 +34,6 @@ SHORT = dataclasses.replace(
 )
 
 
-def _hashes(folder: Path) -> dict[str, str]:
-    return {
-        str(file.relative_to(folder)): hashlib.sha256(file.read_bytes()).hexdigest()
-        for file in sorted(folder.rglob("*"))
-        if file.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def short_build(tmp_path_factory):
     path, built = make_toy_checkpoint(tmp_path_factory.mktemp("toy") / "short", SHORT, seed=5, progress=False)
@@ -52,7 +44,7 @@ def short_build(tmp_path_factory):
 def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
     again, _ = make_toy_checkpoint(tmp_path / "again", SHORT, seed=5, progress=False)
     other, _ = make_toy_checkpoint(tmp_path / "other", SHORT, seed=6, progress=False)
-    first, second, third = _hashes(short_build), _hashes(again), _hashes(other)
+    first, second, third = file_hashes(short_build), file_hashes(again), file_hashes(other)
     assert first == second
     assert (
         first["transformer/diffusion_pytorch_model.safetensors"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from toy_helpers import file_hashes
 
 from flowrl.data.toy_video import video_words
 from flowrl.models.debug.toy import SIZES, committed_checkpoint, make_toy_checkpoint
@@ -30,14 +30,6 @@ SHORT = dataclasses.replace(
 )
 
 
-def _hashes(folder: Path) -> dict[str, str]:
-    return {
-        str(file.relative_to(folder)): hashlib.sha256(file.read_bytes()).hexdigest()
-        for file in sorted(folder.rglob("*"))
-        if file.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def short_build(tmp_path_factory):
     path, built = make_toy_checkpoint(tmp_path_factory.mktemp("toy-video") / "short", SHORT, seed=5, progress=False)
@@ -47,7 +39,7 @@ def short_build(tmp_path_factory):
 
 def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
     again, _ = make_toy_checkpoint(tmp_path / "again", SHORT, seed=5, progress=False)
-    assert _hashes(short_build) == _hashes(again)
+    assert file_hashes(short_build) == file_hashes(again)
     marker = (short_build / ".flowrl-toy").read_text()
     assert '"size": "video-short"' in marker and '"seed": 5' in marker
 

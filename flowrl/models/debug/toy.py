@@ -60,9 +60,8 @@ SIZES: dict[str, ToySize | VideoToySize] = {
         num_heads=8,
         head_dim=32,
         num_images=100_000,
-        # Its eager training steps are bound by launching small operators (79 ms a step on an
-        # H100 at 512 rows and at 2,048), so it takes few, large steps: 435 s in all on an H100
-        # (benchmarks/results/2026-12-05_toy-gpu_h100.md).
+        # Its eager training step is bound by launching small operators, not by its rows, so it
+        # takes few, large steps (benchmarks/results/2026-12-05_toy-gpu_h100.md).
         vae_steps=1000,
         vae_batch=384,
         vae_lr=2e-3,
