@@ -21,9 +21,9 @@
 #   dist-1gpu        torchrun --nproc-per-node 1 training steps through NCCL: SD3.5-medium LoRA and
 #                    FSDP2 full fine-tuning, Qwen-Image LoRA                                       ~6 min
 #   toy-make         the toy world's GPU-size model (flowrl make-toy --size gpu, run first; the
-#                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 435 s)    ~7 min
-#   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size, two processes at
-#                    once, 200 device-s each, then each control for as many steps (H100: 469 s) ~8 min
+#                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 224 s)    ~4 min
+#   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size and their controls,
+#                    four processes at once, 140 steps each (H100: 40 steps in 160 s)            ~9 min
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size, four processes at
 #                    once, 180 device-s each, then each control                                   ~10 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
@@ -122,9 +122,9 @@ suite() {
       dist dist-qwen-lora random:qwen-image $bf16 trainer.lora.rank=64 trainer.micro_batch_size=2 \
         trainer.gradient_checkpointing=true ;;
     toy-make) run toy-make 590 python3 -m flowrl.cli make-toy outputs/toy-gpu --size gpu --seed 0 --device cuda ;;
-    toy-learn) run toy-learn 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 2 \
+    toy-learn) run toy-learn 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \
         --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=1e-3' \
-        --steps 2000 --seconds 200 --eval-every 25 --out "$OUT/toy-learn" --overwrite ;;
+        --steps 140 --eval-every 20 --out "$OUT/toy-learn" --overwrite ;;
     toy-algorithms)
       local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
       run toy-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \

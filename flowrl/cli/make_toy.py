@@ -3,6 +3,7 @@
     flowrl make-toy outputs/toy-cpu                      # the committed model's recipe (seed 0)
     flowrl make-toy outputs/toy-gpu --size gpu           # the larger one, on a GPU
     flowrl make-toy outputs/toy-video --size video-cpu   # the video world's tiny Wan (committed, seed 0)
+    flowrl make-toy outputs/toy-weak --size gpu --steps 1000   # the same architecture, pretrained less
 
 Prints the folder, the parameters per component, its size on disk and how long it took.
 """
@@ -13,7 +14,7 @@ import argparse
 import sys
 import time
 
-from flowrl.cli import seed_int
+from flowrl.cli import positive_int, seed_int
 from flowrl.output_paths import OutputExistsError
 
 
@@ -26,6 +27,15 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="cpu: the committed model; gpu: larger; video-cpu: the video toy world's (committed) model",
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="data, noise and weight seed; same seed, same weights")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="transformer pretraining steps (default: the size's)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        help="latents per transformer pretraining step (default: the size's)",
+    )
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -58,7 +68,14 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         path, built = make_toy_checkpoint(
-            args.out, args.size, seed=args.seed, device=device, overwrite=args.overwrite, progress=not args.no_progress
+            args.out,
+            args.size,
+            seed=args.seed,
+            device=device,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            steps=args.steps,
+            batch=args.batch,
         )
     except OutputExistsError as error:
         print(f"flowrl make-toy: error: {error}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -87,6 +88,24 @@ def test_make_toy_refuses_a_folder_it_did_not_write(tmp_path, capsys, monkeypatc
     assert main(["make-toy", str(tmp_path / "built"), "--no-progress"]) == 0
     assert main(["make-toy", str(tmp_path / "built"), "--no-progress"]) == 0
     assert "kept as it is" in capsys.readouterr().out
+
+
+def test_a_pretraining_budget_of_its_own_is_recorded_and_rebuilt(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(toy.SIZES, "cpu", SHORT)
+    folder = tmp_path / "budget"
+    assert main(["make-toy", str(folder), "--no-progress", "--steps", "2", "--batch", "3"]) == 0
+    marker = json.loads((folder / ".flowrl-toy").read_text())
+    assert (marker["steps"], marker["batch"]) == (2, 3)
+    assert main(["make-toy", str(folder), "--no-progress", "--steps", "2", "--batch", "3"]) == 0
+    assert "kept as it is" in capsys.readouterr().out
+    # The size's own budget is another build: rebuilt, not kept.
+    assert main(["make-toy", str(folder), "--no-progress"]) == 0
+    assert "kept as it is" not in capsys.readouterr().out
+    assert json.loads((folder / ".flowrl-toy").read_text())["steps"] == SHORT.steps
+    with pytest.raises(SystemExit):
+        main(["make-toy", str(folder), "--steps", "0"])
+    with pytest.raises(ValueError, match="steps=0"):
+        make_toy_checkpoint(folder, SHORT, steps=0, progress=False)
 
 
 def test_committed_model_is_small_and_marked():
