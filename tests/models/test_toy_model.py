@@ -55,6 +55,24 @@ def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
     assert make_toy_checkpoint(again, SHORT, seed=5, progress=False) == (again, False)
 
 
+def test_deterministic_kernels_hold_inside_the_block_only():
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(KeyError), toy.deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        raise KeyError("left by an error")
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.gpu
+def test_a_gpu_build_repeats_byte_for_byte(tmp_path):
+    """On a GPU make-toy runs torch's deterministic kernels: the same seed, the same bytes."""
+    first, _ = make_toy_checkpoint(tmp_path / "first", SHORT, seed=5, device="cuda", progress=False)
+    second, _ = make_toy_checkpoint(tmp_path / "second", SHORT, seed=5, device="cuda", progress=False)
+    assert file_hashes(first) == file_hashes(second)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the build
+
+
 def test_loads_in_diffusers_and_in_flowrl_at_its_text_length(short_build):
     from diffusers import StableDiffusion3Pipeline
 
