@@ -12,8 +12,8 @@ committed too (`committed_checkpoint("video-cpu")`).
 
 `steps` and `batch` replace the size's transformer pretraining budget (a weaker or stronger base
 of the same architecture). The folder follows flowrl.output_paths: a `.flowrl-toy` marker records
-the size, the seed, that budget and the files; a folder already holding the same is kept as it is, flowrl's own earlier
-toy build is replaced, anything else is refused unless `overwrite`. The same seed on the same
+the size, the seed, that budget and the files; a folder already holding the same is kept as it
+is, flowrl's own earlier toy build is replaced, anything else is refused unless `overwrite`. The same seed on the same
 machine (device and thread count) gives the same weights.
 """
 
@@ -118,13 +118,13 @@ def build_toy_pipeline(size: str | ToySize | VideoToySize, seed: int = 0, device
     """The pretrained toy pipeline in memory (float32, on the CPU; a WanPipeline for a video size);
     the caller's RNG is untouched. On a GPU it runs torch's deterministic kernels."""
     size = resolve_size(size)
-    if torch.device(device).type == "cuda":
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
         # The same seed on the same GPU gives the same weights: deterministic kernels (cuBLAS needs
         # its workspace fixed before its first use in the process).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        with deterministic_algorithms():
-            return _build(size, seed, device, progress)
-    return _build(size, seed, device, progress)
+    with deterministic_algorithms() if on_gpu else contextlib.nullcontext():
+        return _build(size, seed, device, progress)
 
 
 @contextlib.contextmanager
@@ -213,12 +213,11 @@ def make_toy_checkpoint(
 
 def with_budget(size: ToySize | VideoToySize, steps: int | None, batch: int | None) -> ToySize | VideoToySize:
     """`size` with its transformer pretraining steps and batch replaced where given."""
-    for field, value in (("steps", steps), ("batch", batch)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    given = {field: value for field, value in (("steps", steps), ("batch", batch)) if value is not None}
+    for field, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{field}={value!r} must be a positive integer (the transformer's pretraining {field})")
-    return dataclasses.replace(
-        size, steps=size.steps if steps is None else steps, batch=size.batch if batch is None else batch
-    )
+    return dataclasses.replace(size, **given)
 
 
 def same_build(marker: dict, size: ToySize | VideoToySize, seed: int) -> bool:

@@ -23,8 +23,23 @@ TEXT_LENGTH = 16
 SCHEDULER_SHIFT = 3.0
 
 
-@dataclass(frozen=True)
-class ToySize:
+@dataclass(frozen=True, kw_only=True)
+class PretrainingBudget:
+    """What a toy model's pretraining spends: the autoencoder's steps, batch and learning rate, and
+    the transformer's, with its EMA decay and caption dropout (shared by the image and video sizes)."""
+
+    vae_steps: int
+    vae_batch: int
+    vae_lr: float
+    steps: int
+    batch: int
+    lr: float
+    ema_decay: float
+    caption_dropout: float = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToySize(PretrainingBudget):
     """A toy model's architecture and pretraining budget (flowrl.models.debug.toy.SIZES)."""
 
     name: str
@@ -35,14 +50,6 @@ class ToySize:
     num_heads: int
     head_dim: int
     num_images: int
-    vae_steps: int
-    vae_batch: int
-    vae_lr: float
-    steps: int
-    batch: int
-    lr: float
-    ema_decay: float
-    caption_dropout: float = 0.1
 
     @property
     def latent_size(self) -> int:

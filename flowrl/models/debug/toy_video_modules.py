@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flowrl.models.debug.toy_modules import PretrainingBudget
+
 TEXT_LENGTH = 8
 
 
-@dataclass(frozen=True)
-class VideoToySize:
+@dataclass(frozen=True, kw_only=True)
+class VideoToySize(PretrainingBudget):
     """A video toy model's architecture and pretraining budget (flowrl.models.debug.toy.SIZES)."""
 
     name: str
@@ -37,14 +39,6 @@ class VideoToySize:
     head_dim: int
     ffn_dim: int
     num_clips: int
-    vae_steps: int
-    vae_batch: int
-    vae_lr: float
-    steps: int
-    batch: int
-    lr: float
-    ema_decay: float
-    caption_dropout: float = 0.1
 
     @property
     def latent_size(self) -> int:
