@@ -23,7 +23,7 @@
 #   toy-make         the toy world's GPU-size model (flowrl make-toy --size gpu, run first; the
 #                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 224 s)    ~4 min
 #   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size and their controls,
-#                    four processes at once, 140 steps each (H100: 40 steps in 160 s)            ~9 min
+#                    four processes at once, 420 device-s each (H100: 40 steps in 160 s)         ~9 min
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size, four processes at
 #                    once, 180 device-s each, then each control                                   ~10 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
@@ -124,7 +124,7 @@ suite() {
     toy-make) run toy-make 590 python3 -m flowrl.cli make-toy outputs/toy-gpu --size gpu --seed 0 --device cuda ;;
     toy-learn) run toy-learn 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \
         --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=1e-3' \
-        --steps 140 --eval-every 20 --out "$OUT/toy-learn" --overwrite ;;
+        --steps 1000 --seconds 420 --eval-every 40 --out "$OUT/toy-learn" --overwrite ;;
     toy-algorithms)
       local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
       run toy-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \
