@@ -1,7 +1,7 @@
 """The video toy recipe trains and validates the committed toy Wan end to end on a CPU: two
 FlowGRPO steps on 5-frame clips, scored by shapes_video, validated on held-out prompts (its
 learning is measured by `flowrl bench learn`, docs/learning.md "The video world"; not asserted
-here: 40 steps end above the control by a paired interval that still includes 0)."""
+here: no gain over the base has repeated across seeds yet)."""
 
 from __future__ import annotations
 

@@ -126,6 +126,25 @@ def test_a_pretraining_budget_of_its_own_is_recorded_and_rebuilt(tmp_path, capsy
         make_toy_checkpoint(folder, SHORT, steps=0, progress=False)
 
 
+def test_the_marker_records_the_autoencoder_budget_and_an_older_marker_reads_as_its_time():
+    """A folder is the same build only with the same autoencoder budget too; a marker written
+    before that was recorded (steps and batch only) holds what its size had then: the image size's
+    autoencoder is unchanged, the video size's was 1,200 steps at 3e-3 (rebuilt, not kept)."""
+    for name in ("cpu", "video-cpu"):
+        size = SIZES[name]
+        marker = {"size": name, "seed": 0, **toy.budget_of(size)}
+        assert toy.same_build(marker, size, 0)
+        assert not toy.same_build({**marker, "vae_steps": size.vae_steps + 1}, size, 0)
+        assert not toy.same_build({**marker, "vae_lr": size.vae_lr * 2}, size, 0)
+    older = {"size": "cpu", "seed": 0, "steps": SIZES["cpu"].steps, "batch": SIZES["cpu"].batch}
+    assert toy.same_build(older, SIZES["cpu"], 0)
+    video = SIZES["video-cpu"]
+    older_video = {"size": "video-cpu", "seed": 0, "steps": video.steps, "batch": video.batch}
+    assert not toy.same_build(older_video, video, 0)
+    then = dataclasses.replace(video, vae_steps=1200, vae_lr=3e-3)
+    assert toy.same_build(older_video, then, 0)
+
+
 def test_committed_model_is_small_and_marked():
     folder = committed_checkpoint()
     sizes = {p: p.stat().st_size for p in folder.rglob("*") if p.is_file()}

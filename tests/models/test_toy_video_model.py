@@ -1,6 +1,6 @@
 """The video toy world's model: a short build repeats byte for byte and loads in diffusers and in
 flowrl as a Wan model of 5-frame clips. The committed model: small, marked, and its autoencoder
-keeps the evaluator's verdict."""
+keeps most of the evaluator's verdict."""
 
 from __future__ import annotations
 
@@ -61,9 +61,10 @@ def test_loads_in_diffusers_and_in_flowrl_as_a_wan_model_of_clips(short_build):
     assert video.shape == (1, 5, 3, 48, 48) and video.dtype == torch.uint8
 
 
-def test_committed_model_is_small_marked_and_its_autoencoder_keeps_motion_and_colour():
-    """The committed autoencoder keeps every clip's motion and most colours; it does not keep the
-    shapes (circles and triangles come back as rounded squares: docs/learning.md)."""
+def test_committed_model_is_small_marked_and_its_autoencoder_keeps_motion_colour_and_most_shapes():
+    """The committed autoencoder keeps every clip's motion and colour and one object per frame, and
+    the shape of about half (docs/learning.md: 56% of 144 clips with benchmarks/toy_video_codec.py;
+    the earlier, shorter-trained codec kept 6%)."""
     from diffusers import AutoencoderKLWan
 
     from flowrl.data.toy_video import render_clip
@@ -74,7 +75,7 @@ def test_committed_model_is_small_marked_and_its_autoencoder_keeps_motion_and_co
     folder = committed_checkpoint("video-cpu")
     assert sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) <= 10_000_000
     marker = (folder / ".flowrl-toy").read_text()
-    assert '"size": "video-cpu"' in marker and '"seed": 0' in marker
+    assert '"size": "video-cpu"' in marker and '"seed": 0' in marker and '"vae_steps": 4800' in marker
     vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae").eval()
     captions = all_motion_captions()
     clips = np.stack([render_clip(c, seed=i) for i, c in enumerate(captions)])
@@ -85,8 +86,8 @@ def test_committed_model_is_small_marked_and_its_autoencoder_keeps_motion_and_co
     held = np.array(
         [check_motion([detect_objects(frame) for frame in clip], c, 48, 0.25) for clip, c in zip(round_trip, captions)]
     )
-    colour, _, motion, _ = held.mean(axis=0)  # colour, shape, motion, total
-    assert motion >= 0.95 and colour >= 0.75, held.mean(axis=0)
+    colour, shape, motion, total = held.mean(axis=0)
+    assert motion >= 0.95 and colour >= 0.95 and total >= 0.95 and shape >= 0.4, held.mean(axis=0)
 
 
 def test_the_split_is_the_one_the_committed_model_and_results_used():
