@@ -68,17 +68,18 @@ def main() -> None:
         vae, changed = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae").eval(), {"model": args.model}
     else:
         size = SIZES["video-cpu"]
-        changed = {}
+        fields = {}
         for setting in args.settings:
             field, _, value = setting.partition("=")
             current = getattr(size, field)  # an unknown field is an AttributeError naming it
-            changed[field] = (
+            fields[field] = (
                 tuple(int(v) for v in value.split(",")) if isinstance(current, tuple) else type(current)(value)
             )
+        size = dataclasses.replace(size, **fields)
+        changed = dict(fields)
         if args.object_weight is not None:
-            toy_video_pretrain._OBJECT_WEIGHT = args.object_weight
+            toy_video_pretrain._OBJECT_WEIGHT = args.object_weight  # the module's constant, for this process
             changed["object_weight"] = args.object_weight
-        size = dataclasses.replace(size, **{k: v for k, v in changed.items() if k != "object_weight"})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             vae = build_video_vae(size)

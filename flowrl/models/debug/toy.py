@@ -12,9 +12,10 @@ committed too (`committed_checkpoint("video-cpu")`).
 
 `steps` and `batch` replace the size's transformer pretraining budget (a weaker or stronger base
 of the same architecture). The folder follows flowrl.output_paths: a `.flowrl-toy` marker records
-the size, the seed, the pretraining budget (the transformer's and the autoencoder's) and the files; a folder already holding the same is kept as it
-is, flowrl's own earlier toy build is replaced, anything else is refused unless `overwrite`. The same seed on the same
-machine (device and thread count) gives the same weights.
+the size, the seed, the pretraining budget (the transformer's and the autoencoder's) and the
+files; a folder already holding the same is kept as it is, flowrl's own earlier toy build is
+replaced, anything else is refused unless `overwrite`. The same seed on the same machine (device
+and thread count) gives the same weights.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ SIZES: dict[str, ToySize | VideoToySize] = {
         head_dim=16,
         ffn_dim=256,
         num_clips=8192,
-        # The autoencoder's round trip keeps every clip's colour and motion but the shape of only
-        # 6% at 1,200 steps at 3e-3, 38% at 3,600 at 1e-3, 56% at 4,800 (benchmarks/toy_video_codec.py;
-        # benchmarks/results/2026-12-05_toy-video-codec_toy-cpu.md): shapes need the long run.
+        # Shapes need the autoencoder's long run at a moderate rate: shorter or faster ones keep
+        # colour and motion but lose most shapes in a round trip (benchmarks/toy_video_codec.py;
+        # benchmarks/results/2026-12-05_toy-video-codec_toy-cpu.md).
         vae_steps=4800,
         vae_batch=8,
         vae_lr=1e-3,
