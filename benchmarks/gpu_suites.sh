@@ -16,6 +16,8 @@
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (not run yet)       ~9 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
+#   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer) ~7 min
+#   train-step-sd35-nft  recipes/sd35_medium_ocr_nft.yaml at 2 prompts x 16 (no peer)              ~5 min
 #   floors           benchmarks/floor.py: each recipe's training pass and rollout forward as its
 #                    matrix products back to back (the least each phase could take)               ~4 min
 #   dist-1gpu        torchrun --nproc-per-node 1 training steps through NCCL: SD3.5-medium LoRA and
@@ -24,8 +26,8 @@
 #                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 224 s)    ~4 min
 #   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size and their controls,
 #                    four processes at once, 420 device-s each (H100: 40 steps in 160 s)         ~9 min
-#   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size, four processes at
-#                    once, 180 device-s each, then each control                                   ~10 min
+#   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size with the toy CPU
+#                    recipes' algorithm settings, 40 steps, and their controls: eight processes   ~9 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
@@ -107,6 +109,10 @@ suite() {
             model.path=random:wan2.1-1.3b $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
     train-step-qwen) bench train-step-qwen 540 train --config recipes/qwen_image_ocr_lora.yaml \
             model.path=random:qwen-image $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
+    train-step-qwen-nft) bench train-step-qwen-nft 540 train --config recipes/qwen_image_ocr_nft.yaml \
+            model.path=random:qwen-image $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-2} --peer-steps 0 ;;
+    train-step-sd35-nft) bench train-step-sd35-nft 420 train --config recipes/sd35_medium_ocr_nft.yaml \
+            model.path=random:sd35-medium $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-2} --peer-steps 0 ;;
     train-step-sd35) bench train-step-sd35 540 train --config recipes/sd35_medium_ocr_lora.yaml \
             model.path=random:sd35-medium $RANDOM_RUN trainer.prompts_per_step=1 ${OVERRIDES:-} $TIMING ;;
     floors)
@@ -126,12 +132,14 @@ suite() {
         --run 'full:' --run 'lora: trainer.lora.enabled=true trainer.lr=1e-3' \
         --steps 1000 --seconds 420 --eval-every 40 --out "$OUT/toy-learn" --overwrite ;;
     toy-algorithms)
+      # recipes/toy_cpu_{nft,awm,dpo}.yaml's algorithm settings on the GPU-size recipe
       local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
-      run toy-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 4 \
-        --run 'flowgrpo:' --run "nft: algorithm.name=diffusion_nft $fp" \
-        --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0" \
-        --run "dpo: algorithm.name=online_dpo $fp algorithm.dpo.ref_update_every=10" \
-        --steps 2000 --seconds 180 --eval-every 25 --out "$OUT/toy-algorithms" --overwrite ;;
+      run toy-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_gpu_full.yaml --jobs 8 \
+        --run 'flowgrpo:' \
+        --run "nft: algorithm.name=diffusion_nft $fp algorithm.nft.beta=1.0 algorithm.nft.old_decay_flat=0 algorithm.nft.old_decay_rate=0.001 algorithm.nft.old_decay_max=0.5" \
+        --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0 algorithm.awm.weighting=ghuber algorithm.awm.ghuber_power=0.25 algorithm.awm.advantage_max=1.0 algorithm.awm.ema_kl_beta=1.0 algorithm.awm.ema_decay_rate=0.001 algorithm.awm.ema_decay_max=0.3" \
+        --run "dpo: algorithm.name=online_dpo $fp algorithm.dpo.beta=100.0 algorithm.dpo.ref_update_every=10" \
+        --steps 40 --eval-every 10 --out "$OUT/toy-algorithms" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05
