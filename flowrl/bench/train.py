@@ -40,9 +40,11 @@ from flowrl.bench.report import (
     reset_peak_memory,
     synchronize,
 )
+from flowrl.config.algorithm_rules import FORWARD_PROCESS
 from flowrl.run import flops as flop_count
 from flowrl.run.step_flops import count_unit_flops, trainable, trained_steps_per_sample, window_size
 from flowrl.trainer.flow_grpo import phase_flops
+from flowrl.trainer.forward_process import trained_pairs_per_sample
 
 # phase -> the trainer's metric holding its seconds
 PHASE_METRICS = {
@@ -153,7 +155,7 @@ def _flowrl_step(trainer, units, cfg) -> dict:
         "rows_trained": rows,
         "seconds": seconds,
         "step_seconds": metrics["timing/step_s"],  # validation apart
-        "flops": phase_flops(units, cfg, rows, validated),
+        "flops": trainer.algorithm.phase_flops(units, rows, validated),  # the algorithm's own phases
         "rows_per_forward": metrics.get("rollout/mean_rows_per_forward"),
         # rollout.merge_lora: the adapter's merge into the rollout's weights (part of the rollout phase)
         "lora_merge_seconds": metrics.get("timing/lora_merge_s"),
@@ -249,8 +251,7 @@ def run_train(args) -> int:
         cfg = load_bench_config(args.config, list(args.overrides), output_dir)
         recipe_cfg = load_train_config(args.config, [])
         prepared = check_before_loading(cfg)  # every cheap check before the model loads
-        if args.peer_steps < 0:
-            raise ValueError(f"--peer-steps={args.peer_steps} must be >= 0 (0: no peer loop)")
+        args.peer_steps = _peer_steps(args.peer_steps, cfg)
     except ValueError as error:
         shutil.rmtree(output_dir, ignore_errors=True)
         print(f"flowrl bench train: error: {error}", file=sys.stderr)
@@ -259,6 +260,30 @@ def run_train(args) -> int:
         return _measure(args, cfg, recipe_cfg, prepared)
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+
+
+def _peer_steps(asked: int | None, cfg) -> int:
+    """--peer-steps checked against the algorithm (the peer's loop is Flow-GRPO's); None: the default."""
+    forward_process = cfg.algorithm.name in FORWARD_PROCESS
+    if asked is None:
+        return 0 if forward_process else 1
+    if asked < 0:
+        raise ValueError(f"--peer-steps={asked} must be >= 0 (0: no peer loop)")
+    if asked and forward_process:
+        raise ValueError(
+            f"--peer-steps={asked}: the peer loop is Flow-GRPO's training loop; algorithm.name="
+            f"{cfg.algorithm.name} has none here; pass --peer-steps 0"
+        )
+    return asked
+
+
+def _trained_per_sample(cfg) -> int:
+    """Timesteps each sample trains: the SDE window's trained share (FlowGRPO) or the forward
+    process's int(fraction x steps) (flowrl.trainer.forward_process)."""
+    if cfg.algorithm.name in FORWARD_PROCESS:
+        fraction = cfg.algorithm.train_timestep_fraction
+        return trained_pairs_per_sample(cfg.rollout.sampling.num_inference_steps, fraction)
+    return trained_steps_per_sample(cfg)
 
 
 def _settings(args, cfg, adapter) -> dict:
@@ -279,7 +304,7 @@ def _settings(args, cfg, adapter) -> dict:
         "true_cfg_scale": s.true_cfg_scale,
         "rows_per_sample": adapter.rows_per_sample(s),
         "window": window_size(s),
-        "trained_steps_per_sample": trained_steps_per_sample(cfg),
+        "trained_steps_per_sample": _trained_per_sample(cfg),
         "micro_batch_size": tcfg.micro_batch_size,
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,

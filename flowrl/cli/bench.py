@@ -126,7 +126,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--steps", type=positive_int, default=3, help="timed training steps after the warm-up step (default 3)"
     )
     train.add_argument(
-        "--peer-steps", type=int, default=1, help="timed steps of the peer's loop after its warm-up (0: no peer)"
+        "--peer-steps",
+        type=int,
+        default=None,
+        help="timed steps of the peer's loop after its warm-up (0: no peer; default: 1 for FlowGRPO and its "
+        "variants, 0 for the forward-process algorithms, which have no peer loop here)",
     )
     train.add_argument(
         "--project-gpus", type=positive_int, default=8, help="GPUs of the projection's second figure (default 8)"

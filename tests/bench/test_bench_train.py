@@ -121,6 +121,20 @@ def test_a_merged_rollout_counts_forwards_without_the_low_rank_terms_and_the_mer
     assert "| rollout" in printed
 
 
+def test_a_forward_process_step_counts_its_own_phases(tmp_path, capsys):
+    """DiffusionNFT: no peer by default; the old-velocity phase counts one forward per trained
+    (sample, timestep) pair for the old adapter and one for the KL reference, the update one
+    forward + backward per pair (its int(0.99 x 3) = 2 timesteps a sample, not an SDE window's)."""
+    code, report = _bench(tmp_path, "sd35_medium_ocr_nft.yaml", SD35)
+    assert code == 0, report.get("error")
+    assert "peer" not in report and report["settings"]["peer_steps"] == 0
+    units, s, phases = report["flops"], report["settings"], report["flowrl"]["phases"]
+    assert s["trained_steps_per_sample"] == 2
+    pairs = s["samples_per_step"] * 2
+    assert phases["old_log_prob"]["flops"] == pairs * s["rows_per_sample"] * units["forward_per_row"] * 2
+    assert phases["update"]["flops"] == pairs * units["train_per_sample_step"]
+
+
 @pytest.mark.parametrize(
     "recipe, overrides, rows",
     [("sd35_medium_ocr_lora.yaml", FLUX, 1), ("z_image_ocr_lora.yaml", Z_IMAGE, 2)],
@@ -146,10 +160,12 @@ def test_step_flops_follow_the_adapters_rows(tmp_path, recipe, overrides, rows):
     [
         (["model.path=random:no-such-model"], "model.path='random:no-such-model'"),
         (["model.path=random:tiny-sd3", "--peer-steps", "-1"], "--peer-steps=-1"),
+        (["model.path=random:tiny-sd3", "algorithm.name=diffusion_nft", "--peer-steps", "1"], "--peer-steps=1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, named):
-    code = main(["bench", "train", "--config", str(REPO / "recipes" / "sd35_medium_ocr_lora.yaml"), *TINY, *args])
+    recipe = "sd35_medium_ocr_nft.yaml" if "algorithm.name=diffusion_nft" in args else "sd35_medium_ocr_lora.yaml"
+    code = main(["bench", "train", "--config", str(REPO / "recipes" / recipe), *TINY, *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and named in err[0]
 
