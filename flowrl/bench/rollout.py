@@ -56,6 +56,14 @@ def resolve_modes(modes: str | None, compile: bool) -> list[str]:
     return [m for m in ALL_MODES if m in chosen]
 
 
+def _shape_label(settings: dict) -> str:
+    """The header's shape: "512px", "240x416", or "240x416, 33 frames"."""
+    height, width = settings.get("height", settings["size"]), settings.get("width", settings["size"])
+    label = f"{height}px" if height == width else f"{height}x{width}"
+    frames = settings.get("num_frames", 1)
+    return label if frames == 1 else f"{label}, {frames} frames"
+
+
 def _size(args) -> tuple[int, int, int]:
     """(height, width, num_frames) of the benchmark's samples: --height/--width (default --size),
     --num-frames (video models)."""
@@ -249,6 +257,9 @@ def run_rollout(args) -> int:
                 "num_samples": a.num_samples,
                 "steps": a.steps,
                 "size": a.size,
+                "height": _size(a)[0],
+                "width": _size(a)[1],
+                "num_frames": _size(a)[2],
                 "guidance_scale": a.guidance_scale,
                 "true_cfg_scale": a.true_cfg_scale,
                 "noise_level": a.noise_level,
@@ -342,7 +353,7 @@ def _print_summary(data: dict) -> None:
     print()
     print(
         f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
-        f"{data['settings']['size']}px, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
+        f"{_shape_label(data['settings'])}, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
         f"{_lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}"
     )
     if flops["limit_images_per_second_sustained"]:

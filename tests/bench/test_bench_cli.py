@@ -108,3 +108,14 @@ def test_bench_rollout_with_lora_runs_the_adapter(tmp_path, capsys):
 def test_bench_rollout_bad_input_names_the_flag(argv, fragment):
     with pytest.raises(ValueError, match=fragment):
         main(["bench", "rollout", "--model", "tiny-sd3", "--size", "64", "--steps", "1", *argv])
+
+
+def test_bench_rollout_of_a_video_model_reports_its_shape(tmp_path, capsys):
+    """Wan: the report records height, width and frames and its header names them (not --size)."""
+    out = tmp_path / "rollout.json"
+    argv = ["bench", "rollout", "--model", "tiny-wan", "-n", "2", "--steps", "2", "--height", "32", "--width", "48"]
+    argv += ["--num-frames", "5", "--guidance-scale", "4.5", "--modes", "pipeline-batched,engine-batched"]
+    assert main([*argv, "--peak-seconds", "0.02", "--json", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["height"], settings["width"], settings["num_frames"]) == (32, 48, 5)
+    assert "2 samples, 2 steps, 32x48, 5 frames, guidance 4.5" in capsys.readouterr().out
