@@ -11,8 +11,10 @@
 #   sd35-large       SD3.5-large rollout, CFG 4.5, pipeline against the compiled engine           ~5 min
 #   flux             FLUX.1 [dev] rollout, 28 steps, guidance 3.5, pipeline against the engine    ~5 min
 #   z-image          Z-Image rollout, 50 steps, CFG 5.0, pipeline against the engine              ~4 min
-#   wan              Wan2.1-1.3B rollout at Flow-GRPO's settings (240x416, 33 frames, 20 steps, CFG 4.5)
-#                    and at 480x832, 81 frames; Wan2.2-TI2V-5B at 704x1280, 121 frames (not run yet) ~10 min
+#   wan              Wan2.1-1.3B rollout at Flow-GRPO's settings (240x416, 33 frames, 20 steps, CFG 4.5):
+#                    pipeline batch 8 against the compiled engine (H100: 78 s)                     ~2 min
+#   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
+#   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (not run yet)       ~9 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
@@ -98,13 +100,12 @@ suite() {
             --modes pipeline-batched,engine-batched-compiled ;;
     z-image) bench z-image 480 rollout --model z-image -n 16 --steps 50 --size 512 --guidance-scale 5.0 --compile \
             --modes pipeline-batched,engine-batched-compiled ;;
-    wan)
-      bench wan21-flowgrpo 200 rollout --model wan2.1-1.3b -n 8 --steps 20 --height 240 --width 416 --num-frames 33 \
-        --guidance-scale 4.5 --modes pipeline-batched,engine-batched
-      bench wan21-480p 200 rollout --model wan2.1-1.3b -n 4 --steps 20 --height 480 --width 832 --num-frames 81 \
-        --guidance-scale 5.0 --modes pipeline-batched,engine-batched
-      bench wan22-5b 200 rollout --model wan2.2-5b -n 2 --steps 20 --height 704 --width 1280 --num-frames 121 \
-        --guidance-scale 5.0 --modes pipeline-batched,engine-batched ;;
+    wan) bench wan21-flowgrpo 300 rollout --model wan2.1-1.3b -n 8 --steps 20 --height 240 --width 416 --num-frames 33 \
+            --guidance-scale 4.5 --compile --modes pipeline-batched,engine-batched-compiled ;;
+    wan-480p) bench wan21-480p 540 rollout --model wan2.1-1.3b -n 4 --steps 20 --height 480 --width 832 --num-frames 81 \
+            --guidance-scale 5.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
+    wan22-5b) bench wan22-5b 540 rollout --model wan2.2-5b -n 2 --steps 20 --height 704 --width 1280 --num-frames 121 \
+            --guidance-scale 5.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
     train-step-wan) bench train-step-wan 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
             model.path=random:wan2.1-1.3b $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
     train-step-qwen) bench train-step-qwen 540 train --config recipes/qwen_image_ocr_lora.yaml \
