@@ -144,7 +144,17 @@ class DataParallel:
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: _owning(tensor) for name, tensor in state.items()}
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a view into a larger storage: a parameter whose first dimension
+    is smaller than the world (Wan's (1, 2, dim) `scale_shift_table` over two ranks) comes back
+    from the gather as a view of its padded shards, which safetensors refuses to save."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

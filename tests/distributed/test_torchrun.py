@@ -155,3 +155,33 @@ def test_diffusion_nft_sharded_over_two_ranks_equals_one_process(full_args, tmp_
     assert_same_training(two, one)
     for rank_run in (one, two):
         assert (rank_run / "checkpoints" / "step_000002").is_dir()
+
+
+# A tiny Wan at 5 frames of 32 x 32, scored by a per-frame reward whose spread keeps the
+# advantages well conditioned (a near-constant reward turns float noise into different advantages).
+WAN_VIDEO = (
+    "model.max_sequence_length=16",
+    "reward.name=per_frame",
+    "reward.options.reward=image_flatness",
+    *(
+        f"rollout.{s}.{k}={v}"
+        for s in ("sampling", "val_sampling")
+        for k, v in (("height", 32), ("width", 32), ("num_frames", 5))
+    ),
+)
+
+
+@pytest.mark.slow
+def test_wan_sharded_full_fine_tuning_equals_one_process(tmp_path):
+    """Wan2.1 (video latents with a frame axis; root and block `scale_shift_table` parameters whose
+    first dimension, 1, is smaller than the world) fully fine-tuned over FSDP2 on two ranks: the
+    same training and final/ folder as one process (about 25 s; its faster sibling is the sharded
+    SD3 run above, and tests/distributed/test_parallel.py's gathered-state test)."""
+    from distributed_runs import BASE, FULL
+
+    from flowrl.models.debug.tiny import build_tiny_checkpoint
+
+    args = (f"model.path={build_tiny_checkpoint('wan', tmp_path / 'wan', seed=0)}", *BASE, *FULL, *WAN_VIDEO)
+    one = train_one_process(args, tmp_path / "one")
+    two = check_launch(torchrun(args, tmp_path / "two")).output
+    assert_same_training(two, one)
