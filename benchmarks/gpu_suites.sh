@@ -16,6 +16,7 @@
 #   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (not run yet)       ~9 min
+#   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer (not run yet)       ~9 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer) ~7 min
@@ -75,6 +76,8 @@ bench() { local name=$1 cap=$2; shift 2; run "$name" "$cap" python3 -m flowrl.cl
 # The whole-step suites: random weights, a weight-free reward and the embedded prompts in place of
 # the recipes' OCR reward and prompt files.
 RANDOM_RUN="reward.name=jpeg_compressibility data.train_path=null data.val_path=null"
+# The video recipes keep their per-frame reward's form (an image reward refuses videos).
+VIDEO_RUN="data.train_path=null data.val_path=null"
 TIMING="--steps ${STEPS:-2} --peer-steps ${PEER_STEPS:-1}"
 
 # dist NAME MODEL OVERRIDES...: 2 steps of torchrun --nproc-per-node ${NPROC:-1} -m flowrl train.
@@ -107,7 +110,11 @@ suite() {
     wan22-5b) bench wan22-5b 540 rollout --model wan2.2-5b -n 2 --steps 20 --height 704 --width 1280 --num-frames 121 \
             --guidance-scale 5.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
     train-step-wan) bench train-step-wan 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
-            model.path=random:wan2.1-1.3b $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
+            model.path=random:wan2.1-1.3b $VIDEO_RUN reward.options.reward=jpeg_compressibility \
+            trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
+    train-step-wan22) bench train-step-wan22 540 train --config recipes/wan22_5b_dancegrpo_lora.yaml \
+            model.path=random:wan2.2-5b $VIDEO_RUN reward.name=temporal_consistency 'reward.components=[]' \
+            trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-2} --peer-steps 0 ;;
     train-step-qwen) bench train-step-qwen 540 train --config recipes/qwen_image_ocr_lora.yaml \
             model.path=random:qwen-image $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
     train-step-qwen-nft) bench train-step-qwen-nft 540 train --config recipes/qwen_image_ocr_nft.yaml \
@@ -148,6 +155,11 @@ suite() {
         model.dtype=float32 model.device=cpu engine.compile=false trainer.mixed_precision=no $RANDOM_RUN \
         trainer.prompts_per_step=1 rollout.n=2 rollout.sampling.height=64 rollout.sampling.width=64 \
         rollout.sampling.num_inference_steps=3 --steps 1 --peer-steps 1 --peak-seconds 0.05
+      bench smoke-train-wan 200 train --config recipes/wan21_1_3b_ocr_lora.yaml model.path=random:tiny-wan \
+        model.dtype=float32 model.device=cpu engine.compile=false trainer.mixed_precision=no $VIDEO_RUN \
+        reward.options.reward=jpeg_compressibility trainer.prompts_per_step=1 rollout.n=2 rollout.sampling.height=32 \
+        rollout.sampling.width=32 rollout.sampling.num_frames=5 rollout.sampling.num_inference_steps=3 \
+        --steps 1 --peer-steps 1 --peak-seconds 0.05
       NPROC=2 GLOO_SOCKET_IFNAME=lo dist dist-cpu "$OUT/tiny-sd3" rollout.sampling.height=64 rollout.sampling.width=64 ;;
     *) echo "[gpu_suites] unknown suite $1 (see the header of benchmarks/gpu_suites.sh)" | tee -a "$LOG" ;;
   esac
