@@ -19,7 +19,9 @@ side, controls dashed, intervals shaded), and prints a summary: base, final and 
 the gain over the base with its paired 95% interval (prompt by prompt, the same seeds), whether
 the final interval clears the control's, and when each curve first reaches the first
 configuration's final value. `--jobs K` measures the runs in up to K processes at once
-(flowrl.bench.learn_jobs), for models that leave the device mostly idle.
+(flowrl.bench.learn_jobs), for models that leave the device mostly idle. `--train-seeds S1,S2,...`
+trains every configuration at each seed and adds a comparison pooled over them
+(flowrl.bench.learn_seeds).
 
 It drives Trainer.train_step and the evaluation path of `flowrl eval` (flowrl.eval.inference.
 sample_rows, flowrl.eval.evaluate); it adds no training logic.
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from flowrl.bench.learn_seeds import clears, parse_seeds, pooled_comparison, pooled_lines, seeded
 
 LEARN_MARKER = "bench-learn"
 CONTROL_OVERRIDE = "algorithm.shuffle_advantages=true"
@@ -288,11 +292,11 @@ def final_comparison(report: dict) -> list[dict]:
             entry["gain_interval"] = _paired_gain(run, component, report.get("samples_per_prompt", 1))
             if control is not None:
                 entry["control"] = control["points"][-1]["scores"][component]
-                entry["above_control"] = _clears(final, entry["control"])
+                entry["above_control"] = clears(final, entry["control"])
                 entry["control_gap_interval"] = _paired_gap(
                     run, control, component, report.get("samples_per_prompt", 1)
                 )
-            entry["above_base"] = _clears(final, base)
+            entry["above_base"] = clears(final, base)
             rows.append(entry)
     return rows
 
@@ -321,13 +325,6 @@ def _paired(upper: dict, lower: dict, component: str, samples_per_prompt: int) -
         return None
     a, b = (np.asarray(side[component], dtype=np.float64).reshape(-1, samples_per_prompt) for side in (upper, lower))
     return interval(per_prompt_means(a) - per_prompt_means(b))
-
-
-def _clears(upper: dict, lower: dict) -> bool:
-    """Whether `upper`'s 95% interval lies entirely above `lower`'s."""
-    if upper["ci95"] is None or lower["ci95"] is None:
-        return False
-    return upper["ci95"][0] > lower["ci95"][1]
 
 
 def first_reach(points: list[dict], component: str, level: float) -> dict | None:
@@ -388,6 +385,9 @@ def run_learn(args) -> int:
                 "--controls-only measures the controls alone: it takes neither --no-control nor --seconds "
                 "(a control under --seconds trains the steps its configuration reached)"
             )
+        groups = None
+        if args.train_seeds is not None:
+            configurations, groups = seeded(configurations, parse_seeds(args.train_seeds))
         expand_runs(configurations, not args.no_control)  # name clashes, before anything loads
         start = time.perf_counter()
         if args.jobs > 1:
@@ -413,9 +413,12 @@ def run_learn(args) -> int:
         print(f"flowrl bench learn: error: {error}", file=sys.stderr)
         return 2
     report["wall_seconds"] = time.perf_counter() - start
+    if groups is not None:
+        report["seed_groups"] = groups
+        report["pooled"] = pooled_comparison(report)
     json_path, png = write_report(report, out)
     write_marker(out, LEARN_MARKER, list(file_sizes(out)))
-    for line in summary_lines(report):
+    for line in summary_lines(report) + pooled_lines(report):
         print(line)
     print(f"report: {json_path}" + (f"; plot: {png}" if png else ""))
     return 0

@@ -173,6 +173,12 @@ def add_learn_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-prompts", type=positive_int, default=None, help="evaluate the first N prompts (default: all)"
     )
     parser.add_argument("--eval-seeds", type=positive_int, default=2, help="samples (seeds) per held-out prompt")
+    parser.add_argument(
+        "--train-seeds",
+        default=None,
+        help="comma-separated training seeds, e.g. 42,1,2: every --run trained at each (NAME@sS, trainer.seed "
+        "and rollout.seed set), and one comparison pooled over them (flowrl.bench.learn_seeds)",
+    )
     parser.add_argument("--no-control", action="store_true", help="skip the shuffled-advantage control runs")
     parser.add_argument(
         "--controls-only", action="store_true", help="measure only the control runs (not with --seconds)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from flowrl.bench.learn import evaluation_steps, expand_runs, final_comparison, parse_run
@@ -180,3 +181,66 @@ def test_jobs_split_runs_into_units():
     assert [which for _, which in job_units(args(seconds=5.0), configs)] == ["both", "both"]
     assert [which for _, which in job_units(args(no_control=True), configs)] == ["trained", "trained"]
     assert [which for _, which in job_units(args(controls_only=True), configs)] == ["controls", "controls"]
+
+
+def test_train_seeds_expand_each_configuration_and_refuse_a_seed_of_its_own():
+    from flowrl.bench.learn_seeds import parse_seeds, seeded
+
+    assert parse_seeds("42,1,2") == [42, 1, 2]
+    for bad in ("42", "1,1", "a,b", ""):
+        with pytest.raises(ValueError, match="--train-seeds"):
+            parse_seeds(bad)
+    runs, groups = seeded([("full", ("trainer.lr=1e-4",))], [42, 1])
+    assert runs == [
+        ("full@s42", ("trainer.lr=1e-4", "trainer.seed=42", "rollout.seed=42")),
+        ("full@s1", ("trainer.lr=1e-4", "trainer.seed=1", "rollout.seed=1")),
+    ]
+    assert groups == {"full": ["full@s42", "full@s1"]}
+    with pytest.raises(ValueError, match="'rollout.seed=3'"):
+        seeded([("full", ("rollout.seed=3",))], [42, 1])
+
+
+def _seed_run(name, control, base, final):
+    """A report run whose per-image partial scores are `base` at step 0 and `final` at step 2."""
+    return {"name": name, "control": control, "images": {"0": {"partial": base}, "2": {"partial": final}}}
+
+
+def test_pooled_comparison_averages_prompts_over_seeds():
+    """Two seeds, two prompts, two samples a prompt: each figure against numbers worked by hand."""
+    from flowrl.bench.learn_seeds import pooled_comparison, t_interval
+
+    base = [0.4, 0.6, 0.2, 0.2]  # prompt means 0.5, 0.2
+    report = {
+        "samples_per_prompt": 2,
+        "seed_groups": {"full": ["full@s1", "full@s2"]},
+        "runs": [
+            _seed_run("full@s1", False, base, [0.6, 0.8, 0.3, 0.3]),  # prompt means 0.7, 0.3
+            _seed_run("full@s1", True, base, [0.4, 0.4, 0.1, 0.1]),  # 0.4, 0.1
+            _seed_run("full@s2", False, base, [0.5, 0.5, 0.4, 0.4]),  # 0.5, 0.4
+            _seed_run("full@s2", True, base, [0.5, 0.5, 0.2, 0.2]),  # 0.5, 0.2
+        ],
+    }
+    (entry,) = pooled_comparison(report)
+    assert entry["seeds"] == 2 and entry["final"]["mean"] == pytest.approx(0.475)  # prompts 0.6, 0.35
+    assert entry["base"]["mean"] == pytest.approx(0.35) and entry["control"]["mean"] == pytest.approx(0.3)
+    assert entry["gain_interval"]["mean"] == pytest.approx(0.125)  # by prompt: 0.1, 0.15
+    half = 1.959963984540054 * np.std([0.1, 0.15], ddof=1) / np.sqrt(2)
+    assert entry["gain_interval"]["ci95"] == pytest.approx([0.125 - half, 0.125 + half])
+    # by seed: seed 1 gains (0.2 + 0.1) / 2 = 0.15, seed 2 (0.0 + 0.2) / 2 = 0.1; t with 1 degree of freedom
+    assert entry["gain_over_seeds"]["ci95"] == pytest.approx([0.125 - 12.706 * 0.025, 0.125 + 12.706 * 0.025])
+    assert entry["control_gap_over_seeds"]["mean"] == pytest.approx(0.175)  # 0.25 and 0.1
+    assert t_interval([1.0, 2.0, 3.0])["ci95"] == pytest.approx([2 - 4.303 / np.sqrt(3), 2 + 4.303 / np.sqrt(3)])
+
+
+def test_a_short_run_over_two_training_seeds_reports_the_pooled_comparison(tmp_path, capsys):
+    out = tmp_path / "learn"
+    argv = _short_learn(out)
+    argv = [*argv[: argv.index("--run")], "--run", "full:", "--train-seeds", "1,2", *argv[argv.index("--run") + 4 :]]
+    assert main(argv) == 0
+    report = json.loads((out / "learn.json").read_text())
+    assert [run["label"] for run in report["runs"]] == ["full@s1", "full@s1 (control)", "full@s2", "full@s2 (control)"]
+    assert report["seed_groups"] == {"full": ["full@s1", "full@s2"]}
+    assert {entry["component"] for entry in report["pooled"]} == {"partial", "strict"}
+    assert "full over 2 seeds, partial: base" in capsys.readouterr().out
+    assert main([*_short_learn(tmp_path / "bad"), "--train-seeds", "3"]) == 2
+    assert "--train-seeds='3'" in capsys.readouterr().err
