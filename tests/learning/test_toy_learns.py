@@ -6,7 +6,7 @@ shuffled; on the 192 held-out prompts the run ends above its control, prompt by 
 0.534 [0.492, 0.576] against 0.386 [0.350, 0.423]; LoRA's paired gap [+0.024, +0.109]). The
 gain over the base is not asserted: at 40 steps it is small (+0.02, +0.01) and within its interval
 of zero. The project's target, +0.10 held-out partial score over the base within a CI budget, is not
-reached yet (full: about +0.04 in 60 steps; LoRA: about 0); docs/learning.md has the numbers and
+reached yet (full: about +0.04 in 60 steps at seed 42, none at seeds 1 and 2; LoRA: about 0); docs/learning.md has the numbers and
 what was tried. Each test takes about 1.5 minutes on one thread; the two run on separate workers.
 DiffusionNFT, AWM and online DPO (their toy recipes) train 20 steps each and end above their
 controls prompt by prompt (measured at 20 steps: paired gaps [+0.046, +0.128], [+0.139, +0.226],
