@@ -74,8 +74,10 @@ def t_interval(values) -> dict:
 
 
 def _per_prompt(run: dict, step: str, component: str, samples_per_prompt: int) -> np.ndarray:
+    from flowrl.eval.evaluate import per_prompt_means
+
     scores = np.asarray(run["images"][step][component], dtype=np.float64)
-    return np.nanmean(scores.reshape(-1, samples_per_prompt), axis=1)
+    return per_prompt_means(scores.reshape(-1, samples_per_prompt))
 
 
 def _last(run: dict) -> str:
