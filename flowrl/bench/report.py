@@ -18,6 +18,19 @@ from flowrl.run.flops import synchronize
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def shape_label(settings: dict) -> str:
+    """A benchmark header's sample shape: "512px", "240x416", or "240x416, 33 frames"."""
+    height, width = settings.get("height", settings["size"]), settings.get("width", settings["size"])
+    label = f"{height}px" if height == width else f"{height}x{width}"
+    frames = settings.get("num_frames", 1)
+    return label if frames == 1 else f"{label}, {frames} frames"
+
+
+def sample_unit(settings: dict) -> str:
+    """What a benchmark's throughput counts: "img", or "videos" when the samples have frames."""
+    return "img" if settings.get("num_frames", 1) == 1 else "videos"
+
+
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """'auto': cuda + bfloat16 when a GPU is present, else cpu + float32."""
     if device == "auto":

@@ -33,6 +33,7 @@ from flowrl.bench.report import (
     quiet_libraries,
     reset_peak_memory,
     resolve_device_dtype,
+    shape_label,
     time_runs,
 )
 from flowrl.run import flops as flop_count
@@ -54,14 +55,6 @@ def resolve_modes(modes: str | None, compile: bool) -> list[str]:
     else:
         chosen = list(EAGER_MODES) + (["engine-batched-compiled", "engine-concurrent-compiled"] if compile else [])
     return [m for m in ALL_MODES if m in chosen]
-
-
-def _shape_label(settings: dict) -> str:
-    """The header's shape: "512px", "240x416", or "240x416, 33 frames"."""
-    height, width = settings.get("height", settings["size"]), settings.get("width", settings["size"])
-    label = f"{height}px" if height == width else f"{height}x{width}"
-    frames = settings.get("num_frames", 1)
-    return label if frames == 1 else f"{label}, {frames} frames"
 
 
 def _size(args) -> tuple[int, int, int]:
@@ -351,7 +344,7 @@ def _print_summary(data: dict) -> None:
     print()
     print(
         f"== rollout: {data['settings']['model']}, {data['settings']['num_samples']} samples, {data['settings']['steps']} steps, "
-        f"{_shape_label(data['settings'])}, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
+        f"{shape_label(data['settings'])}, guidance {data['settings']['guidance_scale']}, {data['settings']['dtype']}, "
         f"{_lora_label(data['settings'])}{data['environment'].get('gpu') or data['environment']['device']}"
     )
     if flops["limit_images_per_second_sustained"]:

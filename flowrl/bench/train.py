@@ -38,6 +38,8 @@ from flowrl.bench.report import (
     peak_memory,
     quiet_libraries,
     reset_peak_memory,
+    sample_unit,
+    shape_label,
     synchronize,
 )
 from flowrl.config.algorithm_rules import FORWARD_PROCESS
@@ -300,6 +302,9 @@ def _settings(args, cfg, adapter) -> dict:
         "samples_per_step": tcfg.prompts_per_step * cfg.rollout.n,
         "steps": s.num_inference_steps,
         "size": s.height,
+        "height": s.height,
+        "width": s.width,
+        "num_frames": s.num_frames,
         "guidance_scale": s.guidance_scale,
         "true_cfg_scale": s.true_cfg_scale,
         "rows_per_sample": adapter.rows_per_sample(s),
@@ -407,7 +412,7 @@ def train_lines(data: dict) -> list[str]:
     gpu = data.get("environment", {}).get("gpu") or data.get("environment", {}).get("device")
     lines = [
         f"### {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
-        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {s.get('size')}px, "
+        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {shape_label(s) if 'size' in s else '?'}, "
         f"{s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank {s.get('lora_rank')}, "
         f"micro-batch {s.get('micro_batch_size')}, {'compiled' if s.get('compile') else 'eager'}, {gpu}",
         "",
@@ -435,7 +440,7 @@ def train_lines(data: dict) -> list[str]:
     lines.append("")
     if flowrl.get("phases"):
         lines.append(
-            f"- flowrl: {flowrl['images_per_second']:.3f} img/s over the whole step, {flowrl['step_over_limits']:.2f} x "
+            f"- flowrl: {flowrl['images_per_second']:.3f} {sample_unit(s)}/s over the whole step, {flowrl['step_over_limits']:.2f} x "
             f"the sum of its phases' limits, peak GPU memory {_memory(flowrl)}"
         )
     alone = flowrl.get("rollout_alone_seconds")
@@ -451,7 +456,7 @@ def train_lines(data: dict) -> list[str]:
     if peer.get("phases"):
         lines.append(
             f"- peer (pipeline calls of {peer.get('batch')} samples, per-timestep backward): "
-            f"{peer['images_per_second']:.3f} img/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
+            f"{peer['images_per_second']:.3f} {sample_unit(s)}/s, {peer['step_over_limits']:.2f} x the limits, peak GPU memory "
             f"{_memory(peer)}"
         )
     if data.get("peer_over_flowrl"):

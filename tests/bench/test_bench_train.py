@@ -363,3 +363,18 @@ def test_published_random_weights_on_a_cpu_are_refused_before_anything_is_built(
     assert len(err) == 1 and err[0].startswith("flowrl bench train: error: model.path='random:qwen-image'")
     assert "needs a GPU" in err[0] and "20.6 B parameters" in err[0] and "41 GB in bfloat16" in err[0]
     assert "model.path=random:tiny-qwen" in err[0]
+
+
+def test_a_video_recipes_header_names_its_frames_and_counts_videos():
+    """A Wan run's table says "240x416, 33 frames" and videos/s (it read "240px" and img/s)."""
+    import flowrl.bench.train as bench_train
+
+    settings = {"config": "wan.yaml", "size": 240, "height": 240, "width": 416, "num_frames": 33}
+    phase = {"seconds": 2.0, "limit_seconds": 1.0, "mfu": 0.5}
+    flowrl = {"phases": {"rollout": phase}, "step_seconds": 2.0, "limit_seconds": 1.0, "mfu": 0.5}
+    flowrl.update(images_per_second=4.0, step_over_limits=2.0)
+    text = "\n".join(bench_train.train_lines({"settings": settings, "flowrl": flowrl}))
+    assert "240x416, 33 frames," in text and "4.000 videos/s over the whole step" in text
+    image = dict(settings, height=512, width=512, num_frames=1)
+    text = "\n".join(bench_train.train_lines({"settings": image, "flowrl": flowrl}))
+    assert "512px," in text and "4.000 img/s over the whole step" in text
