@@ -7,7 +7,7 @@ shuffled; on the 192 held-out prompts the run ends above its control, prompt by 
 gain over the base is not asserted: at 40 steps it is small (+0.02, +0.01) and within its interval
 of zero. The project's target, +0.10 held-out partial score over the base within a CI budget, is not
 reached yet (full: about +0.04 in 60 steps at seed 42, none at seeds 1 and 2; LoRA: about 0); docs/learning.md has the numbers and
-what was tried. Each test takes about 1.5 minutes on one thread; the two run on separate workers.
+what was tried. Each test takes about 1.5 minutes on one thread; LoRA's is slow-marked.
 DiffusionNFT, AWM and online DPO (their toy recipes) train 20 steps each and end above their
 controls prompt by prompt (measured at 20 steps: paired gaps [+0.046, +0.128], [+0.139, +0.226],
 [+0.011, +0.082]; benchmarks/results/2026-12-05_algorithms_toy-cpu.md), AWM and DiffusionNFT also
@@ -37,7 +37,9 @@ def learned(recipe: str, name: str, steps: int, tmp_path) -> tuple[dict, dict]:
     return partial, {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
+# LoRA's run is slow-marked (about 100 s on a 2-core CI worker): full fine-tuning is its faster
+# sibling here, and the LoRA path's plumbing is tested in tests/trainer.
+@pytest.mark.parametrize("mode", ["full", pytest.param("lora", marks=pytest.mark.slow)])
 def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
     partial, shown = learned(f"toy_cpu_{mode}", mode, STEPS, tmp_path)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
