@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def shape_label(settings: dict) -> str:
     """A benchmark header's sample shape: "512px", "240x416", or "240x416, 33 frames"."""
-    height, width = settings.get("height", settings["size"]), settings.get("width", settings["size"])
+    height, width = settings.get("height", settings.get("size")), settings.get("width", settings.get("size"))
     label = f"{height}px" if height == width else f"{height}x{width}"
     frames = settings.get("num_frames", 1)
     return label if frames == 1 else f"{label}, {frames} frames"

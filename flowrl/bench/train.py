@@ -412,7 +412,7 @@ def train_lines(data: dict) -> list[str]:
     gpu = data.get("environment", {}).get("gpu") or data.get("environment", {}).get("device")
     lines = [
         f"### {s.get('config')}, {weights}, {s.get('samples_per_step')} samples per step "
-        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {shape_label(s) if 'size' in s else '?'}, "
+        f"({s.get('prompts_per_step')} prompts x {s.get('n')}), {s.get('steps')} steps, {shape_label(s)}, "
         f"{s.get('trained_steps_per_sample')} trained steps per sample, LoRA rank {s.get('lora_rank')}, "
         f"micro-batch {s.get('micro_batch_size')}, {'compiled' if s.get('compile') else 'eager'}, {gpu}",
         "",

@@ -16,9 +16,7 @@ with non-overlapping intervals (NFT's narrowly: 0.534 [0.491, 0.578] against 0.4
 from __future__ import annotations
 
 import pytest
-
-from flowrl.bench.learn import final_comparison, run_learning
-from flowrl.bench.learn_seeds import pooled_comparison, seeded
+from learning_runs import learned
 
 STEPS = 40
 # The base's held-out scores, shared by the tests of one process (the recipes start from the same
@@ -26,22 +24,11 @@ STEPS = 40
 BASELINES: dict = {}
 
 
-def learned(recipe: str, name: str, steps: int, tmp_path) -> tuple[dict, dict]:
-    """(the partial score's final comparison, what to show when an assertion fails) of
-    `recipes/<recipe>.yaml` trained `steps` steps against its control."""
-    report = run_learning(
-        f"recipes/{recipe}.yaml", [(name, ())], steps, steps, tmp_path, samples_per_prompt=1, say=lambda _: None,
-        baselines=BASELINES,
-    )  # fmt: skip
-    partial = next(entry for entry in final_comparison(report) if entry["component"] == "partial")
-    return partial, {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
-
-
 # LoRA's run is slow-marked (about 100 s on a 2-core CI worker): full fine-tuning is its faster
 # sibling here, and the LoRA path's plumbing is tested in tests/trainer.
 @pytest.mark.parametrize("mode", ["full", pytest.param("lora", marks=pytest.mark.slow)])
 def test_flowgrpo_ends_above_its_shuffled_advantage_control(mode, tmp_path):
-    partial, shown = learned(f"toy_cpu_{mode}", mode, STEPS, tmp_path)
+    partial, shown = learned(f"toy_cpu_{mode}", mode, STEPS, tmp_path, baselines=BASELINES)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
     if mode == "full":
         assert partial["above_control"], shown
@@ -52,7 +39,7 @@ def test_forward_process_algorithms_end_above_their_controls(algorithm, tmp_path
     """DiffusionNFT, AWM and online DPO (recipes/toy_cpu_<algorithm>.yaml) for 20 steps each, with
     their controls: each run ends above its control prompt by prompt, and AWM and DiffusionNFT also
     with non-overlapping intervals (about a minute each)."""
-    partial, shown = learned(f"toy_cpu_{algorithm}", algorithm, 20, tmp_path)
+    partial, shown = learned(f"toy_cpu_{algorithm}", algorithm, 20, tmp_path, baselines=BASELINES)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
     if algorithm in ("awm", "nft"):
         assert partial["above_control"], shown
@@ -68,14 +55,7 @@ def test_forward_process_algorithms_rise_over_three_seeds_in_100_steps(algorithm
     0.574, 0.434; DPO 0.557 [0.521, 0.594], control 0.458 [0.424, 0.493];
     benchmarks/results/2026-12-05_algorithms_toy-cpu.md, 2026-12-06_algorithms_toy-cpu.md). Its
     faster sibling is the 20-step test above."""
-    configurations, groups = seeded([(algorithm, ())], [42, 1, 2])
-    report = run_learning(
-        f"recipes/toy_cpu_{algorithm}.yaml", configurations, 100, 100, tmp_path, samples_per_prompt=1,
-        say=lambda _: None, baselines=BASELINES,
-    )  # fmt: skip
-    report["seed_groups"] = groups
-    partial = next(entry for entry in pooled_comparison(report) if entry["component"] == "partial")
-    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    partial, shown = learned(f"toy_cpu_{algorithm}", algorithm, 100, tmp_path, seeds=(42, 1, 2), baselines=BASELINES)
     assert partial["gain_interval"]["ci95"][0] > 0 and partial["above_control"], shown
 
 
@@ -85,7 +65,7 @@ def test_flowgrpo_variants_end_above_their_shuffled_advantage_controls(variant, 
     """DanceGRPO's and GRPO-Guard's toy recipes (docs/learning.md: measured at 40 steps, dance 0.500
     against its control's 0.418, guard 0.541 against 0.464); their faster siblings are the formula and
     plumbing tests of tests/trainer/test_objectives.py and test_flow_grpo_variants.py."""
-    partial, shown = learned(f"toy_cpu_{variant}", variant, STEPS, tmp_path)
+    partial, shown = learned(f"toy_cpu_{variant}", variant, STEPS, tmp_path, baselines=BASELINES)
     assert partial["control_gap_interval"]["ci95"][0] > 0, shown
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from learning_runs import learned
 
 from flowrl.cli import main
 
@@ -44,17 +45,9 @@ def test_forward_process_algorithms_on_video_over_three_seeds(algorithm, tmp_pat
     AWM's held-out partial score also rises above the base prompt by prompt (measured: AWM 0.575 ->
     0.679, +0.104 [+0.026, +0.183], control 0.490 [0.416, 0.563]; NFT 0.614, +0.039 [-0.049,
     +0.128], control 0.475; benchmarks/results/2026-12-06_toy-video-algorithms_toy-cpu.md)."""
-    from flowrl.bench.learn import run_learning
-    from flowrl.bench.learn_seeds import pooled_comparison, seeded
-
-    configurations, groups = seeded([(algorithm, ())], [3, 4, 5])
-    report = run_learning(
-        f"recipes/toy_video_cpu_{algorithm}.yaml", configurations, 50, 50, tmp_path, samples_per_prompt=8,
-        say=lambda _: None,
-    )  # fmt: skip
-    report["seed_groups"] = groups
-    partial = next(entry for entry in pooled_comparison(report) if entry["component"] == "partial")
-    shown = {k: partial[k] for k in ("base", "final", "control", "gain_interval", "control_gap_interval")}
+    partial, shown = learned(
+        f"toy_video_cpu_{algorithm}", algorithm, 50, tmp_path, seeds=(3, 4, 5), samples_per_prompt=8
+    )
     assert partial["above_control"], shown
     if algorithm == "awm":
         assert partial["gain_interval"]["ci95"][0] > 0, shown
