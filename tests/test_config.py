@@ -252,8 +252,9 @@ def test_every_choice_field_rejects_other_values_naming_field_and_choices():
         # A setting of one algorithm alone is given with that algorithm.
         section = key.split(".")[1] if key.startswith("algorithm.") else None
         owner = [f"algorithm.name={OWN_SETTINGS[section][0]}"] if section in OWN_SETTINGS else []
-        for choice in choices:  # every choice loads
-            assert load_config(None, [*owner, f"{key}={choice}", *_CHOICE_NEEDS.get(f"{key}={choice}", [])])
+        for choice in choices:  # every choice loads (None spelled as YAML's null)
+            value = "null" if choice is None else choice
+            assert load_config(None, [*owner, f"{key}={value}", *_CHOICE_NEEDS.get(f"{key}={value}", [])])
         listed = ", ".join(map(repr, choices))
         with pytest.raises(ValueError) as error:
             load_config(None, [*owner, f"{key}=bogus"])

@@ -56,7 +56,7 @@ FAMILIES = {
     ),
     # One stream of blocks, in the order the forward runs them: image tokens, text tokens, joint.
     "z_image": FamilyFastPath(block_lists=("noise_refiner", "context_refiner", "layers")),
-    # Wan: one list of blocks (A14B's low-noise expert, transformer_2, runs uncompiled).
+    # Wan: one list of blocks (A14B's other expert, transformer_2, the one not trained, runs uncompiled).
     "wan2.1": FamilyFastPath(block_lists=("blocks",)),
     "wan2.2": FamilyFastPath(block_lists=("blocks",)),
 }

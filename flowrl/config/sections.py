@@ -147,6 +147,13 @@ class ModelConfig:
     Z-Image: the longest prompt, shorter ones stay unpadded; Wan: every prompt padded to it). null:
     the family's default (SD3 256, FLUX 512, Qwen-Image 1024, Z-Image 512, Wan 512); the pipelines
     allow up to 512 (SD3, FLUX, Z-Image, Wan) and 1024 (Qwen-Image)."""
+    trained_expert: Literal[None, "high", "low"] = None
+    """For a two-expert Wan2.2 model (Wan2.2-T2V-A14B), which expert the trainer trains: `high`
+    (the checkpoint's `transformer`, which predicts at sigma >= its boundary_ratio) or `low`
+    (`transformer_2`, below it); the other stays frozen at the checkpoint's weights, and only the
+    steps the trained expert predicts are trained (docs/video.md). Training a two-expert model
+    needs it; any other model refuses it (leave it null). flowrl eval, generate and serve read it
+    from a run's saved config, so a run's weights go into the expert it trained."""
 
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
@@ -158,9 +165,8 @@ class ModelConfig:
     def adapter_options(self) -> dict:
         """Keyword options of the family's adapter (`flowrl.models.registry.load_adapter`): the
         settings given here, the family's defaults for those left at None."""
-        if self.max_sequence_length is None:
-            return {}
-        return {"max_sequence_length": self.max_sequence_length}
+        options = {"max_sequence_length": self.max_sequence_length, "trained_expert": self.trained_expert}
+        return {name: value for name, value in options.items() if value is not None}
 
     def resolve_device(self) -> str:
         """The concrete device string ("auto" becomes "cuda" when a GPU is visible, else "cpu")."""

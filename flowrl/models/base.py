@@ -17,6 +17,8 @@ boundaries (latents, sigmas, velocities), whatever dtype the modules run in:
   results do not depend on it. A guidance-distilled adapter also takes
   `embedded_guidance` (B,), the value of its guidance embedding (`guidance_embedding_kwargs`).
 - `decode(latents, height, width)` -> (B, 3, H, W) uint8 images; a video family's (B, F, 3, H, W).
+- `is_trained_sigma(sigmas)` -> bool per sigma: whether `transformer`, the module training changes,
+  predicts there (every sigma, unless a second expert predicts some: Wan2.2-A14B).
 
 Videos (`frame_factor` set: Wan): `SamplingParams.num_frames` frames of the form frame_factor * k
 + 1 (`check_frames`, the one home of that rule). `frame_kwargs(params)` is what `initial_noise`
@@ -218,6 +220,9 @@ class FlowModelAdapter:
     transformer: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
+    # The pipeline component `transformer` is (its folder in a diffusers checkpoint): the trained
+    # module's home when a run's weights are exported.
+    trained_component: str = "transformer"
 
     # LoRA target modules that cover both text and image streams of the family's attention.
     default_lora_targets: tuple[str, ...] = ()
@@ -304,3 +309,8 @@ class FlowModelAdapter:
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def is_trained_sigma(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Whether `transformer` (the module training changes) predicts at each of `sigmas`: every
+        one, unless the family routes some noise levels to another module (Wan2.2-A14B's experts)."""
+        return torch.ones(sigmas.shape, dtype=torch.bool, device=sigmas.device)

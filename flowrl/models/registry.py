@@ -2,6 +2,7 @@
 
 `read_model_family(path)` reads a local diffusers folder's model_index.json and names its family;
 `check_model_files(path)` checks that the components it lists are there and whole;
+`model_has_two_experts(path)` says whether it holds two experts (Wan2.2-A14B);
 `load_adapter(path, ...)` loads that family's adapter. A path `random:NAME` names a published
 architecture with random weights instead (flowrl.models.debug.random_weights). Adding a family means
 one adapter module and one entry in FAMILIES. (The config's `model.family` choices, flowrl.config,
@@ -20,7 +21,7 @@ from flowrl.models.debug.random_weights import is_random_path, load_random_adapt
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.models.wan import Wan21Adapter, Wan22Adapter, wan_version
+from flowrl.models.wan import Wan21Adapter, Wan22Adapter, check_trained_expert, has_two_experts, wan_version
 from flowrl.models.z_image import ZImageAdapter
 
 # model_index.json's `_class_name` -> (family, adapter class). A pipeline class that several
@@ -55,7 +56,10 @@ def load_adapter(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **options
 ) -> FlowModelAdapter:
     """Load the adapter of the family stored at `path` (a local diffusers folder), or of
-    `random:NAME` with random weights (options: the adapter's, and load_random_adapter's)."""
+    `random:NAME` with random weights (options: the adapter's, and load_random_adapter's).
+    `trained_expert` (model.trained_expert) is refused, before anything loads, unless the folder
+    holds two experts; only then does it reach the (Wan) adapter."""
+    check_trained_expert(options.get("trained_expert"), model_has_two_experts(path), f"the model at {str(path)!r}")
     if is_random_path(path):
         family = random_family(path)
         pipeline_class, adapter_class = next((n, cls) for n, (fam, cls) in FAMILIES.items() if fam == family)
@@ -63,6 +67,15 @@ def load_adapter(
         return load_random_adapter(str(path), pipeline_class, adapter_class, device=device, dtype=dtype, **options)
     _, adapter_class = _family_entry(path)
     return adapter_class.from_pretrained(path, device=device, dtype=dtype, **options)
+
+
+def model_has_two_experts(path: str | Path) -> bool:
+    """Whether the model at `path` has two experts (Wan2.2-T2V-A14B's `transformer_2`; no
+    `random:NAME` architecture has)."""
+    if is_random_path(path):
+        return False
+    index = _read_index(Path(path), "model.path")
+    return index["_class_name"] == "WanPipeline" and has_two_experts(index)
 
 
 def _read_index(path: Path, key: str) -> dict:

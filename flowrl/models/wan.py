@@ -20,15 +20,21 @@ Schedule: the checkpoint scheduler's sigmas (UniPC over flow sigmas, shifted by 
 `flow_shift`), stepped by flowrl's own SDE/ODE steps as Flow-GRPO's Wan trainer does; a checkpoint
 with a FlowMatchEulerDiscreteScheduler gets that one's sigmas, and then the ODE equals the pipeline.
 
-Two experts (Wan2.2-A14B, `transformer_2` present): `transformer` predicts at sigma >=
-`boundary_ratio` (high noise) and `transformer_2` below it, row by row, as the pipeline switches;
-a batch that straddles the boundary runs one forward per expert. The low-noise expert uses the
-same guidance_scale (the pipeline's guidance_scale_2 default).
+Two experts (Wan2.2-A14B, `transformer_2` present): the checkpoint's `transformer` (the high
+expert) predicts at sigma >= `boundary_ratio` and its `transformer_2` (the low expert) below it,
+row by row, as the pipeline switches; a batch that straddles the boundary runs one forward per
+expert. The low-noise expert uses the same guidance_scale (the pipeline's guidance_scale_2
+default). Training takes one expert (model.trained_expert): the adapter's `transformer`, which
+the rest of flowrl trains, shards, compiles, saves and syncs, is that expert, and `transformer_2`
+the frozen other one; routing goes by role (`high_expert`, `low_expert`), so sampling is the same
+function whichever expert trains. `is_trained_sigma` says which sigmas the trained expert
+predicts: the steps worth training.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -45,6 +51,22 @@ from flowrl.models.schedule import schedule_sigmas
 
 DEFAULT_TEXT_LENGTH = 512  # Wan's text length (UMT5 tokens), the length Flow-GRPO's Wan trainer encodes at
 
+Expert = Literal["high", "low"]  # model.trained_expert's choices
+
+
+def check_trained_expert(trained_expert: str | None, has_two_experts: bool, where: str) -> None:
+    """The one rule of model.trained_expert: a choice of two experts, so only a two-expert model
+    takes it. `where` names the model in the message."""
+    if trained_expert is None:
+        return
+    if trained_expert not in ("high", "low"):
+        raise ValueError(f"model.trained_expert={trained_expert!r} is invalid: use 'high', 'low' or null")
+    if not has_two_experts:
+        raise ValueError(
+            f"model.trained_expert={trained_expert!r} picks one expert of a two-expert Wan2.2 model (A14B), and "
+            f"{where} has one transformer; leave model.trained_expert null (unset)"
+        )
+
 
 class WanAdapter(FlowModelAdapter):
     family = "wan"
@@ -55,13 +77,27 @@ class WanAdapter(FlowModelAdapter):
     # add_v_proj, to_add_out) exist only in image-conditioned Wan transformers.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
 
-    def __init__(self, pipeline, device, dtype, max_sequence_length: int | None = None):
+    def __init__(
+        self,
+        pipeline,
+        device,
+        dtype,
+        max_sequence_length: int | None = None,
+        trained_expert: Expert | None = None,
+    ):
         if max_sequence_length is None:
             declared = getattr(getattr(pipeline, "tokenizer", None), "model_max_length", None)
             max_sequence_length = min(DEFAULT_TEXT_LENGTH, int(declared)) if declared else DEFAULT_TEXT_LENGTH
         super().__init__(pipeline, device, dtype, max_sequence_length)
-        self.transformer_2 = getattr(pipeline, "transformer_2", None)
-        ratio = pipeline.config.get("boundary_ratio") if self.transformer_2 is not None else None
+        second = getattr(pipeline, "transformer_2", None)
+        check_trained_expert(trained_expert, second is not None, f"the {type(pipeline).__name__}")
+        self.trained_expert: Expert | None = trained_expert
+        # `transformer`: the trained expert (the high one unless trained_expert="low"); `transformer_2`: the other.
+        self.transformer_2 = second
+        if trained_expert == "low":
+            self.transformer, self.transformer_2 = second, pipeline.transformer
+            self.trained_component = "transformer_2"
+        ratio = pipeline.config.get("boundary_ratio") if second is not None else None
         self.boundary_sigma: float | None = None if ratio is None else float(ratio)
         config = self.transformer.config
         self.latent_channels = config.in_channels
@@ -76,7 +112,12 @@ class WanAdapter(FlowModelAdapter):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device="cpu", dtype=torch.float32, max_sequence_length: int | None = None
+        cls,
+        path: str | Path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length: int | None = None,
+        trained_expert: Expert | None = None,
     ):
         from diffusers import WanPipeline
 
@@ -88,7 +129,26 @@ class WanAdapter(FlowModelAdapter):
         for module in (pipeline.transformer, pipeline.transformer_2, pipeline.vae, pipeline.text_encoder):
             if module is not None:
                 module.requires_grad_(False).eval()
-        return cls(pipeline, device, dtype, max_sequence_length)
+        return cls(pipeline, device, dtype, max_sequence_length, trained_expert)
+
+    # --- experts -------------------------------------------------------------------------------
+    @property
+    def high_expert(self) -> torch.nn.Module:
+        """The checkpoint's `transformer`: predicts at sigma >= boundary_sigma."""
+        return self.transformer_2 if self.trained_expert == "low" else self.transformer
+
+    @property
+    def low_expert(self) -> torch.nn.Module | None:
+        """The checkpoint's `transformer_2`: predicts below boundary_sigma (None: one transformer)."""
+        return self.transformer if self.trained_expert == "low" else self.transformer_2
+
+    def is_trained_sigma(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Whether `transformer` predicts at each of `sigmas`: every sigma for one transformer,
+        else those on its expert's side of the boundary (the rule `_two_expert_forward` routes by)."""
+        if self.transformer_2 is None:
+            return super().is_trained_sigma(sigmas)
+        high = sigmas.double() >= self.boundary_sigma  # as the routing compares host floats
+        return ~high if self.trained_expert == "low" else high
 
     # --- frames -------------------------------------------------------------------------------
     def frame_kwargs(self, params) -> dict:
@@ -142,17 +202,17 @@ class WanAdapter(FlowModelAdapter):
         return combine_cfg(out, len(cond), cfg_rows, guidance_scale, renormalize=False)
 
     def _two_expert_forward(self, hidden, sigma, embeds, sigmas, sigma_values, cfg_rows) -> torch.Tensor:
-        """Each forward row through its expert: `transformer` at sigma >= boundary, else `transformer_2`."""
+        """Each forward row through its expert: the high expert at sigma >= boundary, else the low one."""
         values = sigma_values if sigma_values is not None else sigmas.tolist()
         values = list(values) + [values[i] for i in cfg_rows]  # the uncond rows follow the cond rows
         high = [i for i, s in enumerate(values) if s >= self.boundary_sigma]
         if len(high) == len(values):
-            return self._forward(self.transformer, hidden, sigma, embeds)
+            return self._forward(self.high_expert, hidden, sigma, embeds)
         if not high:
-            return self._forward(self.transformer_2, hidden, sigma, embeds)
+            return self._forward(self.low_expert, hidden, sigma, embeds)
         low = [i for i in range(len(values)) if i not in set(high)]
         out = None
-        for expert, rows in ((self.transformer, high), (self.transformer_2, low)):
+        for expert, rows in ((self.high_expert, high), (self.low_expert, low)):
             index = rows_to_device(rows, hidden.device)
             part = self._forward(expert, hidden.index_select(0, index), sigma.index_select(0, index), embeds[rows])
             out = part.new_empty((len(values), *part.shape[1:])) if out is None else out
@@ -184,11 +244,15 @@ class Wan22Adapter(WanAdapter):
     family = "wan2.2"
 
 
+def has_two_experts(index: dict) -> bool:
+    """Whether a WanPipeline model_index.json lists a second transformer (Wan2.2-T2V-A14B)."""
+    second = index.get("transformer_2")
+    return isinstance(second, list) and bool(second) and second[0] is not None
+
+
 def wan_version(index: dict) -> str:
     """ "wan2.2" for a WanPipeline model_index.json that declares Wan2.2's settings (per-token
     timesteps, an expert boundary, or a second transformer), else "wan2.1"."""
-    second = index.get("transformer_2")
-    has_second = isinstance(second, list) and second and second[0] is not None
-    if index.get("expand_timesteps") or index.get("boundary_ratio") is not None or has_second:
+    if index.get("expand_timesteps") or index.get("boundary_ratio") is not None or has_two_experts(index):
         return "wan2.2"
     return "wan2.1"
