@@ -46,7 +46,7 @@ from flowrl.config.algorithm_rules import FORWARD_PROCESS
 from flowrl.run import flops as flop_count
 from flowrl.run.step_flops import count_unit_flops, trainable, trained_steps_per_sample, window_size
 from flowrl.trainer.flow_grpo import phase_flops
-from flowrl.trainer.forward_process import trained_pairs_per_sample
+from flowrl.trainer.forward_process import trained_pairs_per_sample, trained_timesteps
 
 # phase -> the trainer's metric holding its seconds
 PHASE_METRICS = {
@@ -279,12 +279,12 @@ def _peer_steps(asked: int | None, cfg) -> int:
     return asked
 
 
-def _trained_per_sample(cfg) -> int:
+def _trained_per_sample(cfg, adapter) -> int:
     """Timesteps each sample trains: the SDE window's trained share (FlowGRPO) or the forward
-    process's int(fraction x steps) (flowrl.trainer.forward_process)."""
+    process's int(fraction x the steps the trained module predicts) (flowrl.trainer.forward_process)."""
     if cfg.algorithm.name in FORWARD_PROCESS:
         fraction = cfg.algorithm.train_timestep_fraction
-        return trained_pairs_per_sample(cfg.rollout.sampling.num_inference_steps, fraction)
+        return trained_pairs_per_sample(trained_timesteps(adapter, cfg.rollout.sampling), fraction)
     return trained_steps_per_sample(cfg)
 
 
@@ -309,7 +309,7 @@ def _settings(args, cfg, adapter) -> dict:
         "true_cfg_scale": s.true_cfg_scale,
         "rows_per_sample": adapter.rows_per_sample(s),
         "window": window_size(s),
-        "trained_steps_per_sample": _trained_per_sample(cfg),
+        "trained_steps_per_sample": _trained_per_sample(cfg, adapter),
         "micro_batch_size": tcfg.micro_batch_size,
         "updates_per_step": tcfg.updates_per_step,
         "lora_rank": tcfg.lora.rank if tcfg.lora.enabled else 0,

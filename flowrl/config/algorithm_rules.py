@@ -1,7 +1,9 @@
 """Which settings apply to which algorithm: `check_algorithm(cfg)` (part of the config's validation)
 refuses a setting of one algorithm given to another (a non-default value: it would be accepted
 and ignored), `check_training_rollout(cfg)` (before a training run loads its model) a training
-rollout the chosen algorithm cannot train on.
+rollout the chosen algorithm cannot train on, `check_trained_steps(cfg, steps)` (once the model is
+loaded, from its schedule) rollouts whose trained steps the trained module does not predict
+(Wan2.2-A14B's other expert).
 
 FlowGRPO trains on the SDE transitions of its rollouts (their log-probs are its ratio's
 denominators); DiffusionNFT trains on the final latents of deterministic rollouts through the
@@ -114,3 +116,53 @@ def _check_deterministic_rollout(rollout, name: str) -> None:
                 f"rollout.sampling.{field}={value!r}: algorithm.name={name} trains on the final images of "
                 f"deterministic rollouts; set rollout.sampling.{field}={fix}"
             )
+
+
+def check_trained_steps(cfg, steps: list[int]) -> None:
+    """Raise ValueError when the rollouts would train steps the trained module does not predict.
+
+    `steps`: the indices, among the T steps of rollout.sampling's schedule, that it predicts (a
+    run of consecutive indices; all T but for a two-expert model, whose model.trained_expert
+    predicts one side of its boundary). FlowGRPO trains its SDE window steps, so every step a
+    window may take must be one of them; a forward-process algorithm trains the schedule's
+    timesteps the expert predicts (flowrl.trainer.forward_process), so it needs one."""
+    s, expert = cfg.rollout.sampling, cfg.model.trained_expert
+    num_steps = s.num_inference_steps
+    if len(steps) == num_steps:
+        return
+    predicts = f"the {expert} expert (model.trained_expert={expert}) predicts " + (
+        f"steps {steps[0]}..{steps[-1]} of {num_steps}" if steps else f"none of the {num_steps} steps"
+    )
+    if cfg.algorithm.name in FORWARD_PROCESS:
+        if not steps:
+            raise ValueError(
+                f"{predicts} of rollout.sampling.num_inference_steps={num_steps}, so no timestep trains; "
+                "use more steps (or train the other expert)"
+            )
+        return
+    lo, hi = steps[0], min(steps[-1] + 1, num_steps - 1)  # the last step, to sigma 0, is always ODE
+    if lo >= hi:
+        raise ValueError(
+            f"{predicts} with rollout.sampling.num_inference_steps={num_steps}, none an SDE step (the last step "
+            "is always an ODE step); use more rollout.sampling.num_inference_steps"
+        )
+    if s.sde_window is not None:
+        start, end = s.sde_window
+        setting = f"rollout.sampling.sde_window={list(s.sde_window)}"
+    elif s.sde_window_size is not None:
+        start, end = s.sde_window_range or (0, num_steps - 1)
+        setting = (
+            f"rollout.sampling.sde_window_size={s.sde_window_size} with "
+            f"rollout.sampling.sde_window_range={None if s.sde_window_range is None else list(s.sde_window_range)}"
+        )
+    else:
+        start, end = 0, num_steps - 1
+        setting = "rollout.sampling.sde_window=null and sde_window_size=null (every step but the last)"
+    if lo <= start and end <= hi:
+        return
+    raise ValueError(
+        f"{setting} lets the SDE window take steps {start}..{end - 1}, but {predicts}: a step of the other, "
+        f"frozen expert would train nothing; set rollout.sampling.sde_window=[{lo}, {hi}] (steps {lo}..{hi - 1}, "
+        f"or a window inside them), or rollout.sampling.sde_window_range=[{lo}, {hi}] with "
+        f"sde_window_size <= {hi - lo}"
+    )

@@ -3,8 +3,8 @@
 `check_before_loading(cfg)` raises ValueError for bad input (missing model path, empty dataset,
 a group advantage with n=1, unknown reward, a dataset row the reward cannot score, a KL reference
 without LoRA, guidance settings the model family cannot honour, a GPU device on a machine without
-one, random weights at a published size on a CPU, a schedule with no step to train, an output
-folder that cannot be written) before any model is loaded, so mistakes cost seconds, not minutes.
+one, random weights at a published size on a CPU, a schedule with no step to train, a two-expert
+model without the expert to train, an output folder that cannot be written) before any model is loaded, so mistakes cost seconds, not minutes.
 `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is unset;
 `model.path=random:NAME` is a published architecture with random weights
 (flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into
@@ -204,7 +204,11 @@ def check_before_loading(cfg, reward=None) -> Prepared:
 
         reward = build_reward_from_config(cfg.reward)
     check_reward_rows(reward, data, train_rows, val_rows)
-    check_guidance_settings(check_model_path(cfg.model), cfg.rollout)
+    from flowrl.models.registry import model_has_two_experts
+
+    model_path = check_model_path(cfg.model)
+    check_guidance_settings(model_path, cfg.rollout)
+    check_expert_setting(model_path is not None and model_has_two_experts(model_path), cfg.model)
     return Prepared(train_rows, val_rows, reward)
 
 
@@ -250,3 +254,18 @@ def check_guidance_settings(model_path: Path | str | None, rollout_cfg) -> None:
             check_frames(adapter_class.frame_factor, getattr(rollout_cfg, name))
         except ValueError as error:
             raise ValueError(str(error).replace("SamplingParams.", f"rollout.{name}.")) from None
+
+
+def check_expert_setting(has_two_experts: bool, model_cfg) -> None:
+    """model.trained_expert against the model's experts: a two-expert model (Wan2.2-A14B) trains
+    one of them, which the setting must name; any other model refuses the setting
+    (flowrl.models.wan.check_trained_expert)."""
+    from flowrl.models.wan import check_trained_expert
+
+    check_trained_expert(model_cfg.trained_expert, has_two_experts, f"model.path={model_cfg.path!r}")
+    if has_two_experts and model_cfg.trained_expert is None:
+        raise ValueError(
+            f"model.path={model_cfg.path!r} has two experts (Wan2.2-A14B: `transformer` predicts the high-noise "
+            "steps, `transformer_2` the low-noise ones) and the trainer trains one of them; set "
+            "model.trained_expert=high or model.trained_expert=low (docs/video.md)"
+        )

@@ -68,13 +68,18 @@ def _frames(adapter: FlowModelAdapter, num_frames: int) -> dict:
 
 @torch.no_grad()
 def transformer_flops_per_row(
-    adapter: FlowModelAdapter, height: int, width: int, prompt: str = "a photo", num_frames: int = 1
+    adapter: FlowModelAdapter,
+    height: int,
+    width: int,
+    prompt: str = "a photo",
+    num_frames: int = 1,
+    sigma: float = 0.5,
 ) -> int:
     encodings = adapter.encode_prompts([prompt])
     latents = torch.randn(
         (1, *adapter.latent_shape(height, width, **_frames(adapter, num_frames))), device=adapter.device
     )
-    sigma = torch.full((1,), 0.5, device=adapter.device)
+    sigma = torch.full((1,), sigma, device=adapter.device)
     cfg_scale = torch.ones(1, device=adapter.device)
     guidance = adapter.guidance_embedding_kwargs(torch.ones(1, device=adapter.device))
     return count_flops(

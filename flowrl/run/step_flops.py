@@ -114,24 +114,40 @@ def _merged_rollout_flops(adapter, cfg, prompt: str) -> tuple[int, int]:
 
     s = cfg.rollout.sampling
     with merged_lora(adapter.transformer, seed=0):
-        forward = transformer_flops_per_row(adapter, s.height, s.width, prompt, s.num_frames)
+        forward = transformer_flops_per_row(
+            adapter, s.height, s.width, prompt, s.num_frames, counting_sigma(adapter, s)
+        )
     return forward, count_flops(merge)
+
+
+def counting_sigma(adapter, sampling) -> float:
+    """The noise level the counted forwards run at: 0.5, or, where another module predicts there
+    (Wan2.2-A14B's other expert), the first sigma of the schedule of `sampling` the trained module
+    predicts, so that they run the module with the LoRA and the gradients."""
+    if bool(adapter.is_trained_sigma(torch.tensor([0.5]))):
+        return 0.5
+    sigmas = adapter.sigmas(sampling.num_inference_steps, sampling.height, sampling.width)[:-1].float().cpu()
+    trained = sigmas[adapter.is_trained_sigma(sigmas)]
+    return float(trained[0]) if len(trained) else 0.5
 
 
 def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     """The counts of the module docstring (call inside `trainable`, before compiling)."""
     s, v = cfg.rollout.sampling, cfg.rollout.val_sampling
-    forward = transformer_flops_per_row(adapter, s.height, s.width, prompt, s.num_frames)
+    at = counting_sigma(adapter, s)
+    forward = transformer_flops_per_row(adapter, s.height, s.width, prompt, s.num_frames, sigma=at)
     decode = decode_flops_per_image(adapter, s.height, s.width, s.num_frames)
     same_size = (v.height, v.width, v.num_frames) == (s.height, s.width, s.num_frames)
-    val_forward = forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt, v.num_frames)
+    val_forward = (
+        forward if same_size else transformer_flops_per_row(adapter, v.height, v.width, prompt, v.num_frames, sigma=at)
+    )
     val_decode = decode if same_size else decode_flops_per_image(adapter, v.height, v.width, v.num_frames)
     cond = adapter.encode_prompts([prompt])
     rows, val_rows = adapter.rows_per_sample(s), adapter.rows_per_sample(v)
     uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows == 2 else [None]
     device = adapter.device
     latents = torch.randn((1, *adapter.latent_shape(s.height, s.width)), device=device)
-    sigma, cfg_scale = torch.full((1,), 0.5, device=device), torch.full((1,), adapter.cfg_scale(s), device=device)
+    sigma, cfg_scale = torch.full((1,), at, device=device), torch.full((1,), adapter.cfg_scale(s), device=device)
     guidance = adapter.guidance_embedding_kwargs(torch.full((1,), s.guidance_scale, device=device))
     autocast_dtype = MIXED_PRECISION_DTYPES[cfg.trainer.mixed_precision]
     transformer = adapter.transformer

@@ -2,7 +2,8 @@
 them is a few hooks, chosen before the loops.
 
 - `prepare` (the old-velocity phase): the update's pairs planned (flowrl.trainer.forward_process:
-  a fraction of each sample's rollout timesteps, fresh noise per pair), each pair's noised latent
+  a fraction of each sample's rollout timesteps that the trained module predicts, fresh noise per
+  pair), each pair's noised latent
   x_t, then, with no grad, the velocity of every pair under each of the algorithm's
   `reference_passes()` (a name and the context whose weights it takes: DiffusionNFT's old policy,
   the LoRA-disabled reference, AWM's current weights and EMA policy), each context entered once.
@@ -33,6 +34,7 @@ from flowrl.trainer.forward_process import (
     plan_pairs,
     rollout_timesteps,
     trained_pairs_per_sample,
+    trained_timesteps,
 )
 from flowrl.trainer.grad_checkpointing import choose_checkpointing
 from flowrl.trainer.merged_rollout import MergedRollout
@@ -145,7 +147,7 @@ class ForwardProcessAlgorithm(Algorithm):
         cfg = self.setup.cfg
         fraction = self.algorithm.train_timestep_fraction
         pairs = rows_trained * self.rows_per_pair * cfg.trainer.update_epochs
-        pairs *= trained_pairs_per_sample(cfg.rollout.sampling.num_inference_steps, fraction)
+        pairs *= trained_pairs_per_sample(trained_timesteps(self.setup.adapter, cfg.rollout.sampling), fraction)
         forward = units.rows_per_sample * units.forward_per_row
         flops = {
             "rollout": units.rollout(cfg),

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowrl.config.algorithm_rules import check_trained_steps
 from flowrl.console import note
 from flowrl.data.prompts import PromptSampler
 from flowrl.distributed.checks import check_world
@@ -43,7 +44,13 @@ from flowrl.rollout.backends import open_rollout_backend
 from flowrl.rollout.schedule import schedule_for
 from flowrl.rollout.validation import validate
 from flowrl.run import resume, state
-from flowrl.run.checks import build_engine, check_before_loading, prompts_per_step_remark, resolve_model_path
+from flowrl.run.checks import (
+    build_engine,
+    check_before_loading,
+    check_expert_setting,
+    prompts_per_step_remark,
+    resolve_model_path,
+)
 from flowrl.run.flops import measure_matmul_peak
 from flowrl.run.metrics import MetricsLogger, read_metrics
 from flowrl.run.progress import NO_PROGRESS
@@ -160,12 +167,7 @@ class Trainer:
         checkpoint, shard and compile as configured; returns the trainable parameters and the
         FLOP units."""
         tcfg, transformer = self.cfg.trainer, self.adapter.transformer
-        if getattr(self.adapter, "transformer_2", None) is not None:  # Wan2.2-A14B (flowrl.models.wan)
-            raise ValueError(
-                f"model.path={self.cfg.model.path!r} has two experts (transformer and transformer_2); the trainer "
-                "trains one transformer, so the low-noise expert would stay untouched: training it is not "
-                "supported yet (sample it with flowrl generate or serve; train Wan2.1 or Wan2.2-TI2V-5B)"
-            )
+        self._check_trained_steps()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(tcfg.seed)
             params = apply_trainable(transformer, tcfg.lora)
@@ -189,6 +191,14 @@ class Trainer:
                 "rollout, validation and update take longer (minutes on a GPU)"
             )
         return params, units
+
+    def _check_trained_steps(self) -> None:
+        """Of a two-expert model (Wan2.2-A14B) the trainer trains model.trained_expert, the adapter's
+        `transformer`; the rollouts' trained steps must be ones it predicts (before any rollout)."""
+        check_expert_setting(getattr(self.adapter, "transformer_2", None) is not None, self.cfg.model)
+        s = self.cfg.rollout.sampling
+        sigmas = self.adapter.sigmas(s.num_inference_steps, s.height, s.width)[:-1]
+        check_trained_steps(self.cfg, self.adapter.is_trained_sigma(sigmas).nonzero().flatten().tolist())
 
     def _matmul_peak(self) -> float | None:
         """The device's sustained matmul FLOP/s in the model's dtype, measured once (a GPU only:
