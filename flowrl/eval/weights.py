@@ -4,7 +4,8 @@ A `WeightSource` is one set of weights to sample with:
 - `base`: the model as loaded (a LoRA injected for other sources is switched off);
 - `lora`: a diffusers-format LoRA folder (`pytorch_lora_weights.safetensors`, the adapter config
   in its metadata): a run's `final/lora` or `checkpoints/step_N/lora`, or one saved by diffusers;
-- `transformer`: a transformer model folder (config.json + safetensors shards), e.g. `final/transformer`;
+- `transformer`: a transformer model folder (config.json + safetensors shards), e.g. `final/transformer`
+  (`final/transformer_2` after training Wan2.2-A14B's low expert);
 - `checkpoint`: a training checkpoint (`trainable.safetensors`, or with `ema` its
   `ema.safetensors`, which holds the same names; a sharded full fine-tune's `sharded/`, gathered
   into whole tensors in this process), read with the LoRA settings of its state.json.
@@ -13,7 +14,8 @@ A run directory (`trainer.output_dir`) gives every complete checkpoint in step o
 can sample with the run's own validation settings.
 
 `WeightLoader(adapter)` puts sources into the adapter's transformer in place, as the trainer held
-them: a LoRA becomes the trainer's float32 adapter (flowrl.models.lora.apply_trainable, the same
+them (of a two-expert model, the expert model.trained_expert names, which a run's saved config
+gives the adapter): a LoRA becomes the trainer's float32 adapter (flowrl.models.lora.apply_trainable, the same
 forward), so sampling reproduces the run's validation images; full weights are copied by name.
 Full weights overwrite the base, so the base must be sampled first.
 
@@ -158,8 +160,9 @@ def run_sources(run_dir: str | Path, ema: bool = False, flag: str = "--run") -> 
     info = read_run_info(final)
     if not ema and final.is_dir() and (info is None or info.get("step") not in {step for step, _ in steps}):
         source = lora_source(final / "lora", "final") if (final / "lora").is_dir() else None
-        if source is None and (final / "transformer").is_dir():
-            source = transformer_source(final / "transformer", "final")
+        trained = (info or {}).get("trained_component", "transformer")  # transformer_2: A14B's low expert
+        if source is None and (final / trained).is_dir():
+            source = transformer_source(final / trained, "final")
         if source is not None:
             sources.append(source)
     if not sources:

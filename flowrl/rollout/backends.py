@@ -182,12 +182,13 @@ def open_rollout_backend(cfg, output_dir: str | Path):
 
 def replica_serve_args(cfg) -> list[str]:
     """The `flowrl serve` options that make a started replica sample as the trainer's engine does:
-    the model's dtype and text length, the trainer's mixed precision (the engine's autocast), the
+    the model's dtype and adapter options (text length; which expert of two is the trained
+    `transformer` that weight updates go into), the trainer's mixed precision (the engine's autocast), the
     engine's batch limits and prompt cache (as KEY=VALUE overrides of the server's config)."""
     from flowrl.run.checks import engine_options
 
     args = ["--dtype", cfg.model.dtype, f"trainer.mixed_precision={cfg.trainer.mixed_precision}"]
     args += [f"engine.{name}={value}" for name, value in engine_options(cfg.engine).items()]
-    if cfg.model.max_sequence_length is not None:
-        args.append(f"model.max_sequence_length={cfg.model.max_sequence_length}")
+    for name, value in cfg.model.adapter_options().items():  # the text length; a two-expert model's trained expert
+        args.append(f"model.{name}={value}")
     return args

@@ -11,6 +11,12 @@
       flowrl_run.json    the step, the base model folder, what was trained and the run's config
                          (flowrl eval/generate read it; diffusers ignores it)
 
+A two-expert model (Wan2.2-A14B) trains one expert (model.trained_expert): the trained one is
+written in its own component's folder, `transformer/` for the high expert and `transformer_2/`
+for the low one, the other linked to the base's; the LoRA keeps diffusers' `transformer.` keys,
+so a low expert's loads with `pipe.load_lora_weights(lora, load_into_transformer_2=True)`, which
+flowrl_run.json spells out (`trained_expert`, `load_lora`).
+
 so the family's pipeline loads the trained model with `from_pretrained(final)`, and
 `flowrl generate --model final` samples it. The folder is written next to its final place and
 renamed into it, so an interrupted export never leaves a half-written `final/`.
@@ -46,29 +52,31 @@ def export_pipeline(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     base = _base_folder(adapter.pipeline)
-    # 1. every component but the transformer, and the pipeline's index
+    trained = adapter.trained_component  # "transformer", or a two-expert model's trained expert's
+    # 1. every component but the trained transformer, and the pipeline's index
     if base is not None:
         shutil.copyfile(base / "model_index.json", tmp / "model_index.json")
         for name in _component_names(base / "model_index.json"):
-            if name != "transformer" and (base / name).is_dir():
+            if name != trained and (base / name).is_dir():
                 _link_or_copy(base / name, tmp / name)
     else:  # a pipeline not loaded from a folder: save each component
         adapter.pipeline.save_config(tmp)
         for name, component in adapter.pipeline.components.items():
-            if name != "transformer" and component is not None:
+            if name != trained and component is not None:
                 component.save_pretrained(tmp / name)
     # 2. the trained transformer (and the LoRA on its own)
     transformer = adapter.transformer
     lora = has_lora(transformer)
     if lora:
-        save_fused_transformer(transformer, tmp / "transformer")
+        save_fused_transformer(transformer, tmp / trained)
         save_lora_for_diffusers(adapter, tmp / "lora")
     else:
-        save_transformer(transformer, tmp / "transformer", transformer_state)
+        save_transformer(transformer, tmp / trained, transformer_state)
     info = {
         "step": step,
         "base_model": None if base is None else str(base),
         "trained": "lora" if lora else "full",
+        **_expert_info(adapter, lora),
         "config": config,
     }
     (tmp / RUN_INFO_FILE).write_text(json.dumps(info, indent=1))
@@ -76,6 +84,18 @@ def export_pipeline(
         shutil.rmtree(directory)
     os.replace(tmp, directory)
     return directory
+
+
+def _expert_info(adapter, lora: bool) -> dict:
+    """What flowrl_run.json says of a two-expert model's trained expert, and how its LoRA loads."""
+    expert = getattr(adapter, "trained_expert", None)
+    if expert is None:
+        return {}
+    info = {"trained_expert": expert, "trained_component": adapter.trained_component}
+    if lora:
+        into = ", load_into_transformer_2=True" if adapter.trained_component == "transformer_2" else ""
+        info["load_lora"] = f"pipe.load_lora_weights('lora'{into})"
+    return info
 
 
 def read_run_info(final: str | Path) -> dict | None:
