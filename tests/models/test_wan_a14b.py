@@ -3,8 +3,9 @@ sampling is the same function whichever expert is the trained `transformer`; a F
 (LoRA, or full fine-tuning) changes its expert alone, its rollout log-probs the trainer's; a
 forward-process run trains only the timesteps its expert predicts; windows on the other expert's
 steps, a two-expert model without the setting and the setting on a one-expert model are refused
-with the fix; a low expert's exported LoRA loads into WanPipeline's transformer_2 and computes
-what the trainer's does, and flowrl's own loader puts it back into the same expert.
+with the fix; a started replica holds the trained expert as its transformer; a low expert's
+exported LoRA loads into WanPipeline's transformer_2 and computes what the trainer's does, and
+flowrl's own loader puts it back into the same expert.
 
 The tiny checkpoint's boundary is 0.875: at 4 steps (sigmas 1, 0.973, 0.923, 0.801) steps 0-2 are
 the high expert's; at 6 steps (1, 0.984, 0.96, 0.923, 0.858, 0.707) steps 0-3 are, 4-5 the low's."""
@@ -280,3 +281,21 @@ def test_a_low_experts_lora_export_loads_into_transformer_2(build_trainer, a14b_
         for sigma in (0.95, 0.5):  # each expert's side
             args = (latents, torch.tensor([sigma]), cond, [None], torch.ones(1), SIZE, SIZE)
             torch.testing.assert_close(adapter.velocity(*args), trainer.adapter.velocity(*args), rtol=0, atol=1e-6)
+
+
+def test_a_started_replica_serves_the_trained_expert_as_its_transformer(a14b_path, tmp_path):
+    """A rollout server the trainer starts (rollout_backend.replica_serve_args) holds the trained
+    expert as the `transformer` that weight updates go into."""
+    import argparse
+
+    from flowrl.cli import serve as serve_cli
+    from flowrl.rollout.backends import replica_serve_args
+
+    cfg = _train_config(a14b_path, tmp_path, "model.trained_expert=low", "rollout.num_replicas=1")
+    parser = argparse.ArgumentParser()
+    serve_cli.build_parser(parser)
+    engine, _, _ = serve_cli._open(parser.parse_args(["--model", str(a14b_path), *replica_serve_args(cfg)]))
+    try:
+        assert engine.adapter.transformer is engine.adapter.pipeline.transformer_2
+    finally:
+        engine.shutdown()
