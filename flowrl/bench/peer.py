@@ -161,7 +161,8 @@ class PeerLoop:
         uncond = adapter.encode_prompts([negative]) * count if self.rows_per_sample == 2 else [None] * count
         generator = torch.Generator(device).manual_seed(self.cfg.trainer.seed + self.calls)
         self.calls += 1
-        latents = torch.randn((count, *adapter.latent_shape(h, w)), generator=generator, device=device)
+        shape = adapter.latent_shape(h, w, **adapter.frame_kwargs(s))  # a video family's frames too
+        latents = torch.randn((count, *shape), generator=generator, device=device)
         schedule = adapter.sigmas(s.num_inference_steps, h, w)
         sigma_1 = float(schedule[1])
         sigmas = schedule.to(device)

@@ -146,7 +146,7 @@ def count_unit_flops(adapter, cfg, prompt: str) -> UnitFlops:
     rows, val_rows = adapter.rows_per_sample(s), adapter.rows_per_sample(v)
     uncond = adapter.encode_prompts([s.negative_prompt or ""]) if rows == 2 else [None]
     device = adapter.device
-    latents = torch.randn((1, *adapter.latent_shape(s.height, s.width)), device=device)
+    latents = torch.randn((1, *adapter.latent_shape(s.height, s.width, **adapter.frame_kwargs(s))), device=device)
     sigma, cfg_scale = torch.full((1,), at, device=device), torch.full((1,), adapter.cfg_scale(s), device=device)
     guidance = adapter.guidance_embedding_kwargs(torch.full((1,), s.guidance_scale, device=device))
     autocast_dtype = MIXED_PRECISION_DTYPES[cfg.trainer.mixed_precision]

@@ -378,3 +378,38 @@ def test_a_video_recipes_header_names_its_frames_and_counts_videos():
     image = dict(settings, height=512, width=512, num_frames=1)
     text = "\n".join(bench_train.train_lines({"settings": image, "flowrl": flowrl}))
     assert "512px," in text and "4.000 img/s over the whole step" in text
+
+
+WAN = [
+    "model.path=random:tiny-wan",
+    "reward.options.reward=jpeg_compressibility",
+    "rollout.sampling.num_inference_steps=3",
+    "rollout.sampling.num_frames=9",
+    "rollout.val_sampling.num_frames=9",
+]
+
+
+def test_a_video_runs_units_and_peer_take_its_frames(tmp_path):
+    """The training pass's FLOP unit and the peer's rollout run at the recipe's frame count: both
+    once ran on one-frame latents (a backward counted at a third of the 9-frame forward; the
+    peer's step timed on single frames), so a Wan step's update limit and its peer were wrong."""
+    from flowrl.bench.peer import PeerLoop
+    from flowrl.bench.train import load_bench_config
+    from flowrl.run.checks import build_engine, check_before_loading
+    from flowrl.run.step_flops import count_unit_flops, trainable
+
+    tiny_wan = [o for o in TINY if o != "reward.name=jpeg_compressibility"]
+    cfg = load_bench_config(str(REPO / "recipes" / "wan21_1_3b_ocr_lora.yaml"), [*tiny_wan, *WAN], str(tmp_path))
+    prepared = check_before_loading(cfg)
+    adapter = build_engine(cfg).adapter
+    s = cfg.rollout.sampling
+    with trainable(adapter.transformer, cfg.trainer) as params:
+        units = count_unit_flops(adapter, cfg, "a red circle")
+        # LoRA's backward: about one more forward (activation gradients), on the same 9 frames.
+        assert units.train_per_sample_step > 1.5 * units.rows_per_sample * units.forward_per_row
+        peer = PeerLoop(adapter, cfg, prepared.reward, params)
+        rollout, futures = peer.rollout(prepared.train_rows[:1], 2)
+        peer.close()
+    frames = adapter.latent_frames(s.num_frames)
+    assert rollout.latents.shape[-3] == frames and rollout.latents.shape[:2] == (2, rollout.log_probs.shape[1] + 1)
+    assert all(np.isfinite(f.result()[0]).all() for f in futures)
