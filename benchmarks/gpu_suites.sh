@@ -15,11 +15,12 @@
 #                    pipeline batch 8 against the compiled engine (H100: 78 s)                     ~2 min
 #   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
-#   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (not run yet)       ~9 min
+#   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (H100: 351 s)       ~6 min
 #   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer (not run yet)       ~9 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
-#   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer) ~7 min
+#   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
+#                    needs an H200's memory: out of memory on an H100's 80 GB)                      ~7 min
 #   train-step-sd35-nft  recipes/sd35_medium_ocr_nft.yaml at 2 prompts x 16 (no peer)              ~5 min
 #   floors           benchmarks/floor.py: each recipe's training pass and rollout forward as its
 #                    matrix products back to back (the least each phase could take)               ~4 min
