@@ -8,8 +8,9 @@ Sampling goes through the agent loop's validation path: image k (prompt-major: p
 is k = i * n + j) gets the seed validation row k gets for `rollout.val_seed = --seed`, and the
 settings are `rollout.val_sampling` of the config (--config, else the run's saved config with
 --run / --checkpoint / a LoRA inside a run) unless a flag overrides them. So the validation prompts
-of a run, with its weights, give exactly its validation images. Writes one PNG per image and
-stats.json (the engine's batching counters); prints where the images went and how they batched.
+of a run, with its weights, give exactly its validation images. Writes one PNG per image (an mp4
+per video of a video model: `--num-frames`, `--fps`) and stats.json (the engine's batching
+counters); prints where the images went and how they batched.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SAMPLING_FLAGS = {
     "negative_prompt": "negative_prompt",
     "noise_level": "noise_level",
     "sde_type": "sde_type",
+    "num_frames": "num_frames",
 }
 
 
@@ -44,7 +46,9 @@ def build_parser(parser) -> None:
     parser.add_argument("--prompts", metavar="FILE", help="a prompt file (.txt, .jsonl, .parquet), after any --prompt")
     parser.add_argument("-n", "--num-outputs", type=positive_int, default=1, help="samples per prompt")
     parser.add_argument(
-        "--out", required=True, help="output folder for the PNGs and stats.json: new, empty, or one generate wrote"
+        "--out",
+        required=True,
+        help="output folder for the PNGs (mp4s) and stats.json: new, empty, or one generate wrote",
     )
     parser.add_argument(
         "--overwrite",
@@ -71,6 +75,7 @@ def build_parser(parser) -> None:
         ("--negative-prompt", str, "text of the uncond row under CFG", "the empty string"),
         ("--noise-level", float, "SDE noise level; 0 samples the ODE (deterministic)", "0"),
         ("--sde-type", str, "the stochastic step for --noise-level > 0", "sde"),
+        ("--num-frames", positive_int, "frames of a video model's samples (4k+1 for Wan)", "1"),
     ]
     for flag, kind, what, fallback in sampling:
         parser.add_argument(
@@ -85,23 +90,26 @@ def build_parser(parser) -> None:
     parser.add_argument(
         "--max-batch-rows", type=positive_int, help="most rows per forward (default: engine.max_batch_rows, 32)"
     )
+    parser.add_argument("--fps", type=positive_int, default=16, help="frame rate of a video model's mp4s (default: 16)")
 
 
 def _sampling(args, setup):
     """The config's validation sampling with the flags' overrides, validated for the engine and
     against the model family's guidance rule and the rows a forward holds, before the model loads."""
-    from flowrl.models.base import check_guidance
+    from flowrl.models.base import check_frames, check_guidance
     from flowrl.models.registry import FAMILIES, read_model_family
 
     params = setup.cfg.rollout.val_sampling
     changes = {field: getattr(args, flag) for flag, field in SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
     params = params.replace(**changes, logprobs=False)  # generate keeps images only
     family = read_model_family(setup.model_path)
-    kind = next(adapter.guidance_kind for name, adapter in FAMILIES.values() if name == family)
+    adapter_class = next(adapter for name, adapter in FAMILIES.values() if name == family)
+    kind = adapter_class.guidance_kind
     flags = {field: "--" + flag.replace("_", "-") for flag, field in SAMPLING_FLAGS.items()}
     try:
         params = params.validate(size_multiple=16)
         check_guidance(kind, params)
+        check_frames(adapter_class.frame_factor, params)
     except ValueError as error:
         message = str(error)
         for field, flag in flags.items():
@@ -157,7 +165,7 @@ def run(args) -> int:
     print(f"flowrl generate: {weights}{setup.model_path}; settings from {setup.origin}")
     try:
         out_dir = prepare_output_folder(args.out, "generate", args.overwrite)  # a previous generate's files go
-        written, elapsed = _write_images(engine, rows, args.num_outputs, params, seed, out_dir)
+        written, elapsed = _write_images(engine, rows, args.num_outputs, params, seed, out_dir, args.fps)
     finally:
         engine.shutdown()
     stats = engine.stats()
@@ -181,10 +189,12 @@ def run(args) -> int:
     return 0
 
 
-def _write_images(engine, rows, num_outputs, params, seed, out_dir: Path) -> tuple[list[str], float]:
-    """One PNG per image, named by prompt index, sample index and seed; (paths, seconds)."""
+def _write_images(engine, rows, num_outputs, params, seed, out_dir: Path, fps: int = 16) -> tuple[list[str], float]:
+    """One PNG per image, or one mp4 per video (H.264 at `fps`), named by prompt index, sample
+    index and seed; (paths, seconds)."""
     from PIL import Image
 
+    from flowrl.data.video_files import encode_mp4
     from flowrl.eval.inference import sample_rows
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -192,7 +202,12 @@ def _write_images(engine, rows, num_outputs, params, seed, out_dir: Path) -> tup
     written = []
     for first, images, seeds in sample_rows(engine, rows, num_outputs, params, seed):
         for k, (image, sample_seed) in enumerate(zip(images, seeds)):
-            path = out_dir / f"p{first + k // num_outputs:03d}_s{k % num_outputs:03d}_seed{sample_seed}.png"
-            Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+            stem = out_dir / f"p{first + k // num_outputs:03d}_s{k % num_outputs:03d}_seed{sample_seed}"
+            if image.ndim == 4:  # (F, 3, H, W): a video model's sample
+                path = stem.with_suffix(".mp4")
+                path.write_bytes(encode_mp4(image, fps))
+            else:
+                path = stem.with_suffix(".png")
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
             written.append(str(path))
     return written, time.perf_counter() - start

@@ -86,3 +86,24 @@ def test_generate_model_errors_name_the_flag(tmp_path, capsys):
 
 def test_generate_needs_a_prompt(tiny_sd3_path, tmp_path, capsys):
     assert "--prompt" in _error_line(capsys, ["--model", str(tiny_sd3_path), "--out", str(tmp_path)])
+
+
+def test_generate_writes_a_video_models_samples_as_mp4(tmp_path, capsys):
+    """A Wan model's samples are videos: one mp4 each, at --num-frames (it once crashed handing
+    (F, 3, H, W) frames to PIL); a frame count the VAE cannot make is refused naming the flag."""
+    from flowrl.data.video_files import decode_mp4
+    from flowrl.models.debug.tiny import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint("wan", tmp_path / "wan", seed=0)
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--prompt", "a red circle", "-n", "2", "--steps", "2", "--height", "32"]
+    argv += ["--width", "48", "--num-frames", "9", "--fps", "8", "--out", str(out)]
+    assert main(["generate", *argv]) == 0
+    videos = sorted(out.glob("*.mp4"))
+    assert len(videos) == 2 and not list(out.glob("*.png"))
+    assert decode_mp4(videos[0].read_bytes()).shape == (9, 3, 32, 48)
+    assert json.loads((out / "stats.json").read_text())["sampling"]["num_frames"] == 9
+    capsys.readouterr()
+    bad = [*argv[:-2], "--out", str(tmp_path / "bad")]
+    bad[bad.index("--num-frames") + 1] = "8"
+    assert "--num-frames 8 is not of the form 4k+1" in _error_line(capsys, bad)
