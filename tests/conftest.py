@@ -300,21 +300,10 @@ def tiny_run_config(tiny_sd3_path):
     """tiny_run_config(output_dir, *overrides) -> a FlowRLConfig of a very small run of the tiny
     SD3 model (no tensorboard, bar, validation or checkpoints unless `overrides` ask for them);
     for fixtures of any scope."""
-    from flowrl.run.config import load_train_config
+    from small_runs import small_run_config
 
     def build(output_dir, *overrides):
-        return load_train_config(
-            None,
-            [
-                f"model.path={tiny_sd3_path}",
-                f"trainer.output_dir={output_dir}",
-                "logging.tensorboard=false",
-                "logging.progress_bar=false",
-                "trainer.val_every=0",
-                "trainer.save_every=0",
-                *overrides,
-            ],
-        )
+        return small_run_config(tiny_sd3_path, output_dir, *overrides)
 
     return build
 

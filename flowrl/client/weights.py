@@ -25,5 +25,9 @@ class WeightsUpload:
     kind: str
 
     @classmethod
-    def of(cls, state: Mapping[str, torch.Tensor], lora: Mapping | None = None) -> "WeightsUpload":
-        return cls(wire.encode_weights(state, lora=lora), wire.weights_sha256(state), "lora" if lora else "full")
+    def of(
+        cls, state: Mapping[str, torch.Tensor], lora: Mapping | None = None, component: str = wire.WEIGHTS_COMPONENT
+    ) -> "WeightsUpload":
+        """`component`: the checkpoint's module the weights belong to (the adapter's trained_component)."""
+        body = wire.encode_weights(state, lora=lora, component=component)
+        return cls(body, wire.weights_sha256(state), "lora" if lora else "full")

@@ -106,9 +106,11 @@ class DecoupledRollouts:
     def publish(self, version: int) -> None:
         """Upload the trainer's trainable weights as `version` to every live replica and wait
         until each serves it with the same checksum (replicas that fail are dropped)."""
-        transformer = self.engine.adapter.transformer
+        adapter = self.engine.adapter
+        transformer = adapter.transformer
         with self.published_weights():
-            upload = WeightsUpload.of(trainable_state_dict(transformer), lora_settings(transformer))
+            state, lora = trainable_state_dict(transformer), lora_settings(transformer)
+            upload = WeightsUpload.of(state, lora, adapter.trained_component)
         if self.actors is not None:
             upload = self.actors.stored(upload)  # put once in the object store, read by every actor
         live = [i for i, c in enumerate(self.clients) if c in self.balancer.live_replicas]

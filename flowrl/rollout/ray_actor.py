@@ -147,7 +147,10 @@ class EngineActor:
                 kind, version, sha256 = parse_update_query(
                     {"kind": kind, "version": str(version), "sha256": str(sha256)}
                 )
-                update = await asyncio.to_thread(prepare_update, body, kind, version, sha256, transformer, compiled)
+                component = self.engine.adapter.trained_component
+                update = await asyncio.to_thread(
+                    prepare_update, body, kind, version, sha256, transformer, compiled, component
+                )
             except ValueError as error:  # the server's BadRequest, as a plain ValueError through Ray
                 raise ValueError(str(error)) from None
             del body

@@ -178,7 +178,10 @@ class RolloutService:
         body = await read_body(request, self.limits.max_weights_bytes, fix)
         transformer, compiled = self.engine.adapter.transformer, bool(self.engine.compiled_modules)
         async with self._update_lock:
-            update = await run_in_threadpool(prepare_update, body, kind, version, sha256, transformer, compiled)
+            component = self.engine.adapter.trained_component
+            update = await run_in_threadpool(
+                prepare_update, body, kind, version, sha256, transformer, compiled, component
+            )
             del body
             start = time.perf_counter()
             async with self.admission.exclusive():

@@ -2,7 +2,8 @@
 
 `parse_update_query` reads POST /v1/weights's query (kind, version, sha256). `prepare_update`
 checks a body (flowrl.server.wire's weights format) against the live transformer: the file's
-sha256, then that the tensor names are exactly the model's LoRA (or full) parameter names, with
+sha256, that the body is for the checkpoint's module this server trains-in (`flowrl.component`:
+Wan2.2-A14B's experts share names and shapes), then that the tensor names are exactly the model's LoRA (or full) parameter names, with
 every shape and dtype equal, every value finite, and, for a LoRA, its settings; any mismatch is a
 BadRequest naming it, and the model is untouched. `apply_update` then copies the tensors in (adding the LoRA first when
 the server held none); the caller runs it while no sample is in flight (flowrl.server.admission).
@@ -74,6 +75,25 @@ def _lora_settings(metadata: dict[str, str]):
         raise BadRequest(f"the body's flowrl.lora metadata is invalid: {error}", param="flowrl.lora") from None
 
 
+# The Wan2.2-A14B expert each module of the checkpoint is (model.trained_expert).
+_EXPERTS = {"transformer": "high", "transformer_2": "low"}
+
+
+def _check_component(given: str, served: str) -> None:
+    """Weights of one module of the checkpoint must go into that module: Wan2.2-A14B's two experts
+    have the same parameter names and shapes, so nothing else would tell them apart."""
+    if given == served:
+        return
+    expert = _EXPERTS.get(given)
+    fix = f"model.trained_expert={expert}" if expert else "the module the trainer trains"
+    raise BadRequest(
+        f"the weights are for the checkpoint's {given!r} and this server's trained module is its {served!r}; "
+        f"start the server with {fix} (the training run's setting)",
+        409,
+        param="flowrl.component",
+    )
+
+
 def _live_lora_settings(transformer) -> tuple:
     config = transformer.peft_config["default"]
     return (config.r, float(config.lora_alpha), sorted(config.target_modules), float(config.lora_dropout))
@@ -139,8 +159,11 @@ def _expected(kind: str, transformer, lora, is_compiled: bool):
     return _predicted_lora(transformer, lora), lora
 
 
-def prepare_update(body: bytes, kind: str, version: int, sha256: str, transformer, is_compiled: bool) -> PreparedUpdate:
-    """The checked update (module docstring); BadRequest naming the first mismatch."""
+def prepare_update(
+    body: bytes, kind: str, version: int, sha256: str, transformer, is_compiled: bool, component: str = "transformer"
+) -> PreparedUpdate:
+    """The checked update (module docstring); BadRequest naming the first mismatch. `component`:
+    the checkpoint's module `transformer` is (the served adapter's trained_component)."""
     actual = wire.file_sha256(body)
     if actual != sha256:
         raise BadRequest(
@@ -154,6 +177,7 @@ def prepare_update(body: bytes, kind: str, version: int, sha256: str, transforme
         state = wire.load_tensors(body, "the weights body")
     except ValueError as error:
         raise BadRequest(str(error), param="body") from None
+    _check_component(metadata.get("flowrl.component", wire.WEIGHTS_COMPONENT), component)
     expected, lora_to_add = _expected(kind, transformer, _lora_settings(metadata), is_compiled)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:

@@ -21,7 +21,9 @@ Weights (`WEIGHTS_MEDIA_TYPE`): `encode_weights(state, lora=None) -> bytes`: a s
 transformer parameter name -> tensor, names as `transformer.named_parameters()` gives them (a LoRA:
 `....lora_A.default.weight`, what flowrl.models.lora.trainable_state_dict returns; full weights:
 every parameter), with `__metadata__["flowrl.lora"]` = the LoRA settings as JSON ({rank, alpha,
-target_modules, dropout}) for a LoRA. `file_sha256(body)` is the checksum sent along (what
+target_modules, dropout}) for a LoRA, and `__metadata__["flowrl.component"]` = the checkpoint's
+module they belong to (`transformer`; `transformer_2` for Wan2.2-A14B's low expert: a server refuses
+weights of another module than the one it trains-in, absent meaning `transformer`). `file_sha256(body)` is the checksum sent along (what
 `sha256sum FILE` prints); `weights_sha256(state)` a checksum of the tensors themselves (names,
 dtypes, shapes, bytes), which the server reports for its live weights.
 
@@ -200,12 +202,20 @@ def decode_outputs(body: bytes) -> list[DiffusionOutput]:
 
 # --- weights ---------------------------------------------------------------------------------------
 
+# The module a weights body belongs to when its metadata names none: the checkpoint's one transformer.
+WEIGHTS_COMPONENT = "transformer"
 
-def encode_weights(state: Mapping[str, torch.Tensor], lora: Mapping | None = None) -> bytes:
-    """A weight update's body (module docstring); `lora` = {rank, alpha, target_modules, dropout}."""
+
+def encode_weights(
+    state: Mapping[str, torch.Tensor], lora: Mapping | None = None, component: str = WEIGHTS_COMPONENT
+) -> bytes:
+    """A weight update's body (module docstring); `lora` = {rank, alpha, target_modules, dropout};
+    `component`: the checkpoint's module the weights belong to."""
     from safetensors.torch import save
 
-    metadata = {"flowrl.lora": json.dumps(dict(lora))} if lora is not None else None
+    metadata = {"flowrl.component": component}
+    if lora is not None:
+        metadata["flowrl.lora"] = json.dumps(dict(lora))
     return save({name: t.detach().to("cpu").contiguous() for name, t in state.items()}, metadata=metadata)
 
 

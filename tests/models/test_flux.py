@@ -190,23 +190,16 @@ def test_guidance_errors_name_the_field_and_the_fix(flux_engine):
 
 
 def _train_config(path, output, *overrides):
-    from flowrl.run.config import load_train_config
+    from small_runs import small_run_config
 
-    return load_train_config(
-        None,
-        [
-            f"model.path={path}",
-            f"trainer.output_dir={output}",
-            "logging.tensorboard=false",
-            "logging.progress_bar=false",
-            "trainer.val_every=0",
-            "trainer.save_every=0",
-            "rollout.sampling.guidance_scale=3.5",
-            "rollout.val_sampling.guidance_scale=3.5",
-            "rollout.sampling.negative_prompt=blurry",
-            "model.max_sequence_length=64",  # shorter T5 prompts than FLUX's 512: faster, and the setting is used
-            *overrides,
-        ],
+    return small_run_config(
+        path,
+        output,
+        "rollout.sampling.guidance_scale=3.5",
+        "rollout.val_sampling.guidance_scale=3.5",
+        "rollout.sampling.negative_prompt=blurry",
+        "model.max_sequence_length=64",  # shorter T5 prompts than FLUX's 512: faster, and the setting is used
+        *overrides,
     )
 
 

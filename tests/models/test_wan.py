@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from wan_runs import FRAMES, SIZE, wan_train_config
 
 from flowrl.engine import DiffusionEngine, SamplingParams
 
 PROMPT = "a red circle moving right"
 ATOL = 1e-5
-SIZE, FRAMES = 32, 5
 
 
 @pytest.fixture(scope="module")
@@ -233,31 +233,8 @@ def test_random_weight_wan_architectures():
 
 
 def _train_config(path, output, *overrides):
-    from flowrl.run.config import load_train_config
-
-    sampling = [
-        f"height={SIZE}",
-        f"width={SIZE}",
-        f"num_frames={FRAMES}",
-        "guidance_scale=4.5",
-        "num_inference_steps=4",
-    ]
-    return load_train_config(
-        None,
-        [
-            f"model.path={path}",
-            f"trainer.output_dir={output}",
-            "logging.tensorboard=false",
-            "logging.progress_bar=false",
-            "trainer.val_every=0",
-            "trainer.save_every=0",
-            "reward.name=per_frame",
-            "reward.options.reward=jpeg_compressibility",
-            *[f"rollout.sampling.{s}" for s in sampling],
-            *[f"rollout.val_sampling.{s}" for s in sampling],
-            *overrides,
-        ],
-    )
+    steps = ("rollout.sampling.num_inference_steps=4", "rollout.val_sampling.num_inference_steps=4")
+    return wan_train_config(path, output, *steps, *overrides)
 
 
 def test_three_step_lora_run_log_prob_gap_and_its_export_loaded_by_wan_pipeline(build_trainer, wan_paths, tmp_path):

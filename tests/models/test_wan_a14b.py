@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from wan_runs import FRAMES, SIZE, wan_train_config
 
 from flowrl.engine import DiffusionEngine, SamplingParams
 
 PROMPT = "a red circle moving right"
-SIZE, FRAMES = 32, 5
 
 
 @pytest.fixture(scope="module")
@@ -33,28 +33,7 @@ def a14b_path(tmp_path_factory):
 
 
 def _train_config(path, output, *overrides):
-    from flowrl.run.config import load_train_config
-
-    sampling = [f"height={SIZE}", f"width={SIZE}", f"num_frames={FRAMES}", "guidance_scale=4.5"]
-    return load_train_config(
-        None,
-        [
-            f"model.path={path}",
-            f"trainer.output_dir={output}",
-            "logging.tensorboard=false",
-            "logging.progress_bar=false",
-            "trainer.val_every=0",
-            "trainer.save_every=0",
-            "reward.name=per_frame",
-            "reward.options.reward=jpeg_compressibility",
-            "rollout.n=2",
-            "trainer.prompts_per_step=2",
-            "trainer.lr=0.05",
-            *[f"rollout.sampling.{s}" for s in sampling],
-            *[f"rollout.val_sampling.{s}" for s in sampling],
-            *overrides,
-        ],
-    )
+    return wan_train_config(path, output, "rollout.n=2", "trainer.prompts_per_step=2", "trainer.lr=0.05", *overrides)
 
 
 LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=16")

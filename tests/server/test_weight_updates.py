@@ -1,5 +1,5 @@
 """Weight updates of `flowrl serve`: guarded by the admin token; a LoRA or full weights with a wrong
-checksum, name, shape or dtype is refused with a 4xx while the old weights keep serving; a good
+checksum, name, shape or dtype, or meant for another module of the checkpoint, is refused with a 4xx while the old weights keep serving; a good
 update makes the server sample exactly as an in-process engine with those weights, and every
 output carries the policy version of the weights that produced it, also across an update made
 while requests are in flight."""
@@ -114,6 +114,12 @@ def test_bad_updates_are_refused_and_the_old_weights_keep_serving(tiny_sd3_path,
             "non-finite value(s)",
         ),
         "oversized": (dict(body=b"\0" * (2**20 + 1)), 413, "--max-weights-mb"),
+        # Wan2.2-A14B's low expert's weights: the same names and shapes as the module served here.
+        "another module's": (
+            dict(body=wire.encode_weights(state, lora=LORA, component="transformer_2")),
+            409,
+            "start the server with model.trained_expert=low",
+        ),
     }
     with serving(tiny_sd3_path) as server, server.client() as client:
         before = _sample(client)
