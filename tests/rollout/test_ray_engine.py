@@ -253,6 +253,10 @@ def is_dead_soon(ray, actor, timeout_s: float = 30.0) -> bool:
     return False
 
 
+# Slow-marked (about 37 s on a CI worker): the balancer's resend of a dead replica's groups is the
+# same code on the server path, whose faster sibling is tests/rollout/test_decoupled.py's
+# test_started_replicas_survive_one_killed_mid_rollout_and_stop_on_exit.
+@pytest.mark.slow
 def test_a_killed_actors_groups_are_resent_and_the_run_is_the_same(
     local_ray, make_cfg, build_trainer, colocated_metrics
 ):
