@@ -11,15 +11,15 @@
       flowrl_run.json    the step, the base model folder, what was trained and the run's config
                          (flowrl eval/generate read it; diffusers ignores it)
 
+so the family's pipeline loads the trained model with `from_pretrained(final)`, and
+`flowrl generate --model final` samples it. The folder is written next to its final place and
+renamed into it, so an interrupted export never leaves a half-written `final/`.
+
 A two-expert model (Wan2.2-A14B) trains one expert (model.trained_expert): the trained one is
 written in its own component's folder, `transformer/` for the high expert and `transformer_2/`
 for the low one, the other linked to the base's; the LoRA keeps diffusers' `transformer.` keys,
 so a low expert's loads with `pipe.load_lora_weights(lora, load_into_transformer_2=True)`, which
 flowrl_run.json spells out (`trained_expert`, `load_lora`).
-
-so the family's pipeline loads the trained model with `from_pretrained(final)`, and
-`flowrl generate --model final` samples it. The folder is written next to its final place and
-renamed into it, so an interrupted export never leaves a half-written `final/`.
 
 This module knows the adapter's modules and the diffusers folder layout, nothing about training.
 """
