@@ -52,6 +52,9 @@ from flowrl.models.schedule import schedule_sigmas
 DEFAULT_TEXT_LENGTH = 512  # Wan's text length (UMT5 tokens), the length Flow-GRPO's Wan trainer encodes at
 
 Expert = Literal["high", "low"]  # model.trained_expert's choices
+# The checkpoint's component (its folder) each expert is: the home of that fact, which export,
+# eval and the weight updates' check read.
+EXPERT_COMPONENTS: dict[str, str] = {"high": "transformer", "low": "transformer_2"}
 
 
 def check_trained_expert(trained_expert: str | None, has_two_experts: bool, where: str) -> None:
@@ -96,7 +99,7 @@ class WanAdapter(FlowModelAdapter):
         self.transformer_2 = second
         if trained_expert == "low":
             self.transformer, self.transformer_2 = second, pipeline.transformer
-            self.trained_component = "transformer_2"
+            self.trained_component = EXPERT_COMPONENTS["low"]
         ratio = pipeline.config.get("boundary_ratio") if second is not None else None
         self.boundary_sigma: float | None = None if ratio is None else float(ratio)
         config = self.transformer.config

@@ -4,7 +4,8 @@
 a group advantage with n=1, unknown reward, a dataset row the reward cannot score, a KL reference
 without LoRA, guidance settings the model family cannot honour, a GPU device on a machine without
 one, random weights at a published size on a CPU, a schedule with no step to train, a two-expert
-model without the expert to train, an output folder that cannot be written) before any model is loaded, so mistakes cost seconds, not minutes.
+model without the expert to train, an output folder that cannot be written) before any model is
+loaded, so mistakes cost seconds, not minutes.
 `resolve_model_path` builds the embedded tiny SD3 model when `model.path` is unset;
 `model.path=random:NAME` is a published architecture with random weights
 (flowrl.models.debug.random_weights), built when the engine loads. `build_engine` loads the model into

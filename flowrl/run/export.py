@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from flowrl.models.lora import adapter_delta, has_lora, save_lora_for_diffusers
+from flowrl.models.wan import EXPERT_COMPONENTS
 
 RUN_INFO_FILE = "flowrl_run.json"
 TRANSFORMER_WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' own names
@@ -93,7 +94,7 @@ def _expert_info(adapter, lora: bool) -> dict:
         return {}
     info = {"trained_expert": expert, "trained_component": adapter.trained_component}
     if lora:
-        into = ", load_into_transformer_2=True" if adapter.trained_component == "transformer_2" else ""
+        into = ", load_into_transformer_2=True" if adapter.trained_component == EXPERT_COMPONENTS["low"] else ""
         info["load_lora"] = f"pipe.load_lora_weights('lora'{into})"
     return info
 

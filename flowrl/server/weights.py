@@ -3,10 +3,11 @@
 `parse_update_query` reads POST /v1/weights's query (kind, version, sha256). `prepare_update`
 checks a body (flowrl.server.wire's weights format) against the live transformer: the file's
 sha256, that the body is for the checkpoint's module this server trains-in (`flowrl.component`:
-Wan2.2-A14B's experts share names and shapes), then that the tensor names are exactly the model's LoRA (or full) parameter names, with
-every shape and dtype equal, every value finite, and, for a LoRA, its settings; any mismatch is a
-BadRequest naming it, and the model is untouched. `apply_update` then copies the tensors in (adding the LoRA first when
-the server held none); the caller runs it while no sample is in flight (flowrl.server.admission).
+Wan2.2-A14B's experts share names and shapes), then that the tensor names are exactly the
+model's LoRA (or full) parameter names, with every shape and dtype equal, every value finite,
+and, for a LoRA, its settings; any mismatch is a BadRequest naming it, and the model is
+untouched. `apply_update` then copies the tensors in (adding the LoRA first when the server held
+none); the caller runs it while no sample is in flight (flowrl.server.admission).
 `live_weights` gives the tensors a checksum of the served weights covers.
 
 It knows transformers, peft LoRA and the weights format, nothing about HTTP or scheduling.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.models.lora import apply_trainable, has_lora
+from flowrl.models.wan import EXPERT_COMPONENTS
 from flowrl.server import wire
 from flowrl.server.score_request import BadRequest
 
@@ -75,16 +77,12 @@ def _lora_settings(metadata: dict[str, str]):
         raise BadRequest(f"the body's flowrl.lora metadata is invalid: {error}", param="flowrl.lora") from None
 
 
-# The Wan2.2-A14B expert each module of the checkpoint is (model.trained_expert).
-_EXPERTS = {"transformer": "high", "transformer_2": "low"}
-
-
 def _check_component(given: str, served: str) -> None:
     """Weights of one module of the checkpoint must go into that module: Wan2.2-A14B's two experts
     have the same parameter names and shapes, so nothing else would tell them apart."""
     if given == served:
         return
-    expert = _EXPERTS.get(given)
+    expert = next((name for name, folder in EXPERT_COMPONENTS.items() if folder == given), None)
     fix = f"model.trained_expert={expert}" if expert else "the module the trainer trains"
     raise BadRequest(
         f"the weights are for the checkpoint's {given!r} and this server's trained module is its {served!r}; "
@@ -160,7 +158,13 @@ def _expected(kind: str, transformer, lora, is_compiled: bool):
 
 
 def prepare_update(
-    body: bytes, kind: str, version: int, sha256: str, transformer, is_compiled: bool, component: str = "transformer"
+    body: bytes,
+    kind: str,
+    version: int,
+    sha256: str,
+    transformer,
+    is_compiled: bool,
+    component: str = wire.WEIGHTS_COMPONENT,
 ) -> PreparedUpdate:
     """The checked update (module docstring); BadRequest naming the first mismatch. `component`:
     the checkpoint's module `transformer` is (the served adapter's trained_component)."""

@@ -22,10 +22,10 @@ transformer parameter name -> tensor, names as `transformer.named_parameters()` 
 `....lora_A.default.weight`, what flowrl.models.lora.trainable_state_dict returns; full weights:
 every parameter), with `__metadata__["flowrl.lora"]` = the LoRA settings as JSON ({rank, alpha,
 target_modules, dropout}) for a LoRA, and `__metadata__["flowrl.component"]` = the checkpoint's
-module they belong to (`transformer`; `transformer_2` for Wan2.2-A14B's low expert: a server refuses
-weights of another module than the one it trains-in, absent meaning `transformer`). `file_sha256(body)` is the checksum sent along (what
-`sha256sum FILE` prints); `weights_sha256(state)` a checksum of the tensors themselves (names,
-dtypes, shapes, bytes), which the server reports for its live weights.
+module they belong to (`transformer`; `transformer_2` for Wan2.2-A14B's low expert: a server
+refuses weights of another module than the one it trains-in, absent meaning `transformer`).
+`file_sha256(body)` is the checksum sent along (what `sha256sum FILE` prints);
+`weights_sha256(state)` a checksum of the tensors themselves (names, dtypes, shapes, bytes), which the server reports for its live weights.
 
 Stats: `stats_from_json(obj)` gives back engine.stats() from its JSON (integer histogram keys).
 

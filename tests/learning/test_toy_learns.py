@@ -9,8 +9,8 @@ of zero. The project's target, +0.10 held-out partial score over the base within
 reached yet (full: about +0.04 in 60 steps at seed 42, none at seeds 1 and 2; LoRA: about 0); docs/learning.md has the numbers and
 what was tried. Each test takes about 1.5 minutes on one thread; LoRA's is slow-marked.
 DiffusionNFT, AWM and online DPO (their toy recipes; in CI AWM's, the others slow-marked) train
-20 steps each and end above their controls prompt by prompt (measured at 20 steps: paired gaps [+0.046, +0.128], [+0.139, +0.226],
-[+0.011, +0.082]; benchmarks/results/2026-12-05_algorithms_toy-cpu.md), AWM and DiffusionNFT also
+20 steps each and end above their controls prompt by prompt (measured at 20 steps: paired gaps
+[+0.046, +0.128], [+0.139, +0.226], [+0.011, +0.082]; benchmarks/results/2026-12-05_algorithms_toy-cpu.md), AWM and DiffusionNFT also
 with non-overlapping intervals (NFT's narrowly: 0.534 [0.491, 0.578] against 0.448 [0.407, 0.488])."""
 
 from __future__ import annotations

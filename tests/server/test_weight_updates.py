@@ -1,6 +1,6 @@
 """Weight updates of `flowrl serve`: guarded by the admin token; a LoRA or full weights with a wrong
-checksum, name, shape or dtype, or meant for another module of the checkpoint, is refused with a 4xx while the old weights keep serving; a good
-update makes the server sample exactly as an in-process engine with those weights, and every
+checksum, name, shape or dtype, or meant for another module of the checkpoint, is refused with a
+4xx while the old weights keep serving; a good update makes the server sample exactly as an in-process engine with those weights, and every
 output carries the policy version of the weights that produced it, also across an update made
 while requests are in flight."""
 
