@@ -16,7 +16,8 @@
 #   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (H100: 351 s)       ~6 min
-#   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer (not run yet)       ~9 min
+#   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer, one timed step after the
+#                    warm-up (H100: 157 s warm-up, 152 s a step; two timed steps overran 540 s)    ~7 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
@@ -27,18 +28,20 @@
 #   dist-1gpu        torchrun --nproc-per-node 1 training steps through NCCL: SD3.5-medium LoRA and
 #                    FSDP2 full fine-tuning, Qwen-Image LoRA                                       ~6 min
 #   toy-make         the toy world's GPU-size model (flowrl make-toy --size gpu, run first; the
-#                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 224 s)    ~4 min
+#                    machine must stay warm for the next suites, which read outputs/toy-gpu; H100: 174-224 s) ~4 min
 #   toy-learn        `flowrl bench learn`: FlowGRPO full and LoRA on the GPU size and their controls,
 #                    four processes at once, 420 device-s each (H100: 40 steps in 160 s)         ~9 min
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size with the toy CPU
-#                    recipes' algorithm settings, 40 steps, and their controls: eight processes   ~9 min
+#                    recipes' algorithm settings, 40 steps, and their controls: eight processes (H100: 305 s) ~6 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
 # budget, default 540 s: every command gets a `timeout` inside it, so the script always ends),
 # STEPS and PEER_STEPS (timed steps of the train-step suites), OVERRIDES ("key=value ..." added to
-# the train-step suites' recipe). Writes $OUT/<name>.json (rewritten after every measurement, so a
-# run cut short keeps what it measured) and $OUT/log.txt.
+# the train-step suites' recipe), SEEDS (toy-algorithms' training seed, default the recipes' 42;
+# one seed per command: a seed's eight processes take 5 of the 10 minutes). Writes
+# $OUT/<name>.json (rewritten after every measurement, so a run cut short keeps what it measured)
+# and $OUT/log.txt.
 set -u
 START=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-540}
@@ -114,8 +117,8 @@ suite() {
             model.path=random:wan2.1-1.3b $VIDEO_RUN reward.options.reward=jpeg_compressibility \
             trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
     train-step-wan22) bench train-step-wan22 540 train --config recipes/wan22_5b_dancegrpo_lora.yaml \
-            model.path=random:wan2.2-5b $VIDEO_RUN reward.name=temporal_consistency 'reward.components=[]' \
-            trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-2} --peer-steps 0 ;;
+            model.path=random:wan2.2-5b $VIDEO_RUN reward.options.reward=jpeg_compressibility \
+            trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-1} --peer-steps 0 ;;
     train-step-qwen) bench train-step-qwen 540 train --config recipes/qwen_image_ocr_lora.yaml \
             model.path=random:qwen-image $RANDOM_RUN trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;
     train-step-qwen-nft) bench train-step-qwen-nft 540 train --config recipes/qwen_image_ocr_nft.yaml \
@@ -148,7 +151,7 @@ suite() {
         --run "nft: algorithm.name=diffusion_nft $fp algorithm.nft.beta=1.0 algorithm.nft.old_decay_flat=0 algorithm.nft.old_decay_rate=0.001 algorithm.nft.old_decay_max=0.5" \
         --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0 algorithm.awm.weighting=ghuber algorithm.awm.ghuber_power=0.25 algorithm.awm.advantage_max=1.0 algorithm.awm.ema_kl_beta=1.0 algorithm.awm.ema_decay_rate=0.001 algorithm.awm.ema_decay_max=0.3" \
         --run "dpo: algorithm.name=online_dpo $fp algorithm.dpo.beta=100.0 algorithm.dpo.ref_update_every=10" \
-        --steps 40 --eval-every 10 --out "$OUT/toy-algorithms" --overwrite ;;
+        --steps 40 --eval-every 10 ${SEEDS:+trainer.seed=$SEEDS rollout.seed=$SEEDS} --out "$OUT/toy-algorithms${SEEDS:+-s$SEEDS}" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05

@@ -92,6 +92,18 @@ def test_recipe_takes_the_reference_settings_and_says_where_it_differs(recipe, t
         ("toy_cpu_flash", {"rollout.sampling.ode_solver": "dpmpp_2m", "rollout.sampling.ode_tail_ratio": 0.4}),
         ("sd35_medium_ocr_guard_lora", {"algorithm.policy_loss": "grpo_guard", "algorithm.clip_range": 2e-6}),
         ("sd35_medium_ocr_dppo_lora", {"algorithm.policy_loss": "dppo", "algorithm.dppo_tau": 1e-5}),
+        (  # verl-omni's Wan2.2-5B DanceGRPO values
+            "wan22_5b_dancegrpo_lora",
+            {
+                "rollout.sampling.sde_type": "dance",
+                "rollout.sampling.noise_level": 1.2,
+                "rollout.sampling.sde_window_size": 2,
+                "rollout.sampling.sde_window_range": (0, 5),
+                "rollout.sampling.num_inference_steps": 10,
+                "trainer.updates_per_step": 4,
+                "trainer.lr": 1e-5,
+            },
+        ),
     ],
 )
 def test_variant_recipes_load_set_their_variant_and_name_their_reference(recipe, settings):
