@@ -33,13 +33,19 @@
 #                    four processes at once, 420 device-s each (H100: 40 steps in 160 s)         ~9 min
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size with the toy CPU
 #                    recipes' algorithm settings, 40 steps, and their controls: eight processes (H100: 305 s) ~6 min
+#   toy-video-make   the video toy world's GPU-size model (flowrl make-toy --size video-gpu, run first;
+#                    outputs/toy-video-gpu; not run yet)                                           ~6 min
+#   toy-video-algorithms  FlowGRPO (recipes/toy_video_gpu_full.yaml) and AWM (the video CPU recipe's
+#                    settings) on it, 50 steps at seeds 42 and 1 (SEEDS: two or more), with
+#                    controls, 32 clips a held-out prompt: eight processes (not run yet)            ~8 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
 # budget, default 540 s: every command gets a `timeout` inside it, so the script always ends),
 # STEPS and PEER_STEPS (timed steps of the train-step suites), OVERRIDES ("key=value ..." added to
 # the train-step suites' recipe), SEEDS (toy-algorithms' training seed, default the recipes' 42;
-# one seed per command: a seed's eight processes take 5 of the 10 minutes). Writes
+# one seed per command: a seed's eight processes take 5 of the 10 minutes; toy-video-algorithms'
+# seeds, default 42,1). Writes
 # $OUT/<name>.json (rewritten after every measurement, so a run cut short keeps what it measured)
 # and $OUT/log.txt.
 set -u
@@ -152,6 +158,15 @@ suite() {
         --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0 algorithm.awm.weighting=ghuber algorithm.awm.ghuber_power=0.25 algorithm.awm.advantage_max=1.0 algorithm.awm.ema_kl_beta=1.0 algorithm.awm.ema_decay_rate=0.001 algorithm.awm.ema_decay_max=0.3" \
         --run "dpo: algorithm.name=online_dpo $fp algorithm.dpo.beta=100.0 algorithm.dpo.ref_update_every=10" \
         --steps 40 --eval-every 10 ${SEEDS:+trainer.seed=$SEEDS rollout.seed=$SEEDS} --out "$OUT/toy-algorithms${SEEDS:+-s$SEEDS}" --overwrite ;;
+    toy-video-make) run toy-video-make 590 python3 -m flowrl.cli make-toy outputs/toy-video-gpu --size video-gpu \
+        --seed 0 --device cuda ;;
+    toy-video-algorithms)
+      # recipes/toy_video_gpu_full.yaml (FlowGRPO) and recipes/toy_video_cpu_awm.yaml's AWM settings on it
+      local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
+      run toy-video-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_video_gpu_full.yaml --jobs 8 \
+        --run 'flowgrpo:' \
+        --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0 algorithm.awm.weighting=ghuber algorithm.awm.ghuber_power=0.25 algorithm.awm.advantage_max=1.0 algorithm.awm.ema_kl_beta=1.0 algorithm.awm.ema_decay_rate=0.001 algorithm.awm.ema_decay_max=0.3" \
+        --steps 50 --eval-every 25 --eval-seeds 32 --train-seeds ${SEEDS:-42,1} --out "$OUT/toy-video-algorithms" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05

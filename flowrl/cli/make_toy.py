@@ -3,6 +3,7 @@
     flowrl make-toy outputs/toy-cpu                      # the committed model's recipe (seed 0)
     flowrl make-toy outputs/toy-gpu --size gpu           # the larger one, on a GPU
     flowrl make-toy outputs/toy-video --size video-cpu   # the video world's tiny Wan (committed, seed 0)
+    flowrl make-toy outputs/toy-video-gpu --size video-gpu   # its larger size, on a GPU
     flowrl make-toy outputs/toy-weak --size gpu --steps 1000   # the same architecture, pretrained less
 
 Prints the folder, the parameters per component, its size on disk and how long it took.
@@ -17,14 +18,18 @@ import time
 from flowrl.cli import positive_int, seed_int
 from flowrl.output_paths import OutputExistsError
 
+# flowrl.models.debug.toy.SIZES' names (kept here so the parser needs no torch; a test checks they agree).
+SIZE_NAMES = ("cpu", "gpu", "video-cpu", "video-gpu")
+
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="folder to save to: new or empty, or one make-toy wrote")
     parser.add_argument(
         "--size",
         default="cpu",
-        choices=("cpu", "gpu", "video-cpu"),
-        help="cpu: the committed model; gpu: larger; video-cpu: the video toy world's (committed) model",
+        choices=SIZE_NAMES,
+        help="cpu: the committed model; gpu: larger; video-cpu: the video toy world's (committed) model; "
+        "video-gpu: its larger size",
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="data, noise and weight seed; same seed, same weights")
     parser.add_argument(

@@ -104,3 +104,36 @@ def test_the_split_is_the_one_the_committed_model_and_results_used():
         "the video toy split changed: rebuild flowrl/models/debug/toy_video_cpu (flowrl make-toy --size video-cpu) "
         "and re-measure docs/learning.md"
     )
+
+
+def test_the_gpu_size_builds_loads_and_its_recipe_trains_it(tmp_path, capsys):
+    """The video-gpu size's architecture (its pretraining cut to two steps of each part) builds, is
+    the codec of video-cpu under a wider, deeper transformer, and recipes/toy_video_gpu_full.yaml
+    trains and validates it; make-toy offers every size."""
+    from flowrl.cli import main
+    from flowrl.cli.make_toy import SIZE_NAMES
+    from flowrl.models.registry import load_adapter
+
+    assert SIZE_NAMES == tuple(SIZES)
+    gpu, cpu = SIZES["video-gpu"], SIZES["video-cpu"]
+    codec = ("vae_base_dim", "vae_dim_mult", "latent_channels", "vae_steps", "vae_batch", "vae_lr")
+    assert all(getattr(gpu, field) == getattr(cpu, field) for field in codec)
+    short = dataclasses.replace(gpu, name="video-gpu-short", num_clips=16, vae_steps=2, vae_batch=2, steps=2, batch=4)
+    folder, _ = make_toy_checkpoint(tmp_path / "toy", short, seed=1, progress=False)
+    adapter = load_adapter(folder)
+    assert sum(p.numel() for p in adapter.transformer.parameters()) == 9_024_832
+    out = tmp_path / "run"
+    overrides = [
+        f"model.path={folder}",
+        f"trainer.output_dir={out}",
+        "trainer.total_steps=1",
+        "trainer.prompts_per_step=2",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "trainer.val_every=1",
+        "trainer.save_every=0",
+        "trainer.num_val_images=2",
+        "logging.progress_bar=false",
+    ]
+    assert main(["train", "--config", "recipes/toy_video_gpu_full.yaml", *overrides]) == 0
+    assert "validation at step 1" in capsys.readouterr().out

@@ -6,9 +6,9 @@ autoencoder and transformer are pretrained on the toy world's pretraining split
 `StableDiffusion3Pipeline.from_pretrained`. Two sizes (`SIZES`): "cpu", small enough to commit
 (`committed_checkpoint()`, the README's main job and CI use it), and "gpu", larger, for one GPU.
 The model draws the world's shapes and colours but not every composition it was never shown,
-which is what RL on the held-out prompts has to teach. A third size, "video-cpu", is the video
-toy world's model (flowrl.models.debug.toy_video_pretrain): a WanPipeline of 5-frame clips,
-committed too (`committed_checkpoint("video-cpu")`).
+which is what RL on the held-out prompts has to teach. "video-cpu" is the video toy world's model
+(flowrl.models.debug.toy_video_pretrain): a WanPipeline of 5-frame clips, committed too
+(`committed_checkpoint("video-cpu")`); "video-gpu" is its larger size for one GPU.
 
 `steps` and `batch` replace the size's transformer pretraining budget (a weaker or stronger base
 of the same architecture). The folder follows flowrl.output_paths: a `.flowrl-toy` marker records
@@ -97,6 +97,31 @@ SIZES: dict[str, ToySize | VideoToySize] = {
         vae_lr=1e-3,
         steps=4000,
         batch=128,
+        lr=1e-3,
+        ema_decay=0.999,
+    ),
+    # The video world's GPU size, as "gpu" is the image world's: the video-cpu codec (its
+    # architecture and budget: shapes need the long autoencoder run) under a transformer of 28x the
+    # parameters (9.0M: 4x the width, 2x the depth), pretrained in few, large steps (a small model's
+    # GPU step is bound by launching operators, not by its rows). Not committed: `flowrl make-toy
+    # --size video-gpu`; its held-out scores are not measured yet.
+    "video-gpu": VideoToySize(
+        name="video-gpu",
+        image_size=48,
+        num_frames=5,
+        vae_base_dim=8,
+        vae_dim_mult=(1, 2, 2, 2),
+        latent_channels=16,
+        num_layers=8,
+        num_heads=8,
+        head_dim=32,
+        ffn_dim=1024,
+        num_clips=32768,
+        vae_steps=4800,
+        vae_batch=8,
+        vae_lr=1e-3,
+        steps=1000,
+        batch=1024,
         lr=1e-3,
         ema_decay=0.999,
     ),
