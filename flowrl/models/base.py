@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,6 +114,20 @@ def host_to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dty
     if device.type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory().to(device, non_blocking=True)
     return t.to(device, dtype)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation on `device` can use now: the device's free memory plus what the
+    caching allocator holds unused (CUDA), or the host's available memory (CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def rows_to_device(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from flowrl.models.base import free_memory_bytes
 
 # The micro-batch's activations are taken as this times (probe bytes per sample x samples): the
 # backward holds gradients of one block's activations on top of the saved ones, and later steps'
@@ -115,20 +116,6 @@ def held_bytes(run: Callable[[], object], allocated: Callable[[], int]) -> int:
     held = allocated() - before
     del result
     return max(int(held), 0)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory a new allocation on `device` can use now: the device's free memory plus what the
-    caching allocator holds unused (CUDA), or the host's available memory (CPU)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def needs_checkpointing(sample_bytes: float, micro_batch_size: int, free_bytes: float) -> tuple[bool, float]:

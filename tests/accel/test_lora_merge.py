@@ -204,6 +204,26 @@ def test_merged_weights_are_dropped_when_the_block_fails_and_a_seed_gives_one_me
     assert not any(hasattr(layer, MERGED_WEIGHT) for layer in module)
 
 
+def test_a_merge_the_device_cannot_hold_is_refused_naming_the_setting_before_any_copy(monkeypatch):
+    """The merged copy is one more copy of every adapted base weight (two 32 x 32 bfloat16 weights:
+    4 KiB here); with less free memory than that the merge stops with the setting and its fix
+    named, before any merged weight exists, where it would otherwise fail out of memory halfway."""
+    import flowrl.models.base as base
+    from flowrl.accel.lora_merge import merged_copy_bytes
+
+    module = _adapted(torch.bfloat16)
+    assert merged_copy_bytes(module) == {torch.device("cpu"): 2 * 32 * 32 * 2}
+    merged = []
+    monkeypatch.setattr(base, "free_memory_bytes", lambda device: 4095)
+    with pytest.raises(RuntimeError, match=r"rollout\.merge_lora=true needs 0\.0 GiB.*rollout\.merge_lora=false"):
+        with merged_lora(module, seed=0):
+            merged.append(True)
+    assert not merged and not any(hasattr(layer, MERGED_WEIGHT) for layer in module)
+    monkeypatch.setattr(base, "free_memory_bytes", lambda device: 4096)
+    with merged_lora(module, seed=0):
+        assert all(hasattr(layer, MERGED_WEIGHT) for layer in module)
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [
