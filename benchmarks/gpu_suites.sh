@@ -21,7 +21,8 @@
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
-#                    needs an H200's memory: out of memory on an H100's 80 GB)                      ~7 min
+#                    needs an H200's memory: the merged rollout copy does not fit an H100's 80 GB,
+#                    where OVERRIDES=rollout.merge_lora=false runs the adapter instead)             ~7 min
 #   train-step-sd35-nft  recipes/sd35_medium_ocr_nft.yaml at 2 prompts x 16 (no peer)              ~5 min
 #   floors           benchmarks/floor.py: each recipe's training pass and rollout forward as its
 #                    matrix products back to back (the least each phase could take)               ~4 min
