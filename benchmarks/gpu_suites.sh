@@ -35,7 +35,8 @@
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size with the toy CPU
 #                    recipes' algorithm settings, 40 steps, and their controls: eight processes (H100: 305 s) ~6 min
 #   toy-video-make   the video toy world's GPU-size model (flowrl make-toy --size video-gpu, run first;
-#                    outputs/toy-video-gpu; not run yet)                                           ~6 min
+#                    outputs/toy-video-gpu; not run yet: `pytest -m gpu tests/models/test_toy_video_model.py`
+#                    checks in a minute that its deterministic kernels exist on the card)          ~6 min
 #   toy-video-algorithms  FlowGRPO (recipes/toy_video_gpu_full.yaml) and AWM (the video CPU recipe's
 #                    settings) on it, 50 steps at seeds 42 and 1 (SEEDS: two or more), with
 #                    controls, 32 clips a held-out prompt: eight processes (not run yet)            ~8 min

@@ -44,6 +44,16 @@ def test_a_short_build_repeats_byte_for_byte(short_build, tmp_path):
     assert '"size": "video-short"' in marker and '"seed": 5' in marker
 
 
+@pytest.mark.gpu
+def test_a_gpu_build_repeats_byte_for_byte(tmp_path):
+    """On a GPU make-toy runs torch's deterministic kernels (an operator without one raises): the
+    Wan autoencoder's and transformer's training have them, and the same seed gives the same bytes
+    (the check to run before `make-toy --size video-gpu` on a new machine)."""
+    first, _ = make_toy_checkpoint(tmp_path / "first", SHORT, seed=5, device="cuda", progress=False)
+    second, _ = make_toy_checkpoint(tmp_path / "second", SHORT, seed=5, device="cuda", progress=False)
+    assert file_hashes(first) == file_hashes(second)
+
+
 def test_loads_in_diffusers_and_in_flowrl_as_a_wan_model_of_clips(short_build):
     from diffusers import WanPipeline
 
