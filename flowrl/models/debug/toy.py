@@ -100,32 +100,24 @@ SIZES: dict[str, ToySize | VideoToySize] = {
         lr=1e-3,
         ema_decay=0.999,
     ),
-    # The video world's GPU size, as "gpu" is the image world's: the video-cpu codec (its
-    # architecture and budget: shapes need the long autoencoder run) under a transformer of 28x the
-    # parameters (9.0M: 4x the width, 2x the depth), pretrained in few, large steps (a small model's
-    # GPU step is bound by launching operators, not by its rows). Not committed: `flowrl make-toy
-    # --size video-gpu`; its held-out scores are not measured yet.
-    "video-gpu": VideoToySize(
-        name="video-gpu",
-        image_size=48,
-        num_frames=5,
-        vae_base_dim=8,
-        vae_dim_mult=(1, 2, 2, 2),
-        latent_channels=16,
-        num_layers=8,
-        num_heads=8,
-        head_dim=32,
-        ffn_dim=1024,
-        num_clips=32768,
-        vae_steps=4800,
-        vae_batch=8,
-        vae_lr=1e-3,
-        steps=1000,
-        batch=1024,
-        lr=1e-3,
-        ema_decay=0.999,
-    ),
 }
+
+# The video world's GPU size, as "gpu" is the image world's: video-cpu's codec (its architecture
+# and budget: shapes need the long autoencoder run) under a transformer of 28x the parameters (9.0M:
+# 4x the width, 2x the depth), pretrained in few, large steps (a small model's GPU step is bound by
+# launching operators, not by its rows). Not committed: `flowrl make-toy --size video-gpu`; its
+# held-out scores are not measured yet.
+SIZES["video-gpu"] = dataclasses.replace(
+    SIZES["video-cpu"],
+    name="video-gpu",
+    num_layers=8,
+    num_heads=8,
+    head_dim=32,
+    ffn_dim=1024,
+    num_clips=32768,
+    steps=1000,
+    batch=1024,
+)
 
 
 def committed_checkpoint(size: str = "cpu") -> Path:
