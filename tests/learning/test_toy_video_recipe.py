@@ -56,7 +56,7 @@ def test_forward_process_algorithms_on_video_over_three_seeds(algorithm, tmp_pat
 @pytest.mark.slow
 def test_flowgrpo_on_video_over_three_seeds(tmp_path):
     """FlowGRPO (recipes/toy_video_cpu_full.yaml: the CPS step, 16 clips a prompt), 50 steps at
-    training seeds 15, 16 and 17 with its control, 18 held-out prompts x 32 clips (about 15 minutes
+    training seeds 15, 16 and 17 with its control, 18 held-out prompts x 32 clips (about 20 minutes
     on two threads), pooled: the held-out partial score rises above the base prompt by prompt and
     ends above the control with intervals apart (measured: 0.569 -> 0.621, +0.053 [+0.029, +0.076],
     control 0.431 [0.387, 0.475]; benchmarks/results/2026-12-06_toy-video-algorithms_toy-cpu.md,
