@@ -9,9 +9,8 @@ when it ends (`merged_lora`): the trainer's own forwards (recompute, update, val
 run the adapter itself (flowrl.models.lora.merged_weight), and the merged copy costs device
 memory only while the rollout runs: one more copy of every adapted base weight. A device without
 that much free memory is an error naming rollout.merge_lora and its fix before anything is
-allocated (`check_merge_fits`; the Qwen-Image NFT recipe's copy is 25 GiB beside its 38 GiB
-transformer and 15 GiB text encoder, more than an 80 GB H100 holds), not an out-of-memory error
-halfway through the merge.
+allocated (`check_merge_fits`), not an out-of-memory error halfway through the merge: a large
+model's copy need not fit beside it and its text encoder (docs/training.md).
 
 W' is kept in the base weight's dtype. Rounded to nearest, a bf16 W' would drop every entry of
 s B A under half a unit in the last place of its W entry, which early in training (B starts at
@@ -146,29 +145,29 @@ def mergeable_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def merged_copy_bytes(module: torch.nn.Module) -> dict[torch.device, int]:
-    """Memory `merged_lora(module)` allocates for its merged weights, by device: one copy of every
-    mergeable layer's base weight, in its dtype."""
+def merged_copy_bytes(layers: list[torch.nn.Module]) -> dict[torch.device, int]:
+    """Memory merging `layers` (`mergeable_layers`) allocates, by device: one copy of each
+    layer's base weight, in its dtype."""
     need: dict[torch.device, int] = {}
-    for layer in mergeable_layers(module):
+    for layer in layers:
         weight = layer.base_layer.weight
         need[weight.device] = need.get(weight.device, 0) + weight.numel() * weight.element_size()
     return need
 
 
-def check_merge_fits(module: torch.nn.Module) -> None:
+def check_merge_fits(layers: list[torch.nn.Module]) -> None:
     """RuntimeError naming rollout.merge_lora when a device lacks the free memory for its part of
-    the merged copy (module docstring)."""
+    the merged copy of `layers` (module docstring)."""
     from flowrl.models.base import free_memory_bytes
 
-    for device, nbytes in merged_copy_bytes(module).items():
+    for device, nbytes in merged_copy_bytes(layers).items():
         free = free_memory_bytes(device)
         if nbytes > free:
             raise RuntimeError(
                 f"rollout.merge_lora=true needs {nbytes / 2**30:.1f} GiB on {device} for the merged copy of the "
                 f"adapted weights, and {free / 2**30:.1f} GiB is free there: set rollout.merge_lora=false (the "
-                "rollouts then run the adapter itself; the merge saved 6% of the Qwen-Image rollout on an H200) "
-                "or free that memory (fewer adapted modules, a smaller engine.max_batch_rows)"
+                "rollouts then run the adapter itself, a little slower) or free that memory (fewer adapted "
+                "modules, a smaller engine.max_batch_rows)"
             )
 
 
@@ -193,8 +192,8 @@ def merged_lora(module: torch.nn.Module, seed: int, compiled: bool = False) -> I
     at the first merge) on `hashed_noise`; otherwise (and for float16, whose neighbour search,
     torch.nextafter, inductor computes in float32) on noise drawn from a generator seeded with
     `seed`, layer after layer. Either is a function of the seed; the two round differently."""
-    check_merge_fits(module)
     layers = mergeable_layers(module)
+    check_merge_fits(layers)
     try:
         with torch.no_grad():
             keys = _keys_by_device(seed, layers) if compiled else {}

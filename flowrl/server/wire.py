@@ -25,7 +25,8 @@ target_modules, dropout}) for a LoRA, and `__metadata__["flowrl.component"]` = t
 module they belong to (`transformer`; `transformer_2` for Wan2.2-A14B's low expert: a server
 refuses weights of another module than the one it trains-in, absent meaning `transformer`).
 `file_sha256(body)` is the checksum sent along (what `sha256sum FILE` prints);
-`weights_sha256(state)` a checksum of the tensors themselves (names, dtypes, shapes, bytes), which the server reports for its live weights.
+`weights_sha256(state)` a checksum of the tensors themselves (names, dtypes, shapes, bytes),
+which the server reports for its live weights.
 
 Stats: `stats_from_json(obj)` gives back engine.stats() from its JSON (integer histogram keys).
 

@@ -209,10 +209,10 @@ def test_a_merge_the_device_cannot_hold_is_refused_naming_the_setting_before_any
     4 KiB here); with less free memory than that the merge stops with the setting and its fix
     named, before any merged weight exists, where it would otherwise fail out of memory halfway."""
     import flowrl.models.base as base
-    from flowrl.accel.lora_merge import merged_copy_bytes
+    from flowrl.accel.lora_merge import mergeable_layers, merged_copy_bytes
 
     module = _adapted(torch.bfloat16)
-    assert merged_copy_bytes(module) == {torch.device("cpu"): 2 * 32 * 32 * 2}
+    assert merged_copy_bytes(mergeable_layers(module)) == {torch.device("cpu"): 2 * 32 * 32 * 2}
     merged = []
     monkeypatch.setattr(base, "free_memory_bytes", lambda device: 4095)
     with pytest.raises(RuntimeError, match=r"rollout\.merge_lora=true needs 0\.0 GiB.*rollout\.merge_lora=false"):

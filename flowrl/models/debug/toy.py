@@ -105,8 +105,7 @@ SIZES: dict[str, ToySize | VideoToySize] = {
 # The video world's GPU size, as "gpu" is the image world's: video-cpu's codec (its architecture
 # and budget: shapes need the long autoencoder run) under a transformer of 28x the parameters (9.0M:
 # 4x the width, 2x the depth), pretrained in few, large steps (a small model's GPU step is bound by
-# launching operators, not by its rows). Not committed: `flowrl make-toy --size video-gpu`; its
-# held-out scores are not measured yet.
+# launching operators, not by its rows). Not committed: `flowrl make-toy --size video-gpu`.
 SIZES["video-gpu"] = dataclasses.replace(
     SIZES["video-cpu"],
     name="video-gpu",
