@@ -117,9 +117,9 @@ def test_the_split_is_the_one_the_committed_model_and_results_used():
 
 
 def test_the_gpu_size_builds_loads_and_its_recipe_trains_it(tmp_path, capsys):
-    """The video-gpu size's architecture (its pretraining cut to two steps of each part) builds, is
-    the codec of video-cpu under a wider, deeper transformer, and recipes/toy_video_gpu_full.yaml
-    trains and validates it; make-toy offers every size."""
+    """The video-gpu size's architecture (its transformer's pretraining cut to two steps) builds, is
+    the committed video-cpu autoencoder itself under a wider, deeper transformer, and
+    recipes/toy_video_gpu_full.yaml trains and validates it; make-toy offers every size."""
     from flowrl.cli import main
     from flowrl.cli.make_toy import SIZE_NAMES
     from flowrl.models.registry import load_adapter
@@ -128,8 +128,10 @@ def test_the_gpu_size_builds_loads_and_its_recipe_trains_it(tmp_path, capsys):
     gpu, cpu = SIZES["video-gpu"], SIZES["video-cpu"]
     codec = ("vae_base_dim", "vae_dim_mult", "latent_channels", "vae_steps", "vae_batch", "vae_lr")
     assert all(getattr(gpu, field) == getattr(cpu, field) for field in codec)
-    short = dataclasses.replace(gpu, name="video-gpu-short", num_clips=16, vae_steps=2, vae_batch=2, steps=2, batch=4)
+    short = dataclasses.replace(gpu, name="video-gpu-short", num_clips=16, steps=2, batch=4)
     folder, _ = make_toy_checkpoint(tmp_path / "toy", short, seed=1, progress=False)
+    assert file_hashes(folder / "vae") == file_hashes(committed_checkpoint("video-cpu") / "vae")
+    assert '"codec": "video-cpu"' in (folder / ".flowrl-toy").read_text()
     adapter = load_adapter(folder)
     assert sum(p.numel() for p in adapter.transformer.parameters()) == 9_024_832
     out = tmp_path / "run"
@@ -147,3 +149,10 @@ def test_the_gpu_size_builds_loads_and_its_recipe_trains_it(tmp_path, capsys):
     ]
     assert main(["train", "--config", "recipes/toy_video_gpu_full.yaml", *overrides]) == 0
     assert "validation at step 1" in capsys.readouterr().out
+
+
+def test_a_size_taking_a_committed_codec_of_another_architecture_is_refused(tmp_path):
+    wider = dataclasses.replace(SIZES["video-gpu"], name="video-wide-codec", vae_base_dim=16, steps=1, batch=2)
+    with pytest.raises(ValueError, match=r"takes the autoencoder of 'video-cpu', which differs in \['base_dim'\]"):
+        make_toy_checkpoint(tmp_path / "toy", wider, seed=1, progress=False)
+    assert not (tmp_path / "toy").exists()

@@ -102,13 +102,15 @@ SIZES: dict[str, ToySize | VideoToySize] = {
     ),
 }
 
-# The video world's GPU size, as "gpu" is the image world's: video-cpu's codec (its architecture
-# and budget: shapes need the long autoencoder run) under a transformer of 28x the parameters (9.0M:
+# The video world's GPU size, as "gpu" is the image world's: the committed video-cpu model's trained
+# autoencoder itself (one codec for the world, whose round trip docs/learning.md measured; a GPU
+# build then spends its minutes on the transformer) under a transformer of 28x the parameters (9.0M:
 # 4x the width, 2x the depth), pretrained in few, large steps (a small model's GPU step is bound by
 # launching operators, not by its rows). Not committed: `flowrl make-toy --size video-gpu`.
 SIZES["video-gpu"] = dataclasses.replace(
     SIZES["video-cpu"],
     name="video-gpu",
+    codec="video-cpu",
     num_layers=8,
     num_heads=8,
     head_dim=32,
@@ -175,9 +177,10 @@ def _build(size, seed: int, device: str, progress: bool):
     if isinstance(size, VideoToySize):
         from flowrl.models.debug.toy_video_pretrain import build_video_toy_pipeline
 
+        codec = committed_codec(size) if size.codec else None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return build_video_toy_pipeline(size, seed, device, bar)
+            return build_video_toy_pipeline(size, seed, device, bar, codec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipeline = build_pipeline(size)
@@ -195,6 +198,31 @@ def _build(size, seed: int, device: str, progress: bool):
                 pipeline.transformer, latents, captions, text, size, generator, device, phase
             )
     return pipeline.to("cpu")
+
+
+def committed_codec(size: VideoToySize):
+    """The trained autoencoder of the committed model `size.codec` names, checked to be of `size`'s
+    architecture and pretraining budget."""
+    from diffusers import AutoencoderKLWan
+
+    from flowrl.models.debug.toy_video_modules import build_video_vae
+
+    source = resolve_size(size.codec)
+    trained = AutoencoderKLWan.from_pretrained(committed_checkpoint(size.codec), subfolder="vae")
+    vae = build_video_vae(size)
+    wanted = {k: v for k, v in vae.config.items() if not k.startswith(("_", "latents_"))}
+    differing = sorted(k for k, v in wanted.items() if trained.config.get(k) != v)
+    differing += [f for f in ("vae_steps", "vae_batch", "vae_lr") if getattr(source, f) != getattr(size, f)]
+    if differing:
+        raise ValueError(
+            f"toy size {size.name!r} takes the autoencoder of {size.codec!r}, which differs in {differing}: "
+            f"give the size {size.codec!r}'s autoencoder settings, or codec=None to train its own"
+        )
+    # Its weights and latent statistics in a module built here: the loaded one's config records
+    # the folder it came from, which a saved model must not carry.
+    vae.register_to_config(latents_mean=trained.config.latents_mean, latents_std=trained.config.latents_std)
+    vae.load_state_dict(trained.state_dict())
+    return vae
 
 
 def make_toy_checkpoint(
@@ -227,7 +255,8 @@ def make_toy_checkpoint(
         for name in sizes:
             (path / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staged / name, path / name)
-    write_marker(path, TOY_MARKER, list(sizes), size=size.name, seed=seed, **budget_of(size))
+    codec = {"codec": size.codec} if getattr(size, "codec", None) else {}
+    write_marker(path, TOY_MARKER, list(sizes), size=size.name, seed=seed, **budget_of(size), **codec)
     return path, True
 
 
@@ -259,5 +288,6 @@ def same_build(marker: dict, size: ToySize | VideoToySize, seed: int) -> bool:
     return (
         marker.get("size") == size.name
         and marker.get("seed") == seed
+        and marker.get("codec") == getattr(size, "codec", None)
         and all(marker.get(field, named[field]) == value for field, value in budget_of(size).items())
     )

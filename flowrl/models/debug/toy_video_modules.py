@@ -39,6 +39,9 @@ class VideoToySize(PretrainingBudget):
     head_dim: int
     ffn_dim: int
     num_clips: int
+    # A committed size whose trained autoencoder this size takes instead of training its own (the
+    # same architecture; its vae_* budget is the one that autoencoder was trained with).
+    codec: str | None = None
 
     @property
     def latent_size(self) -> int:

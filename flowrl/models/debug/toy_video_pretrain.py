@@ -14,8 +14,9 @@ transformer training it reuses):
 3. The transformer: toy_pretrain.train_transformer on the clips' latents and the UMT5's features
    of their captions, as WanPipeline encodes them for sampling.
 
-`build_video_toy_pipeline(size, seed)` runs the three; the same seed and machine (device and
-thread count) give the same weights. It knows nothing about files (flowrl.models.debug.toy).
+`build_video_toy_pipeline(size, seed)` runs the three, or the first and last under an autoencoder
+already trained (`codec`, which flowrl.models.debug.toy loads); the same seed and machine (device
+and thread count) give the same weights. It knows nothing about files.
 """
 
 from __future__ import annotations
@@ -109,17 +110,22 @@ def encode_motion_captions(pipeline, captions: list[str], device) -> dict[str, d
     return {text: {"encoder_hidden_states": embeds[i]} for i, text in enumerate(unique)}
 
 
-def build_video_toy_pipeline(size: VideoToySize, seed: int, device, bar):
+def build_video_toy_pipeline(size: VideoToySize, seed: int, device, bar, codec=None):
     """The pretrained WanPipeline in memory (float32, CPU); torch's RNG must be forked and seeded
-    by the caller. `bar(total, phase)` makes a progress bar for each phase."""
+    by the caller. `bar(total, phase)` makes a progress bar for each phase. `codec`: a trained
+    AutoencoderKLWan of `size`'s architecture, used as it is instead of training one."""
     pipeline = build_video_pipeline(size)
+    if codec is not None:
+        pipeline.vae = codec
     generator = torch.Generator().manual_seed(seed)
     with bar(size.num_clips, "rendering") as phase:
         captions, clips = render_clips(size, size.num_clips, seed, phase)
     pipeline.text_encoder.to(device)
     text = encode_motion_captions(pipeline, captions, device)
-    with bar(size.vae_steps, "autoencoder") as phase:
-        train_video_autoencoder(pipeline.vae, clips, size, seed + 1, device, phase)
+    if codec is None:
+        with bar(size.vae_steps, "autoencoder") as phase:
+            train_video_autoencoder(pipeline.vae, clips, size, seed + 1, device, phase)
+    pipeline.vae.to(device).eval().requires_grad_(False)
     latents = encode_clips(pipeline.vae, clips, device)
     with bar(size.steps, "transformer") as phase:
         pipeline.transformer = train_transformer(
