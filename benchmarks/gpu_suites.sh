@@ -17,12 +17,13 @@
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (H100: 351 s)       ~6 min
 #   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer, one timed step after the
-#                    warm-up (H100: 157 s warm-up, 152 s a step; two timed steps overran 540 s)    ~7 min
+#                    warm-up (H100: 175 s in all, 45 s a step)                                     ~3 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
 #                    needs an H200's memory: the merged rollout copy does not fit an H100's 80 GB,
-#                    where OVERRIDES=rollout.merge_lora=false runs the adapter instead)             ~7 min
+#                    where OVERRIDES=rollout.merge_lora=false runs the adapter instead; H100, STEPS=1:
+#                    531 s, 394 s of it the compiling warm-up)                                     ~9 min
 #   train-step-sd35-nft  recipes/sd35_medium_ocr_nft.yaml at 2 prompts x 16 (no peer)              ~5 min
 #   floors           benchmarks/floor.py: each recipe's training pass and rollout forward as its
 #                    matrix products back to back (the least each phase could take)               ~4 min
@@ -35,11 +36,11 @@
 #   toy-algorithms   FlowGRPO, DiffusionNFT, AWM and online DPO on the GPU size with the toy CPU
 #                    recipes' algorithm settings, 40 steps, and their controls: eight processes (H100: 305 s) ~6 min
 #   toy-video-make   the video toy world's GPU-size model (flowrl make-toy --size video-gpu, run first;
-#                    outputs/toy-video-gpu; not run yet: `pytest -m gpu tests/models/test_toy_video_model.py`
-#                    checks in a minute that its deterministic kernels exist on the card)          ~6 min
+#                    outputs/toy-video-gpu; the machine must stay warm for the next suite; H100: 174 s)
+#                    ~3 min
 #   toy-video-algorithms  FlowGRPO (recipes/toy_video_gpu_full.yaml) and AWM (the video CPU recipe's
-#                    settings) on it, 50 steps at seeds 42 and 1 (SEEDS: two or more), with
-#                    controls, 32 clips a held-out prompt: eight processes (not run yet)            ~8 min
+#                    settings) on it, 50 steps at the seed SEEDS (default 42), with controls, 32 clips
+#                    a held-out prompt: four processes (H100: 547 s)                                ~9 min
 #   cpu-smoke        this script itself on tiny models, on any machine                             ~2 min
 #
 # Settings: OUT (results folder, default /tmp/flowrl-bench), BENCH_BUDGET_S (each suite's time
@@ -47,7 +48,7 @@
 # STEPS and PEER_STEPS (timed steps of the train-step suites), OVERRIDES ("key=value ..." added to
 # the train-step suites' recipe), SEEDS (toy-algorithms' training seed, default the recipes' 42;
 # one seed per command: a seed's eight processes take 5 of the 10 minutes; toy-video-algorithms'
-# seeds, default 42,1). Writes
+# too: a seed's four processes take 9). Writes
 # $OUT/<name>.json (rewritten after every measurement, so a run cut short keeps what it measured)
 # and $OUT/log.txt.
 set -u
@@ -165,10 +166,11 @@ suite() {
     toy-video-algorithms)
       # recipes/toy_video_gpu_full.yaml (FlowGRPO) and recipes/toy_video_cpu_awm.yaml's AWM settings on it
       local fp="rollout.sampling.noise_level=0 rollout.sampling.logprobs=false algorithm.train_timestep_fraction=0.99"
-      run toy-video-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_video_gpu_full.yaml --jobs 8 \
+      run toy-video-algorithms 590 python3 -m flowrl.cli bench learn --config recipes/toy_video_gpu_full.yaml --jobs 4 \
         --run 'flowgrpo:' \
         --run "awm: algorithm.name=awm $fp algorithm.std_mode=group algorithm.clip_range=1.0 algorithm.awm.weighting=ghuber algorithm.awm.ghuber_power=0.25 algorithm.awm.advantage_max=1.0 algorithm.awm.ema_kl_beta=1.0 algorithm.awm.ema_decay_rate=0.001 algorithm.awm.ema_decay_max=0.3" \
-        --steps 50 --eval-every 25 --eval-seeds 32 --train-seeds ${SEEDS:-42,1} --out "$OUT/toy-video-algorithms" --overwrite ;;
+        --steps 50 --eval-every 25 --eval-seeds 32 trainer.seed=${SEEDS:-42} rollout.seed=${SEEDS:-42} \
+        --out "$OUT/toy-video-algorithms-s${SEEDS:-42}" --overwrite ;;
     cpu-smoke)
       python3 -m flowrl.cli make-tiny --kind sd3 "$OUT/tiny-sd3" --overwrite >>"$LOG" 2>&1
       bench smoke-rollout 120 rollout --model tiny-sd3 -n 4 --steps 3 --size 64 --peak-seconds 0.05
