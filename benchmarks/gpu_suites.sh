@@ -15,9 +15,13 @@
 #                    pipeline batch 8 against the compiled engine (H100: 78 s)                     ~2 min
 #   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
+#   wan22-a14b       Wan2.2-T2V-A14B (two 14B experts, random:wan2.2-a14b) at 480x832, 33 frames, 20 steps,
+#                    CFG 4.0, 2 samples: pipeline against the compiled engine (not run yet)       ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (H100: 351 s)       ~6 min
 #   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer, one timed step after the
 #                    warm-up (H100: 175 s in all, 45 s a step)                                     ~3 min
+#   train-step-wan22-a14b  recipes/wan21_1_3b_ocr_lora.yaml's FlowGRPO on random:wan2.2-a14b, training its
+#                    high-noise expert (model.trained_expert=high), no peer (not run yet)           ~7 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
@@ -122,6 +126,11 @@ suite() {
             --guidance-scale 5.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
     wan22-5b) bench wan22-5b 540 rollout --model wan2.2-5b -n 2 --steps 20 --height 704 --width 1280 --num-frames 121 \
             --guidance-scale 5.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
+    wan22-a14b) bench wan22-a14b 540 rollout --model wan2.2-a14b -n 2 --steps 20 --height 480 --width 832 --num-frames 33 \
+            --guidance-scale 4.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
+    train-step-wan22-a14b) bench train-step-wan22-a14b 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
+            model.path=random:wan2.2-a14b model.trained_expert=high $VIDEO_RUN reward.options.reward=jpeg_compressibility \
+            trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-1} --peer-steps 0 ;;
     train-step-wan) bench train-step-wan 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
             model.path=random:wan2.1-1.3b $VIDEO_RUN reward.options.reward=jpeg_compressibility \
             trainer.prompts_per_step=2 ${OVERRIDES:-} $TIMING ;;

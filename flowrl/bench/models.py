@@ -21,9 +21,11 @@ from the configs of flowrl.models.debug.architectures, and the trainer takes the
   Tongyi-MAI/Z-Image-Turbo (6.15 B transformer parameters; the undistilled Z-Image has the same
   architecture) and Z-Image's scheduler (shift 6); prompts are 64 tokens of width 2560, as
   Qwen3-4B gives.
-- `wan2.1-1.3b`, `wan2.1-14b`, `wan2.2-5b`: WanTransformer3DModel and AutoencoderKLWan with the
-  Wan2.1-T2V-1.3B, Wan2.1-T2V-14B and Wan2.2-TI2V-5B configs (the 5B with the 48-channel Wan2.2
-  VAE) and the checkpoints' UniPC flow schedule; prompts are 512 UMT5 tokens of width 4096.
+- `wan2.1-1.3b`, `wan2.1-14b`, `wan2.2-5b`, `wan2.2-a14b`: WanTransformer3DModel and
+  AutoencoderKLWan with the Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.2-TI2V-5B and Wan2.2-T2V-A14B
+  configs (the 5B with the 48-channel Wan2.2 VAE; the A14B with two experts of the 14B's
+  architecture, switched at sigma 0.875) and the checkpoints' UniPC flow schedule; prompts are 512
+  UMT5 tokens of width 4096.
   Samples are videos: `--num-frames` (4k+1) and `--height`/`--width` of `flowrl bench rollout`.
 - `tiny-sd3`, `tiny-qwen`, `tiny-flux`, `tiny-z-image`, `tiny-wan`, `tiny-wan2.2`: the modules of
   `flowrl.models.debug.tiny` (CPU smoke tests).

@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 
 from flowrl.models.base import FlowModelAdapter
-from flowrl.models.debug.random_weights import is_random_path, load_random_adapter, random_family
+from flowrl.models.debug.random_weights import (
+    has_two_random_experts,
+    is_random_path,
+    load_random_adapter,
+    random_family,
+)
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
@@ -70,10 +75,10 @@ def load_adapter(
 
 
 def model_has_two_experts(path: str | Path) -> bool:
-    """Whether the model at `path` has two experts (Wan2.2-T2V-A14B's `transformer_2`; no
-    `random:NAME` architecture has)."""
+    """Whether the model at `path` has two experts (Wan2.2-T2V-A14B's `transformer_2`, or
+    `random:wan2.2-a14b`)."""
     if is_random_path(path):
-        return False
+        return has_two_random_experts(path)
     index = _read_index(Path(path), "model.path")
     return index["_class_name"] == "WanPipeline" and has_two_experts(index)
 

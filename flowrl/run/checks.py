@@ -132,6 +132,7 @@ def check_random_weights_device(model_cfg) -> None:
     anything is built (the tiny architectures run anywhere)."""
     from flowrl.models.debug.random_weights import (
         architecture_name,
+        has_two_random_experts,
         is_random_path,
         published_parameter_count,
         tiny_name,
@@ -145,13 +146,17 @@ def check_random_weights_device(model_cfg) -> None:
     from flowrl.models.debug.architectures import ARCHITECTURES
 
     count = published_parameter_count(name)
+    family = ARCHITECTURES[name][0]
+    tiny = f"model.path=random:{tiny_name(family)}"
+    if has_two_random_experts(model_cfg.path):
+        tiny = f"the tiny two-expert model (flowrl make-tiny --kind {name} OUT, then model.path=OUT)"
     weights_gb = count * {"float32": 4, "bfloat16": 2, "float16": 2}[model_cfg.dtype] / 1e9
     raise ValueError(
         f"model.path={model_cfg.path!r} builds the {name} architecture at its published size with random weights "
         f"({count / 1e9:.1f} B parameters: {weights_gb:.0f} GB in {model_cfg.dtype} for the weights alone, before "
         f"gradients, optimizer states and activations), which needs a GPU, but model.device={model_cfg.device!r} "
         "is the CPU (no CUDA GPU visible); run where a GPU with well over that much memory is visible (the README's "
-        f"Hardware table gives each model's needs), or use model.path=random:{tiny_name(ARCHITECTURES[name][0])} on a CPU"
+        f"Hardware table gives each model's needs), or use {tiny} on a CPU"
     )
 
 

@@ -278,3 +278,44 @@ def test_a_started_replica_serves_the_trained_expert_as_its_transformer(a14b_pat
         assert engine.adapter.transformer is engine.adapter.pipeline.transformer_2
     finally:
         engine.shutdown()
+
+
+def test_random_a14b_has_two_experts_of_the_14b_architecture_at_the_published_boundary(monkeypatch):
+    """`random:wan2.2-a14b` (speed and memory work on a GPU) builds both experts of Wan2.1-14B's
+    architecture, routes at the checkpoint's boundary with its flow shift, and takes
+    model.trained_expert as a folder does (built here at narrow widths: the wiring, not the size)."""
+    from flowrl.models.debug import architectures
+    from flowrl.models.debug.random_weights import published_parameter_count
+    from flowrl.models.registry import load_adapter, model_has_two_experts, read_model_family
+
+    assert read_model_family("random:wan2.2-a14b") == "wan2.2" and model_has_two_experts("random:wan2.2-a14b")
+    assert not model_has_two_experts("random:wan2.1-14b")
+    cls, config, vae_cls, vae_config, scheduler = architectures.RANDOM_WEIGHT_MODULES["wan2.2-a14b"]
+    assert config == architectures.WAN21_14B_TRANSFORMER and vae_config == architectures.WAN21_VAE
+    # Two experts of 14.3 B each, and the Wan2.1 VAE (0.13 B).
+    assert 28.0e9 < published_parameter_count("wan2.2-a14b") < 29.5e9
+    narrow = dict(config, num_attention_heads=2, attention_head_dim=16, ffn_dim=32, text_dim=8, freq_dim=16)
+    monkeypatch.setitem(
+        architectures.RANDOM_WEIGHT_MODULES,
+        "wan2.2-a14b",
+        (cls, narrow, vae_cls, dict(vae_config, base_dim=4, z_dim=16), scheduler),
+    )
+    adapter = load_adapter("random:wan2.2-a14b", num_layers=1, trained_expert="low", warn=False)
+    pipeline = adapter.pipeline
+    assert adapter.boundary_sigma == 0.875 and pipeline.scheduler.config.flow_shift == 12.0
+    assert adapter.transformer is pipeline.transformer_2 and adapter.transformer_2 is pipeline.transformer
+    high, low = pipeline.transformer, pipeline.transformer_2
+    assert len(high.blocks) == len(low.blocks) == 1
+    assert not torch.equal(high.blocks[0].ffn.net[2].weight, low.blocks[0].ffn.net[2].weight)
+
+
+def test_random_a14b_on_a_cpu_is_refused_pointing_at_the_tiny_two_expert_model(monkeypatch, capsys):
+    from flowrl.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["train", "--config", "recipes/wan21_1_3b_ocr_lora.yaml", "model.path=random:wan2.2-a14b"]
+    argv += ["model.trained_expert=high", "data.train_path=null", "data.val_path=null"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "28.7 B parameters" in err and "needs a GPU" in err
+    assert "flowrl make-tiny --kind wan2.2-a14b OUT, then model.path=OUT" in err

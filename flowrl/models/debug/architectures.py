@@ -139,7 +139,8 @@ Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifti
 
 # Wan (flowrl.models.wan): the transformers of Wan2.1-T2V-1.3B, Wan2.1-T2V-14B and Wan2.2-TI2V-5B
 # (dims, heads, FFN widths and depths of the Wan configs: 1536/12/8960/30, 5120/40/13824/40,
-# 3072/24/14336/30; head width 128, patches (1, 2, 2), UMT5-XXL text width 4096).
+# 3072/24/14336/30; head width 128, patches (1, 2, 2), UMT5-XXL text width 4096). Each of
+# Wan2.2-T2V-A14B's two experts has Wan2.1-14B's architecture.
 WAN21_1_3B_TRANSFORMER = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=12,
@@ -196,6 +197,10 @@ WAN_SCHEDULER = dict(
     flow_shift=3.0,
 )
 WAN22_SCHEDULER = dict(WAN_SCHEDULER, flow_shift=5.0)
+# Wan2.2-T2V-A14B: the high-noise expert (`transformer`) predicts at sigma >= its boundary_ratio,
+# the low-noise one (`transformer_2`) below; over the Wan2.1 VAE, flow shift 12.
+WAN22_A14B_BOUNDARY = 0.875
+WAN22_A14B_SCHEDULER = dict(WAN_SCHEDULER, flow_shift=12.0)
 
 # name -> (family, text tokens, text width, pooled width or None)
 ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
@@ -212,6 +217,7 @@ ARCHITECTURES: dict[str, tuple[str, int, int, int | None]] = {
     "wan2.1-1.3b": ("wan2.1", 512, 4096, None),
     "wan2.1-14b": ("wan2.1", 512, 4096, None),
     "wan2.2-5b": ("wan2.2", 512, 4096, None),
+    "wan2.2-a14b": ("wan2.2", 512, 4096, None),
     "tiny-wan": ("wan2.1", 32, 32, None),
     "tiny-wan2.2": ("wan2.2", 32, 32, None),
 }
@@ -236,7 +242,17 @@ RANDOM_WEIGHT_MODULES: dict[str, tuple[str, dict, str, dict, dict]] = {
     "wan2.1-1.3b": ("WanTransformer3DModel", WAN21_1_3B_TRANSFORMER, "AutoencoderKLWan", WAN21_VAE, WAN_SCHEDULER),
     "wan2.1-14b": ("WanTransformer3DModel", WAN21_14B_TRANSFORMER, "AutoencoderKLWan", WAN21_VAE, WAN_SCHEDULER),
     "wan2.2-5b": ("WanTransformer3DModel", WAN22_5B_TRANSFORMER, "AutoencoderKLWan", WAN22_VAE, WAN22_SCHEDULER),
+    "wan2.2-a14b": (
+        "WanTransformer3DModel",
+        WAN21_14B_TRANSFORMER,
+        "AutoencoderKLWan",
+        WAN21_VAE,
+        WAN22_A14B_SCHEDULER,
+    ),
 }
+# name -> the boundary_ratio of the random-weight models with two experts (a second transformer of
+# the same architecture, `transformer_2`, built beside the first).
+TWO_EXPERT_BOUNDARIES: dict[str, float] = {"wan2.2-a14b": WAN22_A14B_BOUNDARY}
 
 # family -> text tokens before the max_sequence_length part of its fixed-length prompt encoding
 # (SD3: CLIP's 77, then T5's max_sequence_length; FLUX: T5's alone, CLIP-L giving only the pooled

@@ -27,7 +27,12 @@ import zlib
 import torch
 
 from flowrl.models.base import FlowModelAdapter, PromptEncoding
-from flowrl.models.debug.architectures import ARCHITECTURES, FIXED_LENGTH_TEXT, RANDOM_WEIGHT_MODULES
+from flowrl.models.debug.architectures import (
+    ARCHITECTURES,
+    FIXED_LENGTH_TEXT,
+    RANDOM_WEIGHT_MODULES,
+    TWO_EXPERT_BOUNDARIES,
+)
 
 RANDOM_PREFIX = "random:"
 
@@ -54,16 +59,23 @@ def random_family(path, key: str = "model.path") -> str:
     return ARCHITECTURES[architecture_name(path, key)][0]
 
 
+def has_two_random_experts(path) -> bool:
+    """Whether `random:NAME` is an architecture with two experts (Wan2.2-T2V-A14B's)."""
+    return architecture_name(path) in TWO_EXPERT_BOUNDARIES
+
+
 def published_parameter_count(name: str) -> int:
-    """The parameters of architecture `name`'s transformer and VAE, counted on the meta device
+    """The parameters of architecture `name`'s transformer(s) and VAE, counted on the meta device
     (nothing allocated: a check can say what a build would need before it starts one)."""
     import diffusers
     from accelerate import init_empty_weights
 
     transformer_cls, config, vae_cls, vae_config, _ = RANDOM_WEIGHT_MODULES[name]
     with init_empty_weights():
-        modules = [getattr(diffusers, transformer_cls)(**config), getattr(diffusers, vae_cls)(**vae_config)]
-    return sum(p.numel() for module in modules for p in module.parameters())
+        transformer = getattr(diffusers, transformer_cls)(**config)
+        vae = getattr(diffusers, vae_cls)(**vae_config)
+    experts = 2 if name in TWO_EXPERT_BOUNDARIES else 1
+    return experts * sum(p.numel() for p in transformer.parameters()) + sum(p.numel() for p in vae.parameters())
 
 
 def tiny_name(family: str) -> str:
@@ -143,7 +155,11 @@ def _published_modules(name: str, device: torch.device, dtype: torch.dtype, num_
     vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
     scheduler_config = dict(scheduler_config)  # its `_class_name`, when given, names another scheduler (Wan's)
     scheduler_cls = getattr(diffusers, scheduler_config.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))
-    return transformer, vae, scheduler_cls(**scheduler_config)
+    experts = {}
+    if name in TWO_EXPERT_BOUNDARIES:  # the low-noise expert: the same architecture, other weights
+        second = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=2)
+        experts = {"transformer_2": second, "boundary_ratio": TWO_EXPERT_BOUNDARIES[name]}
+    return transformer, vae, scheduler_cls(**scheduler_config), experts
 
 
 def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
@@ -151,16 +167,17 @@ def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
 
     pipe = build_tiny_pipeline(tiny_kind(family), seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
-    return modules[0], modules[1], pipe.scheduler
+    return modules[0], modules[1], pipe.scheduler, {}
 
 
-def pipeline_over(pipeline_class: str, transformer, vae, scheduler):
-    """The diffusers pipeline `pipeline_class` over these modules, every other component (text
-    encoders, tokenizers) None: prompts are passed as embeddings."""
+def pipeline_over(pipeline_class: str, transformer, vae, scheduler, **extra):
+    """The diffusers pipeline `pipeline_class` over these modules (and `extra`: a second expert and
+    its boundary), every other component (text encoders, tokenizers) None: prompts are passed as
+    embeddings."""
     import diffusers
 
     pipeline_cls = getattr(diffusers, pipeline_class)
-    own = {"transformer": transformer, "vae": vae, "scheduler": scheduler}
+    own = {"transformer": transformer, "vae": vae, "scheduler": scheduler, **extra}
     others = [p for p in inspect.signature(pipeline_cls.__init__).parameters if p not in ("self", *own)]
     pipe = pipeline_cls(**own, **dict.fromkeys(others))
     pipe.set_progress_bar_config(disable=True)
@@ -192,9 +209,9 @@ def load_random_adapter(
     if name.startswith("tiny-"):
         if num_layers is not None:
             raise ValueError(f"num_layers={num_layers} is for the published architectures, not {name!r}")
-        transformer, vae, scheduler = _tiny_modules(family, device, dtype)
+        transformer, vae, scheduler, experts = _tiny_modules(family, device, dtype)
     else:
-        transformer, vae, scheduler = _published_modules(name, device, dtype, num_layers)
+        transformer, vae, scheduler, experts = _published_modules(name, device, dtype, num_layers)
     length, prefix = options.get("max_sequence_length"), FIXED_LENGTH_TEXT.get(family)
     if prefix is not None:  # fixed length: the adapter's setting and the prompts' length agree
         if length is None:
@@ -203,7 +220,7 @@ def load_random_adapter(
             tokens = prefix + length
     elif length is not None:
         tokens = min(tokens, length)
-    pipeline = pipeline_over(pipeline_class, transformer, vae, scheduler)
+    pipeline = pipeline_over(pipeline_class, transformer, vae, scheduler, **experts)
     adapter = random_adapter_class(adapter_class)(pipeline, device, dtype, **options)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     adapter.random_weights = name

@@ -18,7 +18,7 @@ itself). flowrl.models.debug.tiny seeds the RNG and saves the pipeline.
 
 from __future__ import annotations
 
-from flowrl.models.debug.architectures import WAN_SCHEDULER
+from flowrl.models.debug.architectures import WAN22_A14B_BOUNDARY, WAN22_A14B_SCHEDULER, WAN_SCHEDULER
 from flowrl.models.debug.tiny_tokenizers import build_t5_tokenizer
 
 TINY_WAN_TEXT_LENGTH = 32  # the tiny tokenizer's model_max_length: the adapter's default text length
@@ -110,8 +110,8 @@ def build_tiny_wan(kind: str):
             transformer=_transformer(16),
             transformer_2=_transformer(16),
             vae=_vae("2.1"),
-            scheduler=UniPCMultistepScheduler(**dict(scheduler_config, flow_shift=12.0)),
-            boundary_ratio=0.875,
+            scheduler=UniPCMultistepScheduler(**dict(scheduler_config, flow_shift=WAN22_A14B_SCHEDULER["flow_shift"])),
+            boundary_ratio=WAN22_A14B_BOUNDARY,
         )
     return WanPipeline(
         tokenizer=tokenizer,
