@@ -21,7 +21,8 @@
 #   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer, one timed step after the
 #                    warm-up (H100: 175 s in all, 45 s a step)                                     ~3 min
 #   train-step-wan22-a14b  recipes/wan21_1_3b_ocr_lora.yaml's FlowGRPO on random:wan2.2-a14b, training its
-#                    high-noise expert (model.trained_expert=high), no peer (not run yet)           ~7 min
+#                    high-noise expert (model.trained_expert=high) on the 13 of 20 steps it predicts
+#                    (sde_window [0, 13]), no peer (not run yet)                                    ~7 min
 #   train-step-qwen  `flowrl bench train`, the Qwen-Image recipe at 2 prompts x 16, with the peer  ~7 min
 #   train-step-sd35  the SD3.5-medium recipe at 1 prompt x 16, with the peer                       ~9 min
 #   train-step-qwen-nft  `flowrl bench train` of recipes/qwen_image_ocr_nft.yaml at 2 prompts x 12 (no peer;
@@ -129,7 +130,8 @@ suite() {
     wan22-a14b) bench wan22-a14b 540 rollout --model wan2.2-a14b -n 2 --steps 20 --height 480 --width 832 --num-frames 33 \
             --guidance-scale 4.0 --compile --modes pipeline-batched,engine-batched-compiled ;;
     train-step-wan22-a14b) bench train-step-wan22-a14b 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
-            model.path=random:wan2.2-a14b model.trained_expert=high $VIDEO_RUN reward.options.reward=jpeg_compressibility \
+            model.path=random:wan2.2-a14b model.trained_expert=high 'rollout.sampling.sde_window=[0,13]' \
+            $VIDEO_RUN reward.options.reward=jpeg_compressibility \
             trainer.prompts_per_step=2 ${OVERRIDES:-} --steps ${STEPS:-1} --peer-steps 0 ;;
     train-step-wan) bench train-step-wan 540 train --config recipes/wan21_1_3b_ocr_lora.yaml \
             model.path=random:wan2.1-1.3b $VIDEO_RUN reward.options.reward=jpeg_compressibility \
