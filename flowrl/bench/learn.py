@@ -19,7 +19,11 @@ side, controls dashed, intervals shaded), and prints a summary: base, final and 
 the gain over the base with its paired 95% interval (prompt by prompt, the same seeds), whether
 the final interval clears the control's, and when each curve first reaches the first
 configuration's final value. `--jobs K` measures the runs in up to K processes at once
-(flowrl.bench.learn_jobs), for models that leave the device mostly idle. `--train-seeds S1,S2,...`
+(flowrl.bench.learn_jobs), for models that leave the device mostly idle. A run stopped early
+(Ctrl-C, SIGTERM: a job's time limit) keeps what it measured: learn.json is rewritten after every
+evaluation (`"complete": false` until the end), and the stopped command writes the report and the
+summary of the points measured, each configuration and its control cut to their common steps,
+and exits with 128 + the signal. `--train-seeds S1,S2,...`
 trains every configuration at each seed and adds a comparison pooled over them
 (flowrl.bench.learn_seeds).
 
@@ -29,10 +33,14 @@ sample_rows, flowrl.eval.evaluate); it adds no training logic.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,10 +177,18 @@ def _baseline_key(cfg, held_out: HeldOut) -> str:
 
 
 def measure_run(
-    cfg, spec: RunSpec, steps: list[int], held_out: HeldOut, baselines: dict, say=print, seconds: float | None = None
+    cfg,
+    spec: RunSpec,
+    steps: list[int],
+    held_out: HeldOut,
+    baselines: dict,
+    say=print,
+    seconds: float | None = None,
+    on_point=None,
 ) -> dict:
     """Train `cfg` to max(steps), scoring the held-out prompts at each of `steps`; with `seconds`,
-    stop once the training steps have taken that many device-seconds and score that step last."""
+    stop once the training steps have taken that many device-seconds and score that step last.
+    `on_point(run)`: called with the run as measured so far after each scored step."""
     from flowrl.trainer.trainer import Trainer
 
     points, images, train_rewards = [], {}, []
@@ -202,15 +218,21 @@ def measure_run(
             images[str(target)] = {name: values.tolist() for name, values in scores.items()}
             shown = ", ".join(f"{name} {value['mean']:.3f}" for name, value in summary.items())
             say(f"  {spec.label}: step {target} ({device_seconds:.0f} device-s): {shown}")
+            if on_point is not None:
+                on_point(_run_record(spec, points, train_rewards, images))
             if out_of_time:
                 break
+    return _run_record(spec, points, train_rewards, images)
+
+
+def _run_record(spec: RunSpec, points: list, train_rewards: list, images: dict) -> dict:
     return {
         "name": spec.name,
         "label": spec.label,
         "control": spec.control,
-        "points": points,
-        "train_reward": train_rewards,
-        "images": images,
+        "points": list(points),
+        "train_reward": list(train_rewards),
+        "images": dict(images),
     }
 
 
@@ -256,11 +278,18 @@ def run_learning(
         "interval": "95% normal approximation over prompts (each prompt's mean over its seeds)",
         "device_seconds": "wall time of the training steps (evaluation excluded) x devices",
         "seconds": seconds,
+        "complete": False,  # until every run is measured: learn.json is rewritten after each point
         "runs": [],
     }
     baselines = {} if baselines is None else baselines
+    current: dict = {}  # the overrides of the run being measured
+
+    def so_far(run: dict) -> None:  # the report as measured so far, this run included
+        write_json(out / "learn.json", {**report, "runs": [*report["runs"], {**run, **current}]})
+
     for spec in runs:
         cfg, overrides = _load_run_config(config_path, list(common), spec, steps, out)
+        current["overrides"] = overrides
         held_out = HeldOut(
             rows,
             samples_per_prompt,
@@ -271,11 +300,40 @@ def run_learning(
         say(f"{spec.label}: {' '.join(overrides) or '(the recipe as it is)'}")
         if spec.control and seconds is not None:  # the configuration's own steps, paired step by step
             reached = next(r for r in report["runs"] if r["name"] == spec.name and not r["control"])
-            measured = measure_run(cfg, spec, [p["step"] for p in reached["points"]], held_out, baselines, say)
+            steps_at = [p["step"] for p in reached["points"]]
+            measured = measure_run(cfg, spec, steps_at, held_out, baselines, say, on_point=so_far)
         else:
-            measured = measure_run(cfg, spec, at, held_out, baselines, say, seconds)
+            measured = measure_run(cfg, spec, at, held_out, baselines, say, seconds, on_point=so_far)
         report["runs"].append({**measured, "overrides": overrides})
+    report["complete"] = True
     return report
+
+
+def write_json(path: Path, report: dict) -> None:
+    """`report` as `path`, replaced whole (a reader, or a process killed meanwhile, never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(staged, path)
+
+
+def common_steps(report: dict) -> dict:
+    """A stopped report with each configuration's runs (it and its control) cut to the steps all of
+    them reached, so that finals compare the same step."""
+    runs = report["runs"]
+    last = {}
+    for run in runs:
+        reached = run["points"][-1]["step"] if run["points"] else -1
+        last[run["name"]] = min(last.get(run["name"], reached), reached)
+    cut = []
+    for run in runs:
+        points = [p for p in run["points"] if p["step"] <= last[run["name"]]]
+        if points:
+            kept = {str(p["step"]) for p in points}
+            cut.append(
+                {**run, "points": points, "images": {k: v for k, v in run.get("images", {}).items() if k in kept}}
+            )
+    return {**report, "runs": cut}
 
 
 def final_comparison(report: dict) -> list[dict]:
@@ -364,16 +422,15 @@ def summary_lines(report: dict) -> list[str]:
 def write_report(report: dict, out: Path) -> tuple[Path, Path | None]:
     from flowrl.bench.learn_plot import plot_learning
 
-    out.mkdir(parents=True, exist_ok=True)
     json_path = out / "learn.json"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(json_path, report)
     png = plot_learning(report, out / "learn.png")
     return json_path, png
 
 
 def run_learn(args) -> int:
     """The `flowrl bench learn` command (module docstring)."""
-    from flowrl.bench.learn_jobs import JobFailed, run_jobs
+    from flowrl.bench.learn_jobs import JobFailed
     from flowrl.output_paths import OutputExistsError, check_output_folder, file_sizes, write_marker
 
     out = Path(args.out)
@@ -393,32 +450,83 @@ def run_learn(args) -> int:
         if args.jobs > 1:
             for name, overrides in configurations:  # a bad override is named before any process starts
                 _load_run_config(args.config, list(args.overrides), RunSpec(name, overrides), args.steps, out)
-            report = run_jobs(args, configurations, out)
-        else:
-            report = run_learning(
-                args.config,
-                configurations,
-                args.steps,
-                args.eval_every or max(1, args.steps // 3),
-                out,
-                common=list(args.overrides),
-                prompts=args.prompts,
-                num_prompts=args.eval_prompts,
-                samples_per_prompt=args.eval_seeds,
-                control=not args.no_control,
-                seconds=args.seconds,
-                trained=not args.controls_only,
-            )
+        (out / "learn.json").unlink(missing_ok=True)  # an earlier report: a stop must not read it as this one's
+        with stop_signals() as stopped:
+            report = _measure(args, configurations, out)
     except (OutputExistsError, ValueError, JobFailed) as error:
         print(f"flowrl bench learn: error: {error}", file=sys.stderr)
         return 2
+    if not report["complete"]:
+        if not report["runs"]:
+            print(f"flowrl bench learn: stopped by {stopped.name} before any point was measured", file=sys.stderr)
+            return 128 + stopped.number
+        report = common_steps(report)
     report["wall_seconds"] = time.perf_counter() - start
     if groups is not None:
         report["seed_groups"] = groups
         report["pooled"] = pooled_comparison(report)
     json_path, png = write_report(report, out)
     write_marker(out, LEARN_MARKER, list(file_sizes(out)))
+    if not report["complete"]:
+        print(
+            f"flowrl bench learn: stopped by {stopped.name}: the report holds the points measured before it, "
+            "each configuration and its control cut to their common steps",
+            file=sys.stderr,
+        )
     for line in summary_lines(report) + pooled_lines(report):
         print(line)
     print(f"report: {json_path}" + (f"; plot: {png}" if png else ""))
-    return 0
+    return 0 if report["complete"] else 128 + stopped.number
+
+
+class _Stop:
+    """The signal that stopped the command (SIGINT unless SIGTERM came first)."""
+
+    number = signal.SIGINT
+    name = "SIGINT"
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM (a job's time limit) raises KeyboardInterrupt as Ctrl-C does, in the main thread; the
+    yielded object names the signal once one came."""
+    stop = _Stop()
+
+    def on_sigterm(signum, frame):
+        stop.number, stop.name = signal.SIGTERM, "SIGTERM"
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        yield stop
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _measure(args, configurations: list, out: Path) -> dict:
+    """The report of every run (run_learning, or run_jobs with --jobs); stopped by a signal, what
+    was measured until then (`"complete": false`)."""
+    from flowrl.bench.learn_jobs import run_jobs
+
+    if args.jobs > 1:
+        return run_jobs(args, configurations, out)
+    try:
+        return run_learning(
+            args.config,
+            configurations,
+            args.steps,
+            args.eval_every or max(1, args.steps // 3),
+            out,
+            common=list(args.overrides),
+            prompts=args.prompts,
+            num_prompts=args.eval_prompts,
+            samples_per_prompt=args.eval_seeds,
+            control=not args.no_control,
+            seconds=args.seconds,
+            trained=not args.controls_only,
+        )
+    except KeyboardInterrupt:
+        saved = out / "learn.json"  # rewritten after every point
+        return json.loads(saved.read_text()) if saved.is_file() else {"complete": False, "runs": []}

@@ -244,3 +244,57 @@ def test_a_short_run_over_two_training_seeds_reports_the_pooled_comparison(tmp_p
     assert "full over 2 seeds, partial: base" in capsys.readouterr().out
     assert main([*_short_learn(tmp_path / "bad"), "--train-seeds", "3"]) == 2
     assert "--train-seeds='3'" in capsys.readouterr().err
+
+
+def test_a_stopped_report_compares_each_configuration_at_its_common_step():
+    from flowrl.bench.learn import common_steps
+    from flowrl.bench.learn_jobs import join_reports
+
+    run = {"name": "a", "label": "a", "control": False, "points": [_point(s, 0.3, 0.02) for s in (0, 2, 4)]}
+    run["images"] = {"0": {}, "2": {}, "4": {}}
+    control = {"name": "a", "label": "a (control)", "control": True, "points": [_point(s, 0.3, 0.02) for s in (0, 2)]}
+    report = {"complete": False, "device_seconds": "x", "runs": [run, control]}
+    cut = common_steps(report)
+    assert [[p["step"] for p in r["points"]] for r in cut["runs"]] == [[0, 2], [0, 2]]
+    assert list(cut["runs"][0]["images"]) == ["0", "2"]
+    finished = {**report, "complete": True}
+    assert join_reports([finished, finished], 2, complete=True)["complete"]
+    assert not join_reports([finished, report], 2, complete=True)["complete"]
+    assert not join_reports([finished], 2, complete=False)["complete"]
+    assert join_reports([], 2, complete=False) == {"complete": False, "runs": []}
+
+
+def test_sigterm_keeps_what_the_jobs_measured(tmp_path):
+    """A time limit's SIGTERM to `bench learn --jobs 2` stops both units; the command writes the
+    report of the points they measured, the run and its control cut to their common steps, prints
+    the summary and exits 143."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "stopped"
+    command = [
+        sys.executable, "-m", "flowrl.cli", "bench", "learn", "--config", "recipes/toy_cpu_full.yaml", "--steps", "200",
+        "--eval-every", "1", "--eval-prompts", "2", "--eval-seeds", "1", "--out", str(out), "--jobs", "2",
+        "--run", "full:", "trainer.prompts_per_step=1", "rollout.n=2", "rollout.sampling.num_inference_steps=2",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    units = [out / "jobs" / f"unit-{i}" / "learn.json" for i in (0, 1)]
+
+    def points(path):
+        try:
+            return len(json.loads(path.read_text())["runs"][0]["points"])
+        except (OSError, ValueError, IndexError, KeyError):
+            return 0
+
+    deadline = time.monotonic() + 120
+    while min(points(unit) for unit in units) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    report = json.loads((out / "learn.json").read_text())
+    assert not report["complete"] and [run["label"] for run in report["runs"]] == ["full", "full (control)"]
+    steps = [[p["step"] for p in run["points"]] for run in report["runs"]]
+    assert steps[0] == steps[1] and len(steps[0]) >= 2 and steps[0][-1] < 200
+    assert "stopped by SIGTERM" in stderr and "full partial: base" in stdout
