@@ -155,6 +155,12 @@ class ModelConfig:
     needs it; any other model refuses it (leave it null). flowrl eval, generate and serve read it
     from a run's saved config, so a run's weights go into the expert it trained."""
 
+    offload_text_encoders: bool = False
+    """Keep the text encoders' weights on the CPU and stream them to the GPU, layer by layer, only
+    while prompts are encoded (accelerate's CPU offload): frees their GPU memory (Qwen-Image: about
+    17 GB, Wan's UMT5: 11 GB) for training, at the cost of copying their weights once per batch of
+    new prompts. GPU only; a `random:` model has no text encoder (docs/training.md)."""
+
     def validate(self) -> "ModelConfig":
         check_choices(self, "model")
         if not is_device_name(self.device):
@@ -166,6 +172,7 @@ class ModelConfig:
         """Keyword options of the family's adapter (`flowrl.models.registry.load_adapter`): the
         settings given here, the family's defaults for those left at None."""
         options = {"max_sequence_length": self.max_sequence_length, "trained_expert": self.trained_expert}
+        options["offload_text_encoders"] = self.offload_text_encoders or None
         return {name: value for name, value in options.items() if value is not None}
 
     def resolve_device(self) -> str:

@@ -24,6 +24,7 @@ from flowrl.models.debug.random_weights import (
     random_family,
 )
 from flowrl.models.flux import FluxAdapter
+from flowrl.models.offload import offload_text_encoders
 from flowrl.models.qwen_image import QwenImageAdapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.models.wan import Wan21Adapter, Wan22Adapter, check_trained_expert, has_two_experts, wan_version
@@ -65,6 +66,31 @@ def load_adapter(
     `trained_expert` (model.trained_expert) is refused, before anything loads, unless the folder
     holds two experts; only then does it reach the (Wan) adapter."""
     check_trained_expert(options.get("trained_expert"), model_has_two_experts(path), f"the model at {str(path)!r}")
+    offload = options.pop("offload_text_encoders", False)
+    if offload:
+        check_text_encoder_offload(path, device)
+    adapter = _load(path, device, dtype, **options)
+    if offload:
+        offload_text_encoders(adapter)
+    return adapter
+
+
+def check_text_encoder_offload(path, device) -> None:
+    """model.offload_text_encoders=true frees GPU memory held by real text encoders: refused, with
+    the fix, on a CPU device and for `random:NAME` (random prompt embeddings, no encoder)."""
+    if torch.device(device).type == "cpu":
+        raise ValueError(
+            "model.offload_text_encoders=true keeps the text encoders on the CPU to free GPU memory, but the "
+            "model runs on the CPU (model.device), where there is none to free; leave it false"
+        )
+    if is_random_path(path):
+        raise ValueError(
+            f"model.offload_text_encoders=true, but model.path={str(path)!r} has no text encoders (random prompt "
+            "embeddings stand in for them); leave it false"
+        )
+
+
+def _load(path, device, dtype, **options) -> FlowModelAdapter:
     if is_random_path(path):
         family = random_family(path)
         pipeline_class, adapter_class = next((n, cls) for n, (fam, cls) in FAMILIES.items() if fam == family)

@@ -197,6 +197,10 @@ def check_before_loading(cfg, reward=None) -> Prepared:
         )
     check_device(cfg.model)
     check_random_weights_device(cfg.model)
+    if cfg.model.offload_text_encoders:
+        from flowrl.models.registry import check_text_encoder_offload
+
+        check_text_encoder_offload(cfg.model.path, cfg.model.resolve_device())
     check_output_dir(cfg.trainer.output_dir)
     data = cfg.data
     train_rows = load_prompt_rows(data.train_path, data.prompt_field, data.max_prompts, "data.train_path")

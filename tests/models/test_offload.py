@@ -1,0 +1,65 @@
+"""model.offload_text_encoders: the text encoders' weights leave the device and stream to it only
+while prompts are encoded; the encodings are unchanged; a CPU run and a random-weight model, which
+have no GPU memory or no encoder to free, are refused before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.models.offload import offload_text_encoders
+from flowrl.models.registry import load_adapter
+
+PROMPTS = ["a red circle", "two blue squares on the left"]
+
+
+def _same_encodings(a, b) -> bool:
+    return all(
+        torch.equal(x.embeds, y.embeds) and (x.pooled is None or torch.equal(x.pooled, y.pooled)) for x, y in zip(a, b)
+    )
+
+
+def test_offloaded_encoders_hold_no_weights_and_encode_the_same(tiny_sd3_path):
+    plain, offloaded = load_adapter(tiny_sd3_path), load_adapter(tiny_sd3_path)
+    assert offload_text_encoders(offloaded) == ["text_encoder", "text_encoder_2", "text_encoder_3"]
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        assert {p.device.type for p in getattr(offloaded.pipeline, name).parameters()} == {"meta"}
+    assert _same_encodings(plain.encode_prompts(PROMPTS), offloaded.encode_prompts(PROMPTS))
+    assert {p.device.type for p in offloaded.transformer.parameters()} == {"cpu"}  # the rest stays
+
+
+def test_offload_is_refused_on_a_cpu_and_for_random_weights(tiny_sd3_path, monkeypatch, capsys):
+    from flowrl.cli import main
+
+    with pytest.raises(ValueError, match=r"model.offload_text_encoders=true .* model runs on the CPU"):
+        load_adapter(tiny_sd3_path, device="cpu", offload_text_encoders=True)
+    with pytest.raises(ValueError, match=r"model.path='random:tiny-sd3' has no text encoders"):
+        load_adapter("random:tiny-sd3", device="cuda", offload_text_encoders=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["train", f"model.path={tiny_sd3_path}", "model.offload_text_encoders=true"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.offload_text_encoders=true" in err and "leave it false" in err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_encoders_memory_is_freed_and_the_encodings_kept(tiny_sd3_path):
+    plain = load_adapter(tiny_sd3_path, device="cuda")
+    expected = plain.encode_prompts(PROMPTS)
+    encoder_bytes = sum(
+        p.numel() * p.element_size()
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
+        for p in getattr(plain.pipeline, name).parameters()
+    )
+    del plain
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    offloaded = load_adapter(tiny_sd3_path, device="cuda", offload_text_encoders=True)
+    held = torch.cuda.memory_allocated() - before
+    model_bytes = sum(
+        p.numel() * p.element_size() for m in (offloaded.transformer, offloaded.vae) for p in m.parameters()
+    )
+    assert held < model_bytes + encoder_bytes / 2, (held, model_bytes, encoder_bytes)
+    encodings = offloaded.encode_prompts(PROMPTS)
+    assert all(torch.allclose(x.embeds, y.embeds) for x, y in zip(expected, encodings))
+    assert torch.cuda.memory_allocated() - before < model_bytes + encoder_bytes / 2  # streamed, then gone
