@@ -317,17 +317,23 @@ def write_json(path: Path, report: dict) -> None:
     os.replace(staged, path)
 
 
-def common_steps(report: dict) -> dict:
-    """A stopped report with each configuration's runs (it and its control) cut to the steps all of
-    them reached, so that finals compare the same step."""
+def common_steps(report: dict, seed_groups: dict | None = None) -> dict:
+    """A stopped report with each configuration's runs (it and its control; with `seed_groups`,
+    those of every seed of it) cut to the steps all of them reached, so that finals compare the
+    same step."""
     runs = report["runs"]
+    group_of = {member: name for name, members in (seed_groups or {}).items() for member in members}
+
+    def key(run: dict) -> str:
+        return group_of.get(run["name"], run["name"])
+
     last = {}
     for run in runs:
         reached = run["points"][-1]["step"] if run["points"] else -1
-        last[run["name"]] = min(last.get(run["name"], reached), reached)
+        last[key(run)] = min(last.get(key(run), reached), reached)
     cut = []
     for run in runs:
-        points = [p for p in run["points"] if p["step"] <= last[run["name"]]]
+        points = [p for p in run["points"] if p["step"] <= last[key(run)]]
         if points:
             kept = {str(p["step"]) for p in points}
             cut.append(
@@ -460,7 +466,7 @@ def run_learn(args) -> int:
         if not report["runs"]:
             print(f"flowrl bench learn: stopped by {stopped.name} before any point was measured", file=sys.stderr)
             return 128 + stopped.number
-        report = common_steps(report)
+        report = common_steps(report, groups)
     report["wall_seconds"] = time.perf_counter() - start
     if groups is not None:
         report["seed_groups"] = groups

@@ -257,6 +257,11 @@ def test_a_stopped_report_compares_each_configuration_at_its_common_step():
     cut = common_steps(report)
     assert [[p["step"] for p in r["points"]] for r in cut["runs"]] == [[0, 2], [0, 2]]
     assert list(cut["runs"][0]["images"]) == ["0", "2"]
+    # Seeds of one configuration are cut together: the pooled comparison compares one step.
+    other = {**run, "name": "a@s1", "label": "a@s1", "points": [_point(s, 0.3, 0.02) for s in (0, 2, 4, 6)]}
+    seeded = {**report, "runs": [{**run, "name": "a@s42"}, other]}
+    cut = common_steps(seeded, {"a": ["a@s42", "a@s1"]})
+    assert [[p["step"] for p in r["points"]] for r in cut["runs"]] == [[0, 2, 4], [0, 2, 4]]
     finished = {**report, "complete": True}
     assert join_reports([finished, finished], 2, complete=True)["complete"]
     assert not join_reports([finished, report], 2, complete=True)["complete"]
