@@ -166,8 +166,8 @@ def check_merge_fits(layers: list[torch.nn.Module]) -> None:
             raise RuntimeError(
                 f"rollout.merge_lora=true needs {nbytes / 2**30:.1f} GiB on {device} for the merged copy of the "
                 f"adapted weights, and {free / 2**30:.1f} GiB is free there: set rollout.merge_lora=false (the "
-                "rollouts then run the adapter itself, a little slower) or free that memory (fewer adapted "
-                "modules, a smaller engine.max_batch_rows)"
+                "rollouts then run the adapter itself, a little slower) or free that memory "
+                "(model.offload_text_encoders=true, fewer adapted modules, a smaller engine.max_batch_rows)"
             )
 
 
