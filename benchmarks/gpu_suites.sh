@@ -16,7 +16,8 @@
 #   wan-480p         the same model at 480x832, 81 frames, 4 samples (H100: pipeline 110 s a run)  ~6 min
 #   wan22-5b         Wan2.2-TI2V-5B at 704x1280, 121 frames, 2 samples (H100: pipeline 99 s a run) ~6 min
 #   wan22-a14b       Wan2.2-T2V-A14B (two 14B experts, random:wan2.2-a14b) at 480x832, 33 frames, 20 steps,
-#                    CFG 4.0, 2 samples: pipeline against the compiled engine (not run yet)       ~6 min
+#                    CFG 4.0, 2 samples: pipeline against the compiled engine, which compiles the
+#                    high-noise expert only (the one a run trains; the other runs eager) (not run yet) ~6 min
 #   train-step-wan   `flowrl bench train` of recipes/wan21_1_3b_ocr_lora.yaml (H100: 351 s)       ~6 min
 #   train-step-wan22 the same of recipes/wan22_5b_dancegrpo_lora.yaml, no peer, one timed step after the
 #                    warm-up (H100: 175 s in all, 45 s a step)                                     ~3 min

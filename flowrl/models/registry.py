@@ -81,12 +81,12 @@ def check_text_encoder_offload(path, device) -> None:
     if torch.device(device).type == "cpu":
         raise ValueError(
             "model.offload_text_encoders=true keeps the text encoders on the CPU to free GPU memory, but the "
-            "model runs on the CPU (model.device), where there is none to free; leave it false"
+            "model runs on the CPU, where there is none to free; set model.offload_text_encoders=false"
         )
     if is_random_path(path):
         raise ValueError(
             f"model.offload_text_encoders=true, but model.path={str(path)!r} has no text encoders (random prompt "
-            "embeddings stand in for them); leave it false"
+            "embeddings stand in for them); set model.offload_text_encoders=false"
         )
 
 

@@ -39,7 +39,7 @@ def test_offload_is_refused_on_a_cpu_and_for_random_weights(tiny_sd3_path, monke
     argv = ["train", f"model.path={tiny_sd3_path}", "model.offload_text_encoders=true"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "model.offload_text_encoders=true" in err and "leave it false" in err
+    assert "model.offload_text_encoders=true" in err and "set model.offload_text_encoders=false" in err
 
 
 @pytest.mark.gpu
