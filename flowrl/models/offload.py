@@ -22,9 +22,7 @@ def offload_text_encoders(adapter) -> list[str]:
 
     names = [name for name in TEXT_ENCODER_COMPONENTS if getattr(adapter.pipeline, name, None) is not None]
     if not names:
-        raise ValueError(
-            "model.offload_text_encoders=true, but the model has no text encoder to offload; set it false"
-        )
+        raise ValueError("model.offload_text_encoders=true, but the model has no text encoder to offload; set it false")
     for name in names:
         module = getattr(adapter.pipeline, name)
         module.to("cpu")
