@@ -319,3 +319,14 @@ def test_random_a14b_on_a_cpu_is_refused_pointing_at_the_tiny_two_expert_model(m
     err = capsys.readouterr().err
     assert "28.7 B parameters" in err and "needs a GPU" in err
     assert "flowrl make-tiny --kind wan2.2-a14b OUT, then model.path=OUT" in err
+
+
+def test_random_wan22_pipelines_carry_their_checkpoints_settings():
+    """A `random:` Wan2.2 pipeline (the bench's diffusers baseline) is configured as the checkpoint's
+    model_index.json: TI2V-5B with per-token timesteps, A14B with its boundary."""
+    from flowrl.models.debug.architectures import PIPELINE_SETTINGS
+    from flowrl.models.registry import load_adapter
+
+    assert PIPELINE_SETTINGS["wan2.2-5b"] == {"expand_timesteps": True}
+    assert load_adapter("random:tiny-wan2.2", warn=False).pipeline.config.expand_timesteps is True
+    assert not load_adapter("random:tiny-wan", warn=False).pipeline.config.expand_timesteps

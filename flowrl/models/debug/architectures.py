@@ -250,9 +250,13 @@ RANDOM_WEIGHT_MODULES: dict[str, tuple[str, dict, str, dict, dict]] = {
         WAN22_A14B_SCHEDULER,
     ),
 }
-# name -> the boundary_ratio of the random-weight models with two experts (a second transformer of
-# the same architecture, `transformer_2`, built beside the first).
-TWO_EXPERT_BOUNDARIES: dict[str, float] = {"wan2.2-a14b": WAN22_A14B_BOUNDARY}
+# name -> the pipeline settings of the checkpoint's model_index.json beyond its modules:
+# Wan2.2-TI2V-5B's per-token timesteps, Wan2.2-T2V-A14B's boundary between its experts (with one,
+# a second transformer of the same architecture, `transformer_2`, is built beside the first).
+PIPELINE_SETTINGS: dict[str, dict] = {
+    "wan2.2-5b": {"expand_timesteps": True},
+    "wan2.2-a14b": {"boundary_ratio": WAN22_A14B_BOUNDARY},
+}
 
 # family -> text tokens before the max_sequence_length part of its fixed-length prompt encoding
 # (SD3: CLIP's 77, then T5's max_sequence_length; FLUX: T5's alone, CLIP-L giving only the pooled

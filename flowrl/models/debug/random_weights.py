@@ -30,8 +30,8 @@ from flowrl.models.base import FlowModelAdapter, PromptEncoding
 from flowrl.models.debug.architectures import (
     ARCHITECTURES,
     FIXED_LENGTH_TEXT,
+    PIPELINE_SETTINGS,
     RANDOM_WEIGHT_MODULES,
-    TWO_EXPERT_BOUNDARIES,
 )
 
 RANDOM_PREFIX = "random:"
@@ -61,7 +61,11 @@ def random_family(path, key: str = "model.path") -> str:
 
 def has_two_random_experts(path) -> bool:
     """Whether `random:NAME` is an architecture with two experts (Wan2.2-T2V-A14B's)."""
-    return architecture_name(path) in TWO_EXPERT_BOUNDARIES
+    return _two_experts(architecture_name(path))
+
+
+def _two_experts(name: str) -> bool:
+    return "boundary_ratio" in PIPELINE_SETTINGS.get(name, {})
 
 
 def published_parameter_count(name: str) -> int:
@@ -74,7 +78,7 @@ def published_parameter_count(name: str) -> int:
     with init_empty_weights():
         transformer = getattr(diffusers, transformer_cls)(**config)
         vae = getattr(diffusers, vae_cls)(**vae_config)
-    experts = 2 if name in TWO_EXPERT_BOUNDARIES else 1
+    experts = 2 if _two_experts(name) else 1
     return experts * sum(p.numel() for p in transformer.parameters()) + sum(p.numel() for p in vae.parameters())
 
 
@@ -155,11 +159,11 @@ def _published_modules(name: str, device: torch.device, dtype: torch.dtype, num_
     vae = build_random_module(getattr(diffusers, vae_cls), vae_config, device, dtype, seed=1)
     scheduler_config = dict(scheduler_config)  # its `_class_name`, when given, names another scheduler (Wan's)
     scheduler_cls = getattr(diffusers, scheduler_config.pop("_class_name", "FlowMatchEulerDiscreteScheduler"))
-    experts = {}
-    if name in TWO_EXPERT_BOUNDARIES:  # the low-noise expert: the same architecture, other weights
+    settings = dict(PIPELINE_SETTINGS.get(name, {}))
+    if _two_experts(name):  # the low-noise expert: the same architecture, other weights
         second = build_random_module(getattr(diffusers, transformer_cls), config, device, dtype, seed=2)
-        experts = {"transformer_2": second, "boundary_ratio": TWO_EXPERT_BOUNDARIES[name]}
-    return transformer, vae, scheduler_cls(**scheduler_config), experts
+        settings["transformer_2"] = second
+    return transformer, vae, scheduler_cls(**scheduler_config), settings
 
 
 def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
@@ -167,13 +171,14 @@ def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
 
     pipe = build_tiny_pipeline(tiny_kind(family), seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
-    return modules[0], modules[1], pipe.scheduler, {}
+    settings = {key: pipe.config[key] for key in ("expand_timesteps",) if pipe.config.get(key)}  # tiny Wan2.2's
+    return modules[0], modules[1], pipe.scheduler, settings
 
 
 def pipeline_over(pipeline_class: str, transformer, vae, scheduler, **extra):
-    """The diffusers pipeline `pipeline_class` over these modules (and `extra`: a second expert and
-    its boundary), every other component (text encoders, tokenizers) None: prompts are passed as
-    embeddings."""
+    """The diffusers pipeline `pipeline_class` over these modules (and `extra`: the checkpoint's
+    pipeline settings, a second expert), every other component (text encoders, tokenizers) None:
+    prompts are passed as embeddings."""
     import diffusers
 
     pipeline_cls = getattr(diffusers, pipeline_class)
@@ -209,9 +214,9 @@ def load_random_adapter(
     if name.startswith("tiny-"):
         if num_layers is not None:
             raise ValueError(f"num_layers={num_layers} is for the published architectures, not {name!r}")
-        transformer, vae, scheduler, experts = _tiny_modules(family, device, dtype)
+        transformer, vae, scheduler, settings = _tiny_modules(family, device, dtype)
     else:
-        transformer, vae, scheduler, experts = _published_modules(name, device, dtype, num_layers)
+        transformer, vae, scheduler, settings = _published_modules(name, device, dtype, num_layers)
     length, prefix = options.get("max_sequence_length"), FIXED_LENGTH_TEXT.get(family)
     if prefix is not None:  # fixed length: the adapter's setting and the prompts' length agree
         if length is None:
@@ -220,7 +225,7 @@ def load_random_adapter(
             tokens = prefix + length
     elif length is not None:
         tokens = min(tokens, length)
-    pipeline = pipeline_over(pipeline_class, transformer, vae, scheduler, **experts)
+    pipeline = pipeline_over(pipeline_class, transformer, vae, scheduler, **settings)
     adapter = random_adapter_class(adapter_class)(pipeline, device, dtype, **options)
     adapter.text_tokens, adapter.text_dim, adapter.pooled_dim = tokens, width, pooled
     adapter.random_weights = name
