@@ -63,3 +63,20 @@ def test_on_a_gpu_the_encoders_memory_is_freed_and_the_encodings_kept(tiny_sd3_p
     encodings = offloaded.encode_prompts(PROMPTS)
     assert all(torch.allclose(x.embeds, y.embeds) for x, y in zip(expected, encodings))
     assert torch.cuda.memory_allocated() - before < model_bytes + encoder_bytes / 2  # streamed, then gone
+
+
+def test_an_engine_over_offloaded_encoders_samples_what_it_samples_without(tiny_sd3_path):
+    from flowrl.engine import DiffusionEngine, SamplingParams
+
+    params = SamplingParams(height=64, width=64, num_inference_steps=3, guidance_scale=2.0, seed=3)
+    images = []
+    for offload in (False, True):
+        adapter = load_adapter(tiny_sd3_path)
+        if offload:
+            offload_text_encoders(adapter)
+        engine = DiffusionEngine(adapter)
+        try:
+            images.append([engine.generate(prompt, params).image for prompt in PROMPTS])
+        finally:
+            engine.shutdown()
+    assert all(torch.equal(a, b) for a, b in zip(*images))
