@@ -44,7 +44,13 @@ def test_offload_is_refused_on_a_cpu_and_for_random_weights(tiny_sd3_path, monke
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_encoders_memory_is_freed_and_the_encodings_kept(tiny_sd3_path):
-    plain = load_adapter(tiny_sd3_path, device="cuda")
+    def loaded(**options):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        adapter = load_adapter(tiny_sd3_path, device="cuda", **options)
+        return adapter, torch.cuda.memory_allocated() - before, before
+
+    plain, held_plain, _ = loaded()
     expected = plain.encode_prompts(PROMPTS)
     encoder_bytes = sum(
         p.numel() * p.element_size()
@@ -52,17 +58,11 @@ def test_on_a_gpu_the_encoders_memory_is_freed_and_the_encodings_kept(tiny_sd3_p
         for p in getattr(plain.pipeline, name).parameters()
     )
     del plain
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    offloaded = load_adapter(tiny_sd3_path, device="cuda", offload_text_encoders=True)
-    held = torch.cuda.memory_allocated() - before
-    model_bytes = sum(
-        p.numel() * p.element_size() for m in (offloaded.transformer, offloaded.vae) for p in m.parameters()
-    )
-    assert held < model_bytes + encoder_bytes / 2, (held, model_bytes, encoder_bytes)
+    offloaded, held, before = loaded(offload_text_encoders=True)
+    assert held_plain - held >= 0.9 * encoder_bytes, (held_plain, held, encoder_bytes)
     encodings = offloaded.encode_prompts(PROMPTS)
     assert all(torch.allclose(x.embeds, y.embeds) for x, y in zip(expected, encodings))
-    assert torch.cuda.memory_allocated() - before < model_bytes + encoder_bytes / 2  # streamed, then gone
+    assert torch.cuda.memory_allocated() - before < held + encoder_bytes / 2  # streamed in, then gone
 
 
 def test_an_engine_over_offloaded_encoders_samples_what_it_samples_without(tiny_sd3_path):
