@@ -236,7 +236,10 @@ def run_rollout(args) -> int:
     bench = RolloutBench(args)
     build_s = time.perf_counter() - t_build
     device, a = bench.device, args
-    params_b = sum(p.numel() for p in bench.bench.adapter.transformer.parameters()) / 1e9
+    adapter = bench.bench.adapter
+    experts = [m for m in (adapter.transformer, getattr(adapter, "transformer_2", None)) if m is not None]
+    params_b = sum(p.numel() for m in experts for p in m.parameters()) / 1e9  # A14B: both experts'
+    shown_params = f"{params_b:.2f} B transformer params" + (" in two experts" if len(experts) == 2 else "")
     report = JsonReport(
         args.json,
         {
@@ -269,7 +272,7 @@ def run_rollout(args) -> int:
         },
     )
     print(
-        f"[bench] {a.model} ({params_b:.2f} B transformer params, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s",
+        f"[bench] {a.model} ({shown_params}, {bench.dtype}) on {report.data['environment'].get('gpu') or device}; built in {build_s:.1f}s",
         flush=True,
     )
     # 1. Peak and FLOPs, once (before any compilation).
