@@ -171,7 +171,7 @@ def _tiny_modules(family: str, device: torch.device, dtype: torch.dtype):
 
     pipe = build_tiny_pipeline(tiny_kind(family), seed=0)
     modules = [m.to(device=device, dtype=dtype).eval().requires_grad_(False) for m in (pipe.transformer, pipe.vae)]
-    settings = {key: pipe.config[key] for key in ("expand_timesteps",) if pipe.config.get(key)}  # tiny Wan2.2's
+    settings = {"expand_timesteps": True} if pipe.config.get("expand_timesteps") else {}  # tiny Wan2.2's
     return modules[0], modules[1], pipe.scheduler, settings
 
 
