@@ -14,7 +14,9 @@ Every rank joins its process group through flowrl.distributed.process_group. The
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -113,6 +115,22 @@ def launch_training(cfg: FlowRLConfig, run_rank: RankFunction) -> int:
         return run_rank(cfg, world)
     finally:
         dist.destroy_process_group()
+
+
+def end_rank_process(code: int) -> None:
+    """End a torchrun rank's process with exit code `code` once its run has returned: stdout and
+    stderr flushed and the atexit handlers run (logging's among them), then `os._exit`, without the
+    interpreter's teardown and C++ static destructors. The gloo process group outlives
+    destroy_process_group (torch's functional collectives, which FSDP2 and DTensor use, keep
+    references to it), and its threads at that teardown can abort a rank whose run has finished
+    ("terminate called without an active exception", pytorch#190489): torchrun reports the job as
+    failed, or restarts it under --max-restarts."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _torchrun_attempt_store(cfg: FlowRLConfig) -> dist.Store | None:

@@ -66,8 +66,12 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from flowrl.cli import main
+    from flowrl.distributed.launch import end_rank_process
 
     install_hooks(
         os.environ.get("FLOWRL_TEST_RECORD"), os.environ.get("FLOWRL_TEST_FAIL"), int(os.environ.get("RANK", "0"))
     )
-    sys.exit(record(main)())
+    code = record(main)()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # as `python -m flowrl` ends a torchrun rank
+        end_rank_process(code)
+    sys.exit(code)
