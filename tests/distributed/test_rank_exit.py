@@ -1,7 +1,7 @@
 """A torchrun rank ends through `end_rank_process`: with its exit code, its output flushed and its
 atexit handlers run, and without the interpreter's teardown, where the gloo process group that
-outlives destroy_process_group could abort a finished rank (a CI run failed so, once in about a
-hundred launches). The `sys.exit` twin shows the teardown this skips."""
+outlives destroy_process_group could abort a finished rank (a CI run failed so:
+benchmarks/results/2026-12-06_rank-exit_cpu.md). The `sys.exit` twin shows the teardown this skips."""
 
 from __future__ import annotations
 
